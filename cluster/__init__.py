@@ -1,0 +1,31 @@
+"""Lockstep's public face: the names of shared/API.md.
+
+Light names are imported at once; the heavy ones (`load`, the manager) on first use, so that a client or a
+Ray task can `import cluster` without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster.config import ContinuousBatchingConfig
+from cluster.outputs import GenerationOutput, RequestStatus
+
+__all__ = ["load", "ContinuousBatchingConfig", "ContinuousBatchingManager", "GenerationOutput", "RequestStatus"]
+
+_LAZY = {
+    "load": ("launch.load", "load"),
+    "ContinuousBatchingManager": ("driver.manager", "ContinuousBatchingManager"),
+    "ClusterModel": ("driver.api", "ClusterModel"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'cluster' has no attribute {name!r}")

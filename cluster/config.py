@@ -1,0 +1,238 @@
+"""Configuration in one place: the seed's ContinuousBatchingConfig, its validation, and its resolution.
+
+`ContinuousBatchingConfig` keeps every field of transformers' class with the same name and default.
+`resolve_config` turns it into `ResolvedConfig`: plain numbers that the driver, the workers and the static
+buffers are sized from. A field that cannot apply on this hardware resolves to its effective value, and the
+reasons are collected in `ResolvedConfig.notes` so the manager can report them in one log line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+# Defaults where the seed says "inferred" and there is no GPU memory to infer from.
+CPU_KV_CACHE_BYTES = 1 << 30  # KV budget on a CPU rank when num_blocks is None (1 GiB)
+DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
+DEFAULT_MAX_REQUESTS_PER_BATCH = {"cpu": 128, "cuda": 1024}
+DEFAULT_Q_PADDING = {"cpu": 32, "cuda": 64}  # tokens; used when q_padding_interval_size == 0
+DEFAULT_KV_PADDING = {"cpu": 64, "cuda": 256}  # tokens; used when kv_padding_interval_size == 0
+DEFAULT_MAX_NEW_TOKENS = 20  # transformers' max_length default, when nothing else says
+SCHEDULERS = ("fifo", "prefill_first")
+IDLE_HEARTBEAT_S = 0.5  # the driver sends an IDLE plan this often when it has nothing to run
+
+
+@dataclass
+class ContinuousBatchingConfig:
+    """Every field of transformers' ContinuousBatchingConfig, same names and defaults (see shared/seed)."""
+
+    page_size: int = 256
+    num_blocks: int | None = None
+    max_batch_tokens: int | None = None
+    max_memory_percent: float | None = None
+    max_requests_per_batch: int | None = None
+    max_blocks_per_request: int | None = None
+    allow_block_sharing: bool = True
+    use_async_batching: bool | None = None
+    use_cuda_graph: bool | tuple[bool, bool] | None = None
+    q_padding_interval_size: int = 0
+    kv_padding_interval_size: int = 0
+    varlen_compile_config: Any = None
+    decode_compile_config: Any = None
+    default_compile_level: int = 0
+    scheduler_type: str = "fifo"
+    safety_margin: float | None = None
+    return_logprobs: bool = False
+    seed: int | None = None
+    auto_switch_to_flash: bool = True
+    cpu_offload_space: float | None = 0.0
+    cpu_offload_space_safety_threshold: float = 0.8
+    max_queue_size: int = 0
+    per_request_processors: bool = False
+    drop_unsupported_processors: bool = True
+    disable_nccl_graph_mixing: bool = True
+    cpu_group_timeout: float | None = 300.0
+    # deprecated, accepted with a DeprecationWarning
+    use_default_compile_configs: bool | None = None
+    max_cached_graphs: int | None = None
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.use_default_compile_configs is not None:
+            warnings.warn("use_default_compile_configs is deprecated: use default_compile_level",
+                          DeprecationWarning, stacklevel=3)
+            self.default_compile_level = 3 if self.use_default_compile_configs else 0
+        if self.max_cached_graphs is not None:
+            warnings.warn("max_cached_graphs is deprecated and ignored", DeprecationWarning, stacklevel=3)
+        if self.block_size is not None:
+            warnings.warn("block_size is deprecated: use page_size", DeprecationWarning, stacklevel=3)
+            self.page_size = self.block_size
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field whose value cannot work."""
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"ContinuousBatchingConfig.{name}={getattr(self, name)!r}: {why}")
+
+        def positive_or_none(name: str) -> None:
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                bad(name, "must be a positive integer or None")
+
+        if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size <= 0:
+            bad("page_size", "must be a positive integer")
+        for name in ("num_blocks", "max_batch_tokens", "max_requests_per_batch"):
+            positive_or_none(name)
+        mbr = self.max_blocks_per_request
+        if mbr is not None and (not isinstance(mbr, int) or mbr < 0):
+            bad("max_blocks_per_request", "must be a non-negative integer or None")
+        if self.max_memory_percent is not None and not 0 < self.max_memory_percent <= 1:
+            bad("max_memory_percent", "must be in (0, 1]")
+        for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_queue_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(name, "must be a non-negative integer")
+        if self.default_compile_level not in (0, 1, 2, 3):
+            bad("default_compile_level", "must be 0, 1, 2 or 3")
+        if self.scheduler_type not in SCHEDULERS:
+            bad("scheduler_type", f"must be one of {SCHEDULERS}")
+        if self.safety_margin is not None and not 0 <= self.safety_margin < 1:
+            bad("safety_margin", "must be in [0, 1)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", "must be an integer or None")
+        cg = self.use_cuda_graph
+        if not (cg is None or isinstance(cg, bool)
+                or (isinstance(cg, (tuple, list)) and len(cg) == 2 and all(isinstance(x, bool) for x in cg))):
+            bad("use_cuda_graph", "must be None, a bool or a pair of bools")
+        if self.cpu_offload_space is not None and self.cpu_offload_space < 0:
+            bad("cpu_offload_space", "must be >= 0 or None")
+        if not 0 <= self.cpu_offload_space_safety_threshold <= 1:
+            bad("cpu_offload_space_safety_threshold", "must be in [0, 1]")
+        if self.cpu_group_timeout is not None and self.cpu_group_timeout <= 0:
+            bad("cpu_group_timeout", "must be positive or None")
+
+    @classmethod
+    def from_any(cls, obj: Any) -> "ContinuousBatchingConfig":
+        """Accept ours, transformers' own ContinuousBatchingConfig, a dict, or None."""
+        if obj is None:
+            return cls()
+        if isinstance(obj, cls):
+            return obj
+        if isinstance(obj, dict):
+            data = dict(obj)
+        else:  # transformers' class or anything with the same attributes
+            data = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls) if hasattr(obj, f.name)}
+            # transformers already applied its deprecations; do not warn twice
+            for name in ("use_default_compile_configs", "max_cached_graphs", "block_size"):
+                data.pop(name, None)
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"ContinuousBatchingConfig: unknown field(s) {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass
+class ResolvedConfig:
+    """The numbers every rank sizes itself from; identical on all ranks once the cache size is agreed."""
+
+    device_kind: str  # "cpu" or "cuda"
+    page_size: int
+    num_blocks: int
+    max_batch_tokens: int
+    max_requests_per_batch: int
+    max_model_len: int
+    max_blocks_per_request: int
+    q_padding: int
+    kv_padding: int
+    use_cuda_graph: tuple[bool, bool]
+    use_flash_attn: bool
+    scheduler_type: str
+    allow_block_sharing: bool
+    safety_margin: float
+    cpu_group_timeout: float | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_tokens_padded(self) -> int:
+        """The largest token count a step's static buffers must hold."""
+        return round_up(self.max_batch_tokens, self.q_padding) + next_pow2(self.max_requests_per_batch)
+
+    @property
+    def max_kv_padded(self) -> int:
+        return round_up(self.max_model_len, self.kv_padding)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return ((x + multiple - 1) // multiple) * multiple if multiple > 1 else x
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model_len: int,
+                   kv_bytes_per_token: int, free_bytes: int | None, flash_available: bool) -> ResolvedConfig:
+    """Fill in what the user left to us. `kv_bytes_per_token` is this rank's K+V bytes per token, all layers.
+
+    `num_blocks` computed here is only this rank's proposal: the group takes the minimum (see
+    `cluster.dist.agree_min`).
+    """
+    notes: list[str] = []
+    page = cfg.page_size
+    max_batch_tokens = cfg.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS[device_kind]
+    max_requests = cfg.max_requests_per_batch or DEFAULT_MAX_REQUESTS_PER_BATCH[device_kind]
+    max_requests = min(max_requests, max_batch_tokens)  # a request needs at least one token per step
+    max_blocks = math.ceil(max_model_len / page)
+    if cfg.max_blocks_per_request:
+        max_blocks = min(max_blocks, cfg.max_blocks_per_request)
+        max_model_len = min(max_model_len, max_blocks * page)
+    if cfg.num_blocks is not None:
+        num_blocks = cfg.num_blocks
+    else:
+        if device_kind == "cpu":
+            budget = CPU_KV_CACHE_BYTES
+        else:
+            frac = cfg.max_memory_percent if cfg.max_memory_percent is not None else 0.9
+            budget = int((free_bytes or 0) * frac)
+        num_blocks = max(1, budget // (kv_bytes_per_token * page))
+        # never more than every request at full length could use
+        num_blocks = min(num_blocks, max_requests * max_blocks)
+    graphs = cfg.use_cuda_graph
+    graphs = (graphs, graphs) if isinstance(graphs, bool) else tuple(graphs) if graphs is not None else None
+    if device_kind != "cuda":
+        if graphs and any(graphs):
+            notes.append("use_cuda_graph -> (False, False): no CUDA device")
+        graphs = (False, False)
+    elif graphs is None:
+        graphs = (False, True)  # decode graphs pay off; varlen shapes vary too much by default
+    use_flash = device_kind == "cuda" and flash_available and cfg.auto_switch_to_flash
+    if device_kind == "cuda" and cfg.auto_switch_to_flash and not flash_available:
+        notes.append("flash-attn not importable: paged SDPA attention")
+    if cfg.use_async_batching:
+        notes.append("use_async_batching -> False: the step loop is synchronous")
+    if cfg.cpu_offload_space:
+        notes.append("cpu_offload_space -> 0: preemption recomputes instead of offloading")
+    if cfg.default_compile_level or cfg.varlen_compile_config or cfg.decode_compile_config:
+        notes.append("compile configs -> not applied: the forward runs eagerly (it is compile-safe)")
+    return ResolvedConfig(
+        device_kind=device_kind, page_size=page, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests, max_model_len=max_model_len, max_blocks_per_request=max_blocks,
+        q_padding=cfg.q_padding_interval_size or DEFAULT_Q_PADDING[device_kind],
+        kv_padding=cfg.kv_padding_interval_size or DEFAULT_KV_PADDING[device_kind],
+        use_cuda_graph=graphs, use_flash_attn=use_flash, scheduler_type=cfg.scheduler_type,
+        allow_block_sharing=cfg.allow_block_sharing,
+        safety_margin=cfg.safety_margin if cfg.safety_margin is not None else 0.0,
+        cpu_group_timeout=cfg.cpu_group_timeout, notes=notes)
+
+
+def load_preset(path: str | os.PathLike) -> ContinuousBatchingConfig:
+    """Read a TOML preset from configs/: its [continuous_batching] table holds config fields."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    return ContinuousBatchingConfig.from_any(data.get("continuous_batching", {}))

@@ -1,0 +1,138 @@
+"""Process groups and the control channel.
+
+Two groups, as DESIGN.md draws them: the device group carries the forward's all-reduces (NCCL on CUDA,
+gloo on CPU) and the control group carries StepPlans and agreements (always gloo, with the
+`cpu_group_timeout` timeout). Alone (WORLD_SIZE unset or 1) there is no process group at all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cluster.plan import HEADER_LEN, H, StepPlan, plan_from_parts
+
+DRIVER = 0
+NO_TIMEOUT = timedelta(days=7)
+
+
+@dataclass
+class Groups:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    device_group: dist.ProcessGroup | None = None
+    control_group: dist.ProcessGroup | None = None
+    owns_default_group: bool = False
+    control_timeout: float | None = 300.0
+    owns_control_group: bool = False
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == DRIVER
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def destroy(self) -> None:
+        """Free the groups this object made. Idempotent; every rank calls it."""
+        if self.owns_control_group and self.control_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.control_group)
+        if self.owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.device_group = self.control_group = None
+        self.owns_default_group = self.owns_control_group = False
+
+
+def pick_device(local_rank: int, device: str | torch.device | None = None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_groups(cpu_group_timeout: float | None = 300.0, device: str | torch.device | None = None) -> Groups:
+    """Join the groups torchrun (or the Ray launcher) describes in the environment. Every rank calls it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(local_rank, device)
+    if world == 1:
+        return Groups(rank=0, world_size=1, local_rank=0, device=dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    timeout = timedelta(seconds=cpu_group_timeout) if cpu_group_timeout else NO_TIMEOUT
+    owns = False
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout,
+                                device_id=dev if dev.type == "cuda" else None)
+        owns = True
+    device_group = dist.group.WORLD
+    control_group = dist.new_group(backend="gloo", timeout=timeout)
+    return Groups(rank=rank, world_size=world, local_rank=local_rank, device=dev, device_group=device_group,
+                  control_group=control_group, owns_default_group=owns, control_timeout=cpu_group_timeout,
+                  owns_control_group=True)
+
+
+def make_control_group(groups: Groups, cpu_group_timeout: float | None) -> Groups:
+    """The same ranks with a fresh control group of another timeout. Every rank calls it."""
+    timeout = timedelta(seconds=cpu_group_timeout) if cpu_group_timeout else NO_TIMEOUT
+    return replace(groups, control_group=dist.new_group(backend="gloo", timeout=timeout),
+                   control_timeout=cpu_group_timeout, owns_default_group=False, owns_control_group=True)
+
+
+def send_plan(plan: StepPlan, groups: Groups) -> None:
+    """Broadcast one plan from the driver. The driver calls it; every other rank calls `recv_plan`."""
+    if not groups.distributed:
+        return
+    header = plan.header()
+    dist.broadcast(torch.from_numpy(header), DRIVER, group=groups.control_group)
+    if header[H.PAYLOAD_LEN]:
+        dist.broadcast(torch.from_numpy(plan.payload()), DRIVER, group=groups.control_group)
+    if plan.data:
+        dist.broadcast(torch.frombuffer(bytearray(plan.data), dtype=torch.uint8), DRIVER,
+                       group=groups.control_group)
+
+
+def recv_plan(groups: Groups) -> StepPlan:
+    """Receive the driver's next plan. Every non-driver rank calls it, once per `send_plan`."""
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    dist.broadcast(header, DRIVER, group=groups.control_group)
+    h = header.numpy()
+    payload = None
+    if h[H.PAYLOAD_LEN]:
+        t = torch.empty(int(h[H.PAYLOAD_LEN]), dtype=torch.int32)
+        dist.broadcast(t, DRIVER, group=groups.control_group)
+        payload = t.numpy()
+    data = b""
+    if h[H.DATA_LEN]:
+        t = torch.empty(int(h[H.DATA_LEN]), dtype=torch.uint8)
+        dist.broadcast(t, DRIVER, group=groups.control_group)
+        data = t.numpy().tobytes()
+    return plan_from_parts(h, payload, data)
+
+
+def agree_min(value: int, groups: Groups) -> int:
+    """The smallest of every rank's value. Every rank calls it."""
+    if not groups.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=groups.control_group)
+    return int(t.item())
+
+
+def agree_all_ok(ok: bool, groups: Groups) -> list[bool]:
+    """Every rank's OK flag, so that all ranks take the same branch. Every rank calls it."""
+    if not groups.distributed:
+        return [ok]
+    t = torch.zeros(groups.world_size, dtype=torch.int64)
+    t[groups.rank] = int(ok)
+    dist.all_reduce(t, group=groups.control_group)
+    return [bool(x) for x in t.tolist()]

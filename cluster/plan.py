@@ -1,0 +1,117 @@
+"""The StepPlan: everything a rank needs to run one step, as fixed-layout integers.
+
+On the wire between ranks a plan is two tensors broadcast on the CPU control group: an int64 header of
+HEADER_LEN slots, then (when the header says so) one flat int32 payload whose layout the header's counts
+define, then (when the header says so) a uint8 tensor of msgpack bytes for commands that carry data.
+Nothing is pickled. Workers keep no request state: a plan is complete in itself.
+
+Sequences are ordered with every single-token query first (the decode group), then the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+PLAN_MAGIC = 0x10C5
+HEADER_LEN = 12
+
+
+class Command(IntEnum):
+    STEP = 0  # run the forward described by the arrays
+    IDLE = 1  # nothing to run; a heartbeat so workers' waits never time out
+    STOP = 2  # leave the loop; `data` may carry results for every rank
+    PAUSE = 3  # park at this boundary until RESUME
+    RESUME = 4
+    PUBLISH = 5  # `data` carries msgpack for every rank (results, errors); no forward
+    CALL = 6  # `data` names a collective action every rank performs now (weight updates ...)
+
+
+class H(IntEnum):
+    """Slots of the int64 header."""
+
+    MAGIC = 0
+    COMMAND = 1
+    STEP = 2
+    NUM_TOKENS = 3
+    NUM_SEQS = 4
+    NUM_DECODE = 5
+    TABLE_WIDTH = 6
+    PAYLOAD_LEN = 7
+    WEIGHT_VERSION = 8
+    DATA_LEN = 9
+    RANK_STATE = 10  # reserved for the rank-state handshake
+    RESERVED = 11
+
+
+@dataclass
+class StepPlan:
+    command: Command = Command.STEP
+    step: int = 0
+    weight_version: int = 0
+    input_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [T]
+    q_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [B] tokens run this step
+    kv_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [B] context after the step
+    sample: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [B] 1: return last logits
+    block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [B, NB]
+    data: bytes = b""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.q_lens.shape[0])
+
+    @property
+    def num_decode(self) -> int:
+        """Sequences at the front whose query is a single token."""
+        n = 0
+        for q in self.q_lens:
+            if q != 1:
+                break
+            n += 1
+        return n
+
+    def header(self) -> np.ndarray:
+        h = np.zeros(HEADER_LEN, np.int64)
+        h[H.MAGIC] = PLAN_MAGIC
+        h[H.COMMAND] = int(self.command)
+        h[H.STEP] = self.step
+        h[H.NUM_TOKENS] = self.num_tokens
+        h[H.NUM_SEQS] = self.num_seqs
+        h[H.NUM_DECODE] = self.num_decode
+        h[H.TABLE_WIDTH] = self.block_tables.shape[1] if self.block_tables.ndim == 2 else 0
+        h[H.PAYLOAD_LEN] = payload_len(h)
+        h[H.WEIGHT_VERSION] = self.weight_version
+        h[H.DATA_LEN] = len(self.data)
+        return h
+
+    def payload(self) -> np.ndarray:
+        return np.concatenate([self.input_ids, self.q_lens, self.kv_lens, self.sample,
+                               self.block_tables.reshape(-1)]).astype(np.int32, copy=False)
+
+
+def payload_len(h: np.ndarray) -> int:
+    t, b, nb = int(h[H.NUM_TOKENS]), int(h[H.NUM_SEQS]), int(h[H.TABLE_WIDTH])
+    return t + 3 * b + b * nb
+
+
+def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> StepPlan:
+    """Rebuild a plan from what the broadcasts delivered; rejects a header that is not a plan."""
+    if int(h[H.MAGIC]) != PLAN_MAGIC:
+        raise RuntimeError(f"control channel out of step: header magic {int(h[H.MAGIC]):#x}")
+    t, b, nb = int(h[H.NUM_TOKENS]), int(h[H.NUM_SEQS]), int(h[H.TABLE_WIDTH])
+    plan = StepPlan(command=Command(int(h[H.COMMAND])), step=int(h[H.STEP]),
+                    weight_version=int(h[H.WEIGHT_VERSION]), data=data)
+    if payload is not None and payload.size:
+        o = 0
+        plan.input_ids = payload[o:o + t]; o += t
+        plan.q_lens = payload[o:o + b]; o += b
+        plan.kv_lens = payload[o:o + b]; o += b
+        plan.sample = payload[o:o + b]; o += b
+        plan.block_tables = payload[o:o + b * nb].reshape(b, nb)
+    return plan

@@ -1,0 +1,105 @@
+"""Paged KV block bookkeeping: reference counts, prefix sharing by chained block hashes, free lists.
+
+A block's hash chains the previous block's hash with its own token ids (blake2b, so every process and every
+run agrees; Python's `hash` is salted per process). A block whose last user left keeps its hash and stays
+findable until it is handed out again, so a later request with the same prefix reuses its KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from driver.request import Request
+
+
+def chain_hash(prev: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(prev + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, page_size: int, allow_sharing: bool):
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self.allow_sharing = allow_sharing
+        self.ref = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        # blocks nobody uses, oldest first; unhashed ones are kept at the front so cached prefixes live longest
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def match_prefix(self, req: Request) -> None:
+        """Attach cached blocks holding a prefix of the request's tokens; at least one token stays to compute."""
+        if not self.allow_sharing or req.block_ids:
+            return
+        tokens, page = req.tokens, self.page_size
+        h = b""
+        for i in range((len(tokens) - 1) // page):
+            h = chain_hash(h, tokens[i * page:(i + 1) * page])
+            b = self.hash_to_block.get(h)
+            if b is None:
+                break
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+            req.block_ids.append(b)
+            req.block_hashes.append(h)
+        req.num_computed = len(req.block_ids) * page
+
+    def allocate(self, req: Request, num_tokens: int, keep_free: int = 0) -> bool:
+        """Give the request pages for `num_tokens` tokens in all, leaving `keep_free` blocks; False if short."""
+        need = self.blocks_for(num_tokens) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if need > self.num_free - keep_free:
+            return False
+        for _ in range(need):
+            b, _ = self.free.popitem(last=False)
+            old = self.block_hash[b]
+            if old is not None and self.hash_to_block.get(old) == b:
+                del self.hash_to_block[old]
+            self.block_hash[b] = None
+            self.ref[b] = 1
+            req.block_ids.append(b)
+        return True
+
+    def release(self, req: Request) -> None:
+        """Drop the request's references; blocks nobody holds go back to the free list."""
+        for b in reversed(req.block_ids):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+                if self.block_hash[b] is None:
+                    self.free.move_to_end(b, last=False)
+        req.block_ids = []
+        req.block_hashes = []
+
+    def register_full_blocks(self, req: Request) -> None:
+        """Make the request's newly completed blocks findable by later requests with the same prefix."""
+        if not self.allow_sharing:
+            return
+        tokens, page = req.tokens, self.page_size
+        for i in range(len(req.block_hashes), req.num_computed // page):
+            prev = req.block_hashes[-1] if req.block_hashes else b""
+            h = chain_hash(prev, tokens[i * page:(i + 1) * page])
+            req.block_hashes.append(h)
+            b = req.block_ids[i]
+            if h not in self.hash_to_block:
+                self.hash_to_block[h] = b
+                self.block_hash[b] = h
+
+    def forget_cached_prefixes(self) -> int:
+        """Forget every hash (after a weight change the cached KV is stale). Returns blocks forgotten."""
+        n = len(self.hash_to_block)
+        self.hash_to_block.clear()
+        self.block_hash = [None] * self.num_blocks
+        return n

@@ -1,0 +1,260 @@
+"""The seed's ContinuousBatchingManager, across ranks.
+
+Every rank builds a manager (the constructor agrees on the cache size, a collective) and starts a loop
+thread. On the driver the loop runs the engine and owns the control group; elsewhere it runs the worker
+loop and executes plans. User threads never touch the control group: they leave requests, cancels, pauses
+and stops in the inbox, and the loop acts on them at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import msgpack
+
+from cluster.config import ContinuousBatchingConfig, IDLE_HEARTBEAT_S
+from cluster.dist import agree_all_ok
+from cluster.outputs import GenerationOutput, RequestStatus
+from cluster.pause import PauseGate
+from cluster.plan import Command
+from driver.engine import Engine
+from driver.request import Request
+from driver.results import ResultRouter
+from driver.validation import build_request
+from worker.loop import worker_loop
+
+log = logging.getLogger("lockstep")
+
+
+class ContinuousBatchingManager:
+    def __init__(self, model: Any, generation_config: Any, continuous_batching_config: ContinuousBatchingConfig):
+        """Every rank calls it (the cache size is agreed over the control group)."""
+        self.model = model
+        self.generation_config = generation_config
+        self.config = continuous_batching_config
+        self.runner, self.effective_config, self.groups = model.build_runner(continuous_batching_config)
+        self.is_driver = self.groups.is_driver
+        self.engine = Engine(self.runner, self.effective_config, self.groups, self.config.seed) \
+            if self.is_driver else None
+        self.results = ResultRouter()
+        self.gate = PauseGate()
+        self.inbox: queue.Queue = queue.Queue()
+        self.requests: dict[str, Request] = {}  # live requests by id (driver)
+        self.thread: threading.Thread | None = None
+        self.stop_event = threading.Event()
+        self.hard = False
+        self.keep_for_next_session = False
+        self.destroyed = False
+        self.loop_error: BaseException | None = None
+        self._ids = iter(range(1 << 62))
+        self._lock = threading.Lock()
+        if self.effective_config.notes and self.is_driver:
+            log.info("lockstep effective config: %s", "; ".join(self.effective_config.notes))
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the loop thread. Every rank calls it."""
+        if self.destroyed:
+            raise RuntimeError("this manager was destroyed; make a new one")
+        if self.is_running():
+            return
+        self.stop_event.clear()
+        self.hard = False
+        self.loop_error = None
+        target = self._driver_loop if self.is_driver else self._worker_loop
+        self.thread = threading.Thread(target=target, name="lockstep-loop", daemon=True)
+        self.thread.start()
+
+    def is_running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def warmup(self) -> None:
+        """Run one padded step on every rank so first-request latency carries no one-time costs."""
+        # On CPU there are no graphs to capture; the first real step pays the allocator's warm-up.
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
+             hard_stop: bool = False) -> None:
+        """Flush what is queued and stop (hard_stop: fail it). Every rank calls it; the driver decides."""
+        self.keep_for_next_session = keep_for_next_session
+        self.hard = hard_stop
+        self.stop_event.set()
+        self.inbox.put(None)  # wake the loop
+        if block:
+            self.join(timeout=timeout)
+        if keep_for_next_session:
+            self.model.persistent_manager = self
+
+    def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def destroy(self) -> None:
+        """Stop, release the cache, and free the process groups this model made. Idempotent."""
+        if self.destroyed:
+            return
+        if self.is_running():
+            self.stop(block=True, timeout=60)
+        self.destroyed = True
+        if getattr(self.model, "persistent_manager", None) is self:
+            self.model.persistent_manager = None
+        if self.groups is not self.model.groups:
+            self.groups.destroy()
+        self.runner = None
+        self.engine = None
+
+    def switch_to_cb_friendly_attn(self, model: Any = None, auto_switch_to_flash: bool = True) -> str:
+        """Lockstep's attention is always paged; reports which kernel serves it."""
+        return "flash_attn" if self.effective_config.use_flash_attn else "paged_sdpa"
+
+    # ---------------------------------------------------------------- requests (driver)
+    def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, record_timestamps: bool = False,
+                    eos_token_id: int | list[int] | None = None, **logit_processor_kwargs: Any) -> str | None:
+        """Queue a request; its id on the driver, None on other ranks (a no-op there)."""
+        if not self.is_driver:
+            return None
+        if request_id is None:
+            request_id = f"req_{next(self._ids)}"
+        req = build_request(self, input_ids, request_id, max_new_tokens, streaming, record_timestamps,
+                            eos_token_id, logit_processor_kwargs)
+        with self._lock:
+            if request_id in self.requests:
+                raise ValueError(f"request {request_id}: a request with this id is already in flight")
+            if self.config.max_queue_size and self._queued() >= self.config.max_queue_size:
+                raise RuntimeError(f"request {request_id}: the queue is full "
+                                   f"(max_queue_size={self.config.max_queue_size})")
+            self.requests[request_id] = req
+        self.inbox.put(("add", req))
+        return request_id
+
+    def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
+                     record_timestamps: bool = False, **logit_processor_kwargs: Any) -> list[str] | None:
+        ids = [self.add_request(x, max_new_tokens=max_new_tokens, streaming=streaming,
+                                record_timestamps=record_timestamps, **logit_processor_kwargs) for x in inputs]
+        return ids if self.is_driver else None
+
+    def cancel_request(self, request_id: str) -> None:
+        if self.is_driver:
+            self.inbox.put(("cancel", request_id))
+
+    def _queued(self) -> int:
+        return sum(1 for r in self.requests.values() if r.status == RequestStatus.PENDING)
+
+    # ---------------------------------------------------------------- results
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        return self.results.get(request_id, timeout)
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """Every output of one request until its final one (blocking)."""
+        while True:
+            out = self.results.get(request_id, timeout=1.0)
+            if out is None:
+                if not self.is_running() and request_id not in self.requests:
+                    return
+                continue
+            yield out
+            if out.is_finished():
+                return
+
+    def register_result_handler(self, request_id: str, callback: Callable) -> None:
+        import asyncio
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = asyncio.get_event_loop()
+        self.results.register(request_id, callback, loop)
+
+    def publish(self, outputs: list[GenerationOutput]) -> None:
+        """Deliver outputs to every other rank's result list (the driver calls it; the others receive)."""
+        if self.is_driver and self.groups.distributed:
+            self.inbox.put(("publish", msgpack.packb([o.to_dict() for o in outputs])))
+
+    # ---------------------------------------------------------------- pause
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Park every rank's loop at one step boundary; every rank must enter it."""
+        if self.is_driver:
+            self.inbox.put(None)
+        with self.gate.hold(self.is_running):
+            yield
+
+    def _barrier(self) -> None:
+        agree_all_ok(True, self.groups)
+
+    # ---------------------------------------------------------------- loops
+    def _driver_loop(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._drain_inbox(block=not engine.has_work() and not self.stop_event.is_set()
+                                  and not self.gate.requested)
+                if self.gate.requested:
+                    engine.send(Command.PAUSE)
+                    self.gate.park(self._barrier, lambda: True)
+                    continue
+                if self.stop_event.is_set() and (self.hard or not engine.has_work()):
+                    break
+                if engine.has_work():
+                    for req in engine.step():
+                        self._emit(req)
+            if self.hard:
+                for req in list(self.requests.values()):
+                    engine.end(req, RequestStatus.FAILED, "the manager was stopped with hard_stop=True")
+                    self._emit(req)
+            engine.send(Command.STOP)
+        except BaseException as e:  # the loop must never die silently
+            self.loop_error = e
+            log.exception("lockstep driver loop failed")
+            for req in list(self.requests.values()):
+                req.status, req.error = RequestStatus.FAILED, f"driver loop failed: {e!r}"
+                self._emit(req)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=IDLE_HEARTBEAT_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            if block:
+                self.engine.send(Command.IDLE)  # keep the workers' waits inside cpu_group_timeout
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: Any) -> None:
+        if item is None:
+            return
+        kind, arg = item
+        if kind == "add":
+            self.engine.add(arg)
+        elif kind == "cancel":
+            req = self.requests.get(arg)
+            if req is not None and not req.is_finished:
+                self.engine.end(req, RequestStatus.CANCELLED, "cancelled")
+                self._emit(req)
+        elif kind == "publish":
+            self.engine.send(Command.PUBLISH, arg)
+
+    def _emit(self, req: Request) -> None:
+        if req.is_finished:
+            with self._lock:
+                self.requests.pop(req.request_id, None)
+            self.results.put(req.output())
+        elif req.streaming:
+            self.results.put(req.output())
+
+    def _worker_loop(self) -> None:
+        try:
+            for plan in worker_loop(self.runner, self.groups, self.gate, self._barrier):
+                if plan.command == Command.PUBLISH:
+                    for d in msgpack.unpackb(plan.data):
+                        self.results.put(GenerationOutput.from_dict(d))
+        except BaseException as e:
+            self.loop_error = e
+            log.exception("lockstep worker loop failed")

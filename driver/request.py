@@ -1,0 +1,73 @@
+"""A request as the driver tracks it. Only the driver holds these; workers never see request state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cluster.outputs import GenerationOutput, RequestStatus
+
+
+@dataclass
+class SamplingParams:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample and self.repetition_penalty == 1.0
+
+
+@dataclass(eq=False)  # identity, not field equality: requests are tracked by reference
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    streaming: bool = False
+    record_timestamps: bool = False
+    return_logprobs: bool = False
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    timestamps: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    error: str | None = None
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the leading full blocks
+    created_time: float = field(default_factory=time.perf_counter)
+    start_time: float = -1.0
+    end_time: float = -1.0
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    generator: object = None  # torch.Generator for seeded sampling, made by the sampler
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+    def note_version(self, version: int) -> None:
+        """Record the weight version of the token about to be appended."""
+        if not self.weight_versions or self.weight_versions[-1][1] != version:
+            self.weight_versions.append((len(self.generated), version))
+
+    def output(self) -> GenerationOutput:
+        return GenerationOutput(
+            request_id=self.request_id, prompt_ids=list(self.prompt_ids), generated_tokens=list(self.generated),
+            logprobs=list(self.logprobs), error=self.error, status=self.status, created_time=self.created_time,
+            lifespan=(self.start_time, self.end_time),
+            timestamps=list(self.timestamps) if self.record_timestamps else None,
+            weight_version=self.weight_versions[0][1] if self.weight_versions else 0,
+            weight_versions=list(self.weight_versions))

@@ -1,0 +1,62 @@
+"""Where outputs go: per-request result handlers (through their asyncio loop) or a shared result list.
+
+`get(request_id)` waits for that request's next output without disturbing the others, which the seed's
+requeue-based queue cannot promise under concurrency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from cluster.outputs import GenerationOutput
+
+
+class ResultRouter:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.pending: deque[GenerationOutput] = deque()
+        self.handlers: dict[str, tuple[asyncio.AbstractEventLoop, Callable]] = {}
+
+    def register(self, request_id: str, callback: Callable, loop: asyncio.AbstractEventLoop) -> None:
+        with self.cond:
+            self.handlers[request_id] = (loop, callback)
+            # anything that arrived before the handler goes to it, in order
+            early = [o for o in self.pending if o.request_id == request_id]
+            for o in early:
+                self.pending.remove(o)
+        for o in early:
+            self._deliver(o)
+
+    def put(self, out: GenerationOutput) -> None:
+        with self.cond:
+            if out.request_id not in self.handlers:
+                self.pending.append(out)
+                self.cond.notify_all()
+                return
+        self._deliver(out)
+
+    def _deliver(self, out: GenerationOutput) -> None:
+        with self.cond:
+            loop, callback = self.handlers[out.request_id]
+            if out.is_finished():
+                del self.handlers[out.request_id]
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(callback, out)
+
+    def get(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The oldest output (of `request_id`, if given); None after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for o in self.pending:
+                    if request_id is None or o.request_id == request_id:
+                        self.pending.remove(o)
+                        return o
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self.cond.wait(left if left is not None else 0.5)

@@ -1,0 +1,122 @@
+"""Which requests run this step, and how many of their tokens: chunked prefill under a token budget.
+
+`fifo` serves running requests first (decodes and unfinished prefill chunks, oldest first), then admits
+waiting requests with what is left of the budget. `prefill_first` admits waiting requests first. When a
+running request needs a page and none is free, the newest other running request is preempted: its pages
+are freed and it goes back to the front of the queue to be recomputed (prompt + tokens so far) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from cluster.config import ResolvedConfig
+from cluster.outputs import RequestStatus
+from driver.block_manager import BlockManager
+from driver.request import Request
+
+
+@dataclass
+class Scheduled:
+    req: Request
+    num_tokens: int  # query tokens this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so its last logits give the next token."""
+        return self.req.num_computed + self.num_tokens == self.req.num_tokens
+
+
+class Scheduler:
+    def __init__(self, rc: ResolvedConfig, blocks: BlockManager):
+        self.rc = rc
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.keep_free = int(rc.safety_margin * rc.num_blocks)
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Scheduled], list[Request]]:
+        """This step's batch, and the requests that can never fit the cache (to fail)."""
+        batch: list[Scheduled] = []
+        impossible: list[Request] = []
+        budget = [self.rc.max_batch_tokens]
+        if self.rc.scheduler_type == "prefill_first":
+            self._admit(batch, budget, impossible)
+            self._continue(batch, budget, impossible)
+        else:
+            self._continue(batch, budget, impossible)
+            self._admit(batch, budget, impossible)
+        return batch, impossible
+
+    def _room(self, batch: list[Scheduled], budget: list[int]) -> bool:
+        return budget[0] > 0 and len(batch) < self.rc.max_requests_per_batch
+
+    def _continue(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
+        scheduled = {id(s.req) for s in batch}
+        for req in list(self.running):
+            if not self._room(batch, budget):
+                return
+            if req not in self.running or id(req) in scheduled:
+                continue
+            scheduled.add(id(req))
+            n = min(req.num_tokens - req.num_computed, budget[0])
+            while not self.blocks.allocate(req, req.num_computed + n):
+                victims = [r for r in self.running if r is not req and id(r) not in scheduled]
+                if victims:
+                    self.preempt(victims[-1])
+                    continue
+                if not batch:  # alone and still too big: it can never run
+                    self.running.remove(req)
+                    impossible.append(req)
+                else:
+                    self.preempt(req)
+                break
+            else:
+                batch.append(Scheduled(req, n))
+                budget[0] -= n
+
+    def _admit(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
+        while self.waiting and self._room(batch, budget):
+            req = self.waiting[0]
+            self.blocks.match_prefix(req)
+            n = min(req.num_tokens - req.num_computed, budget[0])
+            keep = self.keep_free if self.running else 0
+            if not self.blocks.allocate(req, req.num_computed + n, keep_free=keep):
+                self.blocks.release(req)
+                req.num_computed = 0
+                if not self.running and not batch and self.blocks.num_free == self.blocks.num_blocks:
+                    self.waiting.popleft()
+                    impossible.append(req)
+                    continue
+                return
+            self.waiting.popleft()
+            self.running.append(req)
+            if req.status == RequestStatus.PENDING:
+                req.status = RequestStatus.PREFILLING
+            batch.append(Scheduled(req, n))
+            budget[0] -= n
+
+    def preempt(self, req: Request) -> None:
+        """Free the request's pages and queue it first, to be recomputed from its tokens so far."""
+        self.blocks.release(req)
+        req.num_computed = 0
+        req.status = RequestStatus.PENDING
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request) -> None:
+        """Take a request out of the schedule (finished, failed or cancelled) and free its pages."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.release(req)

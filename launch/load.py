@@ -1,0 +1,50 @@
+"""`cluster.load`: join the groups, build this rank's shard of the model, read its slices of the weights."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from cluster.dist import init_groups
+from driver.api import ClusterModel
+from worker.layers import Shard
+from worker.loader import load_weights
+from worker.model import CausalLM, check_supported
+
+log = logging.getLogger("lockstep")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def load(model_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
+         device: str | torch.device | None = None, cpu_group_timeout: float | None = 300.0) -> ClusterModel:
+    """Every rank calls it under torchrun (WORLD_SIZE > 1); alone it runs TP=1 with no process group."""
+    from transformers import AutoConfig, GenerationConfig
+
+    model_dir = str(model_dir)
+    if not Path(model_dir, "config.json").exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json: not a checkpoint directory "
+                                f"(make one with `lockstep make-model {model_dir}`)")
+    config = AutoConfig.from_pretrained(model_dir)
+    check_supported(config)
+    groups = init_groups(cpu_group_timeout, device)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    dtype = dtype or default_dtype(groups.device)
+    shard = Shard(groups.rank, groups.world_size, groups.device_group)
+    with torch.device(groups.device):
+        model = CausalLM(config, shard, dtype, groups.device)
+    load_weights(model, model_dir)
+    model.eval()
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        generation_config = GenerationConfig(eos_token_id=config.eos_token_id)
+    log.info("rank %d/%d loaded %s (%s) on %s", groups.rank, groups.world_size, model_dir, config.model_type,
+             groups.device)
+    return ClusterModel(model, config, generation_config, groups, dtype, model_dir)

@@ -1,0 +1,158 @@
+"""Tensor-parallel building blocks: sharded linears, vocab-parallel embedding and LM head, RMSNorm.
+
+Each parameterised layer knows how to fill its shard from a checkpoint tensor (`load`), reading only the
+rows or columns this rank owns through a safetensors slice. `Shard` carries the TP coordinates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # the device group; None at TP=1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks in place. Every rank of the device group calls it."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
+def read_rows(src: Any, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of a checkpoint tensor or safetensors slice, zero-padded past its end."""
+    total = src.get_shape()[0] if hasattr(src, "get_shape") else src.shape[0]
+    part = src[start:min(stop, total)]
+    if stop > total:
+        pad = torch.zeros((stop - max(start, total),) + tuple(part.shape[1:]), dtype=part.dtype)
+        part = torch.cat([part, pad]) if part.shape[0] else pad
+    return part
+
+
+def read_cols(src: Any, start: int, stop: int) -> torch.Tensor:
+    return src[:, start:stop]
+
+
+def full(src: Any) -> torch.Tensor:
+    return src[:]
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across ranks; the output stays sharded.
+
+    `parts` lists the checkpoint tensors fused into this one (q, k, v or gate, up) as
+    (name, rows per rank, first row for this rank).
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, tuple[int, int]], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.parts = parts
+        self.offsets: dict[str, int] = {}
+        out = 0
+        for name, (rows, _) in parts.items():
+            self.offsets[name] = out
+            out += rows
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def load(self, part: str, kind: str, src: Any) -> None:
+        rows, first = self.parts[part]
+        dst = (self.weight if kind == "weight" else self.bias)
+        off = self.offsets[part]
+        dst.data[off:off + rows].copy_(read_rows(src, first, first + rows))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard: Shard, dtype: torch.dtype):
+        super().__init__()
+        assert in_features % shard.size == 0, f"{in_features} features do not split over {shard.size} ranks"
+        self.shard = shard
+        self.cols = in_features // shard.size
+        self.weight = nn.Parameter(torch.empty(out_features, self.cols, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank of the device group calls it (one all-reduce)."""
+        y = self.shard.all_reduce(nn.functional.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def load(self, part: str, kind: str, src: Any) -> None:
+        if kind == "bias":
+            self.bias.data.copy_(full(src))
+        else:
+            start = self.shard.rank * self.cols
+            self.weight.data.copy_(read_cols(src, start, start + self.cols))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks (the last shard zero-padded); looked up locally, then all-reduced."""
+
+    def __init__(self, vocab_size: int, hidden: int, shard: Shard, dtype: torch.dtype):
+        super().__init__()
+        self.shard = shard
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // shard.size)
+        self.start = shard.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Every rank of the device group calls it (one all-reduce when TP > 1)."""
+        if self.shard.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.rows)
+        out = nn.functional.embedding(torch.where(mine, local, 0), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return self.shard.all_reduce(out)
+
+    def load(self, part: str, kind: str, src: Any) -> None:
+        self.weight.data.copy_(read_rows(src, self.start, self.start + self.rows))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, vocab-sharded like the embedding; logits are gathered on the driver."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return nn.functional.linear(hidden, self.weight)
+
+    def gather(self, local_logits: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits on rank 0, None elsewhere. Every rank of the device group calls it."""
+        if self.shard.size == 1:
+            return local_logits[:, :self.vocab_size]
+        if self.shard.rank == 0:
+            parts = [torch.empty_like(local_logits) for _ in range(self.shard.size)]
+            dist.gather(local_logits, parts, dst=0, group=self.shard.group)
+            return torch.cat(parts, dim=-1)[:, :self.vocab_size]
+        dist.gather(local_logits, None, dst=0, group=self.shard.group)
+        return None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as transformers' Llama family does."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def load(self, part: str, kind: str, src: Any) -> None:
+        self.weight.data.copy_(full(src))

@@ -1,0 +1,67 @@
+"""Rotary position embedding: a cos/sin table indexed by position (no per-step recomputation).
+
+Default RoPE and llama3 scaling only; any other `rope_type` is refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_ROPE = ("default", "llama3")
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings whichever way the config spells them (transformers 5 `rope_parameters` or older)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def inverse_frequencies(config, head_dim: int) -> torch.Tensor:
+    params = rope_parameters(config)
+    kind = params["rope_type"]
+    if kind not in SUPPORTED_ROPE:
+        raise ValueError(f"rope_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    base = float(params["rope_theta"])
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind == "llama3":
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class RotaryTable(torch.nn.Module):
+    """cos and sin for every position up to max_positions, float32, looked up by index."""
+
+    def __init__(self, config, head_dim: int, max_positions: int, device: torch.device):
+        super().__init__()
+        inv = inverse_frequencies(config, head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D]; rotate both in the rotate-half convention."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
