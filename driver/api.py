@@ -40,6 +40,7 @@ class ClusterModel:
         self.dtype = dtype
         self.model_dir = model_dir
         self.persistent_manager: ContinuousBatchingManager | None = None
+        self.last_stats: dict[str, Any] = {}  # the engine's counters at the end of the last generate_batch
 
     @property
     def device(self) -> torch.device:
@@ -124,6 +125,7 @@ class ClusterModel:
             if ids is not None:
                 results = {i: results[i] for i in ids if i in results}
                 manager.publish(list(results.values()))
+            self.last_stats = manager.stats()
         if manager.loop_error is not None and len(results) < len(inputs):
             raise RuntimeError(f"generation stopped early: {manager.loop_error!r}") from manager.loop_error
         return results

@@ -29,6 +29,7 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         # blocks nobody uses, oldest first; unhashed ones are kept at the front so cached prefixes live longest
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.prefix_hit_blocks = 0  # blocks reused from the prefix cache, since start
 
     @property
     def num_free(self) -> int:
@@ -53,6 +54,7 @@ class BlockManager:
             self.ref[b] += 1
             req.block_ids.append(b)
             req.block_hashes.append(h)
+            self.prefix_hit_blocks += 1
         req.num_computed = len(req.block_ids) * page
 
     def allocate(self, req: Request, num_tokens: int, keep_free: int = 0) -> bool:

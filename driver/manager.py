@@ -110,6 +110,16 @@ class ContinuousBatchingManager:
         """Lockstep's attention is always paged; reports which kernel serves it."""
         return "flash_attn" if self.effective_config.use_flash_attn else "paged_sdpa"
 
+    def stats(self) -> dict[str, Any]:
+        """Counters of the driver's engine (empty elsewhere)."""
+        e = self.engine
+        if e is None:
+            return {}
+        return {"step": e.step_no, "weight_version": e.weight_version, "tokens_generated": e.num_tokens_generated,
+                "preemptions": e.scheduler.num_preemptions, "prefix_hit_blocks": e.blocks.prefix_hit_blocks,
+                "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                "free_blocks": e.blocks.num_free, "num_blocks": e.blocks.num_blocks}
+
     # ---------------------------------------------------------------- requests (driver)
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = False,

@@ -1,0 +1,254 @@
+"""Offline throughput: Lockstep's generate_batch against transformers' own, on one random-token workload.
+
+Run it alone (TP=1) or under torchrun (every rank runs this script):
+
+    python benchmarks/throughput.py --model models/small
+    torchrun --nproc-per-node 2 benchmarks/throughput.py --model models/small
+
+If --model names a directory without a checkpoint, rank 0 writes the "small" Llama there first
+(launch.make_model, seed 0) and the other ranks wait for it.
+
+Each engine gets one warm-up call (a few short prompts), then one timed generate_batch call on the whole
+workload; `wall s` is that call's wall time (it includes building the manager and its KV cache, as a user
+pays it), `setup s` is the part of it before the first forward. Every request must produce exactly
+--new-tokens tokens (EOS is disabled); the counts are printed and checked.
+
+Lockstep's forward-only figures: every ModelRunner.execute(plan) of the timed run is timed and its StepPlan
+kept, on every rank. "execute() in the run" is rank 0's summed execute time (padding of the plan into static
+buffers + the sharded forward + the logits gather; no scheduling, sampling or plan broadcast). "replay" runs
+the same plans again through execute() back to back on all ranks, after the run: the engine's forward cost
+with nothing else in between.
+
+Thread settings are left alone (torchrun sets OMP_NUM_THREADS=1 per rank); they are printed.
+See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def say(*args) -> None:
+    if RANK == 0:
+        print(*args, flush=True)
+
+
+def barrier() -> None:
+    if WORLD > 1 and dist.is_initialized():
+        dist.barrier()
+
+
+def ensure_model(model_dir: Path, wait_s: float = 900.0) -> None:
+    """Rank 0 writes the small checkpoint if it is missing (atomically, by rename); the others poll for it."""
+    if (model_dir / "config.json").exists():
+        return
+    if RANK == 0:
+        from launch.make_model import make_model
+
+        say(f"no checkpoint in {model_dir}: writing llama/small (seed 0)")
+        tmp = model_dir.with_name(f"{model_dir.name}.tmp-{os.getpid()}")
+        make_model(tmp, arch="llama", size="small", seed=0)
+        if model_dir.exists():
+            model_dir.rmdir()  # an empty directory is all it can be here; rename cannot replace a full one
+        os.rename(tmp, model_dir)
+        return
+    deadline = time.monotonic() + wait_s
+    while not (model_dir / "config.json").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {RANK}: no checkpoint appeared in {model_dir} after {wait_s:.0f}s")
+        time.sleep(0.5)
+
+
+def make_prompts(args, vocab: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_prompts)]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def gen_config(max_new_tokens: int):
+    """Greedy, EOS disabled (-1 is never sampled) so that every request runs to max_new_tokens; both engines
+    treat eos_token_id=-1 as "no EOS" (transformers itself replaces None with -1)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max_new_tokens)
+
+
+def counts_of(out: dict) -> list[int]:
+    return [len(o.generated_tokens) for o in out.values()]
+
+
+def timed_call(model, prompts, args, cb_config, first_forward: list) -> tuple[dict, float, float]:
+    """One generate_batch call, bracketed by barriers; returns (outputs, wall s, setup s)."""
+    barrier()
+    first_forward.clear()
+    t0 = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gen_config(args.new_tokens),
+                               continuous_batching_config=cb_config(), max_new_tokens=args.new_tokens)
+    wall = time.perf_counter() - t0
+    barrier()
+    setup = (first_forward[0] - t0) if first_forward else float("nan")
+    return out, wall, setup
+
+
+def run_lockstep(args, prompts, warm) -> dict:
+    import cluster
+    from worker.runner import ModelRunner
+
+    model = cluster.load(args.model)
+    rec = {"on": False, "plans": [], "times": [], "runner": None}
+    first_forward: list[float] = []
+    original = ModelRunner.execute
+
+    def recording_execute(self, plan):
+        t0 = time.perf_counter()
+        if not first_forward:
+            first_forward.append(t0)
+        out = original(self, plan)
+        if rec["on"]:
+            rec["times"].append(time.perf_counter() - t0)
+            rec["plans"].append(plan)
+            rec["runner"] = self
+        return out
+
+    def cb():
+        return cluster.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens)
+
+    ModelRunner.execute = recording_execute
+    try:
+        model.generate_batch(warm, generation_config=gen_config(8), continuous_batching_config=cb(),
+                             max_new_tokens=8)
+        rec["on"] = True
+        out, wall, setup = timed_call(model, prompts, args, cb, first_forward)
+        rec["on"] = False
+    finally:
+        ModelRunner.execute = original
+    # Replay: the same plans, back to back, on every rank (the runner and its cache outlive the manager here).
+    runner, plans = rec["runner"], rec["plans"]
+    barrier()
+    t0 = time.perf_counter()
+    for plan in plans:
+        runner.execute(plan)
+    replay = time.perf_counter() - t0
+    barrier()
+    result = dict(engine="lockstep", counts=counts_of(out), wall=wall, setup=setup,
+                  threads=torch.get_num_threads(), steps=len(plans), exec_s=sum(rec["times"]), replay_s=replay,
+                  query_tokens=sum(int(p.q_lens.sum()) for p in plans), config=model_config_note(runner))
+    del out, model, runner, plans, rec
+    gc.collect()
+    return result
+
+
+def model_config_note(runner) -> str:
+    rc = runner.rc
+    return (f"max_batch_tokens={rc.max_batch_tokens} max_requests_per_batch={rc.max_requests_per_batch} "
+            f"num_blocks={rc.num_blocks} page_size={rc.page_size} q_padding={rc.q_padding} "
+            f"kv_padding={rc.kv_padding}")
+
+
+def run_transformers(args, prompts, warm) -> dict:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    kwargs = {"dtype": torch.float32}
+    if WORLD > 1:
+        kwargs["tp_plan"] = "auto"
+    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+    first_forward: list[float] = []
+    hook = model.register_forward_pre_hook(
+        lambda *_: first_forward.append(time.perf_counter()) if not first_forward else None)
+
+    def cb():
+        return transformers.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens)
+
+    model.generate_batch(warm, generation_config=gen_config(8), continuous_batching_config=cb(), max_new_tokens=8)
+    out, wall, setup = timed_call(model, prompts, args, cb, first_forward)
+    hook.remove()
+    result = dict(engine="transformers", counts=counts_of(out), wall=wall, setup=setup,
+                  threads=torch.get_num_threads(), config=f"attn={model.config._attn_implementation}")
+    del out, model
+    gc.collect()
+    return result
+
+
+def report(args, results: list[dict]) -> None:
+    say(f"\nworkload: {args.num_prompts} prompts, lengths U[{args.min_len}, {args.max_len}] (seed {args.seed}), "
+        f"{args.new_tokens} new tokens each, greedy, EOS disabled; max_batch_tokens={args.max_batch_tokens} "
+        f"(None = each engine's default)")
+    say(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}, cpus={os.cpu_count()}\n")
+    say(f"{'engine':<13} {'TP':>2} {'requests':>8} {'gen tokens':>10} {'wall s':>8} {'setup s':>8} "
+        f"{'tok/s':>8} {'threads':>7}")
+    for r in results:
+        tokens = sum(r["counts"])
+        r["tps"] = tokens / r["wall"]
+        say(f"{r['engine']:<13} {WORLD:>2} {len(r['counts']):>8} {tokens:>10} {r['wall']:>8.2f} "
+            f"{r['setup']:>8.2f} {r['tps']:>8.1f} {r['threads']:>7}")
+    say("")
+    for r in results:
+        c = r["counts"]
+        exact = all(n == args.new_tokens for n in c) and len(c) == args.num_prompts
+        say(f"{r['engine']}: tokens per request min {min(c)} max {max(c)} over {len(c)} requests "
+            f"({'all exactly' if exact else 'NOT all'} {args.new_tokens}); {r['config']}")
+    by = {r["engine"]: r for r in results}
+    if "lockstep" in by and "transformers" in by:
+        say(f"ratio lockstep/transformers: {by['lockstep']['tps'] / by['transformers']['tps']:.2f}x")
+    if "lockstep" in by:
+        r = by["lockstep"]
+        tokens = sum(r["counts"])
+        say(f"lockstep forward-only ({r['steps']} steps, {r['query_tokens']} query tokens incl. decode):")
+        say(f"  execute() in the run, rank 0: {r['exec_s']:.2f} s = {100 * r['exec_s'] / r['wall']:.0f}% of wall "
+            f"-> {tokens / r['exec_s']:.1f} tok/s if nothing else took time")
+        say(f"  replay of the same plans    : {r['replay_s']:.2f} s -> {tokens / r['replay_s']:.1f} tok/s "
+            f"(pad into static buffers + sharded forward + logits gather, back to back)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint directory (made if missing)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="passed to both engines' ContinuousBatchingConfig (default: each engine's own)")
+    args = p.parse_args()
+    if not 1 <= args.min_len <= args.max_len:
+        p.error("need 1 <= --min-len <= --max-len")
+
+    model_dir = Path(args.model)
+    ensure_model(model_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(args, vocab)
+    warm = [x[:args.min_len] for x in prompts[:4]]
+    say(f"rank 0 of {WORLD}: torch {torch.__version__}, torch threads {torch.get_num_threads()}")
+
+    results = [run_lockstep(args, prompts, warm)]
+    if not args.skip_transformers:
+        results.append(run_transformers(args, prompts, warm))
+    report(args, results)
+    barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Shared fixtures: locally made checkpoints, transformers' greedy reference, and a bounded torchrun runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from launch.make_model import make_model  # noqa: E402
+from launch.torchrun import free_port  # noqa: E402
+from tests.workloads import NEW_TOKENS  # noqa: E402
+
+_MODELS: dict[tuple, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(model_root):
+    """make_checkpoint(arch, **overrides) -> directory, made once per session."""
+
+    def get(arch: str = "llama", **overrides) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in _MODELS:
+            name = arch + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+            _MODELS[key] = make_model(model_root / name, arch=arch, size="tiny", seed=0, **overrides)
+        return _MODELS[key]
+
+    return get
+
+
+_REFERENCE: dict[tuple, list[list[int]]] = {}
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """transformers' own generate, greedy, float32, on the CPU, one prompt at a time (no padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    key = (str(model_dir), tuple(map(tuple, prompts)), new_tokens)
+    if key not in _REFERENCE:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        outs = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                                     attention_mask=torch.ones(1, len(p), dtype=torch.long))
+                outs.append(ids[0, len(p):].tolist())
+        _REFERENCE[key] = outs
+    return _REFERENCE[key]
+
+
+def run_ranks(script: str, args: list[str], nproc: int = 2, timeout: float = 300,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run tests/scripts/<script> on `nproc` ranks with torchrun; kill the whole group on timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(REPO / "tests" / "scripts" / script), *args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{script} timed out after {timeout}s:\n{out[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def read_json(path: Path):
+    with open(path) as f:
+        return json.load(f)

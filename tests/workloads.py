@@ -1,0 +1,38 @@
+"""The prompts and scenarios the parity tests share with their torchrun scripts."""
+
+from __future__ import annotations
+
+import random
+
+NEW_TOKENS = 32
+# 16 prompt lengths from 1 to 300, across page and padding boundaries
+PROMPT_LENGTHS = [1, 2, 5, 17, 31, 64, 65, 100, 128, 150, 200, 255, 256, 257, 299, 300]
+
+
+def mixed_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def shared_prefix_prompts(vocab: int, seed: int = 1) -> list[list[int]]:
+    """4 families of 4 prompts; each family shares a prefix of 100 to 250 tokens."""
+    rng = random.Random(seed)
+    prompts = []
+    for fam in range(4):
+        prefix = [rng.randrange(3, vocab) for _ in range(100 + 50 * fam)]
+        for k in range(4):
+            prompts.append(prefix + [rng.randrange(3, vocab) for _ in range(1 + 13 * k)])
+    return prompts
+
+
+# name -> (ContinuousBatchingConfig fields, prompt set); shared with tests/scripts/parity_rank.py
+SCENARIOS = {
+    "default": (dict(page_size=32), "mixed"),
+    "chunked": (dict(page_size=16, max_batch_tokens=64), "mixed"),
+    "sharing": (dict(page_size=16, allow_block_sharing=True, max_batch_tokens=128), "shared"),
+    "preempt": (dict(page_size=16, num_blocks=32, max_batch_tokens=128), "mixed"),
+}
+
+
+def prompts_for(kind: str, vocab: int) -> list[list[int]]:
+    return mixed_prompts(vocab) if kind == "mixed" else shared_prefix_prompts(vocab)
