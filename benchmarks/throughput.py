@@ -167,7 +167,7 @@ def run_transformers(args, prompts, warm) -> dict:
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.INFO if os.environ.get("BENCH_DEBUG") else logging.ERROR)
     kwargs = {"dtype": torch.float32}
     if WORLD > 1:
         kwargs["tp_plan"] = "auto"
@@ -193,7 +193,8 @@ def report(args, results: list[dict]) -> None:
     say(f"\nworkload: {args.num_prompts} prompts, lengths U[{args.min_len}, {args.max_len}] (seed {args.seed}), "
         f"{args.new_tokens} new tokens each, greedy, EOS disabled; max_batch_tokens={args.max_batch_tokens} "
         f"(None = each engine's default)")
-    say(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}, cpus={os.cpu_count()}\n")
+    say(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}, cpus={os.cpu_count()}, load average "
+        f"(1 min) {args.load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end\n")
     say(f"{'engine':<13} {'TP':>2} {'requests':>8} {'gen tokens':>10} {'wall s':>8} {'setup s':>8} "
         f"{'tok/s':>8} {'threads':>7}")
     for r in results:
@@ -235,6 +236,7 @@ def main() -> int:
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")
 
+    args.load_before = os.getloadavg()[0]  # other busy processes distort CPU timings badly; shown with them
     model_dir = Path(args.model)
     ensure_model(model_dir)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

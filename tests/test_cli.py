@@ -1,0 +1,44 @@
+"""The command line: make-model writes a checkpoint transformers loads; `lockstep run` is the main job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def lockstep(*args, timeout=240, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=None)
+
+
+@pytest.mark.parametrize("arch,model_type", [("llama", "llama"), ("qwen3", "qwen3")])
+def test_make_model_writes_a_loadable_checkpoint(tmp_path, arch, model_type):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / arch
+    proc = lockstep("make-model", str(out), "--arch", arch, "--seed", "3", "--set", "num_key_value_heads=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == model_type and config["num_key_value_heads"] == 1
+    assert (out / "model.safetensors").exists()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    n = sum(p.numel() for p in model.parameters())
+    assert 2_000_000 < n < 5_000_000
+
+
+def test_same_seed_same_weights(tmp_path):
+    for name in ("a", "b"):
+        assert lockstep("make-model", str(tmp_path / name), "--seed", "5").returncode == 0
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_main_job_runs_tp2(tmp_path):
+    proc = lockstep("run", "--model", str(tmp_path / "tiny"), "--num-prompts", "8", "--new-tokens", "8")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "tp=2 requests=8 generated=" in proc.stdout
+    assert "req_0: prompt" in proc.stdout
