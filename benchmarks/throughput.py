@@ -29,6 +29,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -41,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+PAGE = 256  # page_size: both engines' default
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -128,7 +130,7 @@ def run_lockstep(args, prompts, warm) -> dict:
         return out
 
     def cb():
-        return cluster.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens)
+        return cluster.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
 
     ModelRunner.execute = recording_execute
     try:
@@ -167,17 +169,20 @@ def run_transformers(args, prompts, warm) -> dict:
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.INFO if os.environ.get("BENCH_DEBUG") else logging.ERROR)
+    # its INFO lines (cache sizing, chosen paths) with BENCH_DEBUG=1; otherwise errors only
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.INFO if os.environ.get("BENCH_DEBUG")
+                                                           else logging.ERROR)
     kwargs = {"dtype": torch.float32}
-    if WORLD > 1:
-        kwargs["tp_plan"] = "auto"
+    if WORLD > 1:  # tp_plan="auto", in the spelling that does not warn about deprecation
+        kwargs["distributed_config"] = transformers.DistributedConfig(tp_plan="auto")
     model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
     first_forward: list[float] = []
     hook = model.register_forward_pre_hook(
         lambda *_: first_forward.append(time.perf_counter()) if not first_forward else None)
 
     def cb():
-        return transformers.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens)
+        return transformers.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens,
+                                                     num_blocks=args.num_blocks)
 
     model.generate_batch(warm, generation_config=gen_config(8), continuous_batching_config=cb(), max_new_tokens=8)
     out, wall, setup = timed_call(model, prompts, args, cb, first_forward)
@@ -191,8 +196,8 @@ def run_transformers(args, prompts, warm) -> dict:
 
 def report(args, results: list[dict]) -> None:
     say(f"\nworkload: {args.num_prompts} prompts, lengths U[{args.min_len}, {args.max_len}] (seed {args.seed}), "
-        f"{args.new_tokens} new tokens each, greedy, EOS disabled; max_batch_tokens={args.max_batch_tokens} "
-        f"(None = each engine's default)")
+        f"{args.new_tokens} new tokens each, greedy, EOS disabled; both configs get "
+        f"max_batch_tokens={args.max_batch_tokens} num_blocks={args.num_blocks} (None = each engine's default)")
     say(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}, cpus={os.cpu_count()}, load average "
         f"(1 min) {args.load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end\n")
     say(f"{'engine':<13} {'TP':>2} {'requests':>8} {'gen tokens':>10} {'wall s':>8} {'setup s':>8} "
@@ -232,11 +237,17 @@ def main() -> int:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="passed to both engines' ContinuousBatchingConfig (default: each engine's own)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV pages of 256 tokens, passed to both engines (default: enough for every request at "
+                        "once; 0: each engine's own default, which for transformers on CPU is 60%% of RAM per rank)")
     args = p.parse_args()
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")
 
     args.load_before = os.getloadavg()[0]  # other busy processes distort CPU timings badly; shown with them
+    if args.num_blocks is None:
+        args.num_blocks = args.num_prompts * math.ceil((args.max_len + args.new_tokens) / PAGE)
+    args.num_blocks = args.num_blocks or None
     model_dir = Path(args.model)
     ensure_model(model_dir)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

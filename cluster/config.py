@@ -212,6 +212,9 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
     elif graphs is None:
         graphs = (False, True)  # decode graphs pay off; varlen shapes vary too much by default
     use_flash = device_kind == "cuda" and flash_available and cfg.auto_switch_to_flash
+    if use_flash and page % 256:
+        use_flash = False
+        notes.append(f"flash-attn off: its paged kernels need page_size % 256 == 0, got {page}")
     if device_kind == "cuda" and cfg.auto_switch_to_flash and not flash_available:
         notes.append("flash-attn not importable: paged SDPA attention")
     if cfg.use_async_batching:

@@ -6,6 +6,7 @@ Attention gathers each sequence's keys and values from the cache through precomp
 the host from the block tables, so the forward itself has static shapes and no host syncs), and masks by
 position: key j is visible to a query at position p when j <= p (and p - j < window, for sliding layers).
 GQA is handled without repeating keys: the query heads that share a KV head are folded into the query axis.
+On CUDA with flash-attn, the decode group instead reads the pages in place (`flash_attn_with_kvcache`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class AttnMeta:
     pre_kv_slots: torch.Tensor  # [Bp, Lp]
     pre_q_pos: torch.Tensor  # [Bp, Qp]
     logits_idx: torch.Tensor  # [N] tokens whose logits are returned
+    dec_block_table: torch.Tensor | None = None  # [Bd, NB] int32, flash-attn decode path only
+    dec_kv_lens: torch.Tensor | None = None  # [Bd] int32, flash-attn decode path only
+    page_size: int = 0  # tokens a page, for viewing the cache as pages (flash-attn path)
 
     @property
     def num_decode(self) -> int:
@@ -67,7 +71,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, Hq, D] for the whole token batch, after this step's K/V were written. Returns [T, Hq, D]."""
     bd = meta.num_decode
     outs = []
-    if bd:
+    if bd and meta.dec_block_table is not None:
+        outs.append(_flash_decode(q[:bd], k_cache, v_cache, meta, window, scale))
+    elif bd:
         outs.append(_attend(q[:bd].unsqueeze(1), k_cache, v_cache, meta.dec_kv_slots,
                             meta.dec_q_pos[:, None], window, scale).squeeze(1))
     bp, qp = meta.pre_q_pos.shape
@@ -76,3 +82,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         res = _attend(qpre, k_cache, v_cache, meta.pre_kv_slots, meta.pre_q_pos, window, scale)
         outs.append(res.reshape(bp * qp, q.shape[1], q.shape[2]).index_select(0, meta.pre_out_gather))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                  window: int | None, scale: float) -> torch.Tensor:
+    """One query per sequence against its pages, read in place by flash-attn. q: [Bd, Hq, D]."""
+    from flash_attn import flash_attn_with_kvcache
+
+    paged = (-1, meta.page_size, k_cache.shape[1], k_cache.shape[2])
+    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache.view(paged), v_cache.view(paged),
+                                  cache_seqlens=meta.dec_kv_lens, block_table=meta.dec_block_table,
+                                  softmax_scale=scale, causal=True,
+                                  window_size=(window - 1, 0) if window else (-1, -1))
+    return out.squeeze(1)

@@ -1,7 +1,8 @@
 """The paged KV cache tensors of one rank.
 
-Slots are numbered block * page_size + offset; one extra scratch slot at the end takes the writes of
-padding tokens, so padded shapes never touch a real page.
+Slots are numbered block * page_size + offset. One extra scratch block at the end takes the writes of
+padding tokens (at its first slot) and stands in the block tables of padding rows, so padded shapes never
+touch a real page. `paged(layer)` views a layer as [blocks, page, heads, dim] for flash-attn's kernels.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device):
         self.page_size = page_size
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
         self.scratch_slot = num_blocks * page_size
-        shape = (self.scratch_slot + 1, kv_heads, head_dim)
+        shape = ((num_blocks + 1) * page_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -26,10 +26,13 @@ class StaticBuffers:
         b = next_pow2(rc.max_requests_per_batch)
         q = round_up(rc.max_batch_tokens, rc.q_padding)
         kv = rc.max_kv_padded
-        sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "dec_kv_slots": b * kv, "dec_q_pos": b,
+        nb = rc.max_blocks_per_request
+        sizes = {"dec_block_table": b * nb, "dec_kv_lens": b, "input_ids": t, "positions": t, "slot_mapping": t, "dec_kv_slots": b * kv, "dec_q_pos": b,
                  "pre_q_gather": b * q, "pre_out_gather": t, "pre_kv_slots": b * kv, "pre_q_pos": b * q,
                  "logits_idx": b}
-        self.buffers = {k: torch.zeros(n, dtype=torch.int64, device=device) for k, n in sizes.items()}
+        int32 = ("dec_block_table", "dec_kv_lens")  # flash-attn takes these as int32
+        self.buffers = {k: torch.zeros(n, dtype=torch.int32 if k in int32 else torch.int64, device=device)
+                        for k, n in sizes.items()}
 
     def fill(self, name: str, values: np.ndarray) -> torch.Tensor:
         """Copy `values` into the front of buffer `name` and return that view, shaped like `values`."""
@@ -38,8 +41,8 @@ class StaticBuffers:
         if n > buf.numel():
             raise RuntimeError(f"step needs {n} entries in static buffer {name!r}, which holds {buf.numel()}")
         view = buf[:n]
-        view.copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).reshape(-1),
-                   non_blocking=True)
+        host = np.ascontiguousarray(values, dtype=np.int32 if buf.dtype == torch.int32 else np.int64)
+        view.copy_(torch.from_numpy(host).reshape(-1), non_blocking=True)
         return view.view(values.shape)
 
 
@@ -113,7 +116,13 @@ class ModelRunner:
                         pre_q_gather=f("pre_q_gather", pre_q_gather.reshape(-1)),
                         pre_out_gather=f("pre_out_gather", pre_out),
                         pre_kv_slots=f("pre_kv_slots", pre_slots), pre_q_pos=f("pre_q_pos", pre_q_pos),
-                        logits_idx=f("logits_idx", logits_idx))
+                        logits_idx=f("logits_idx", logits_idx), page_size=page)
+        if rc.use_flash_attn and bd:
+            table = np.full((bd_pad, tables.shape[1]), self.cache.scratch_block, np.int64)
+            table[:bd] = tables[:bd]
+            lens = np.ones(bd_pad, np.int64)
+            lens[:bd] = kv_lens[:bd]
+            meta.dec_block_table, meta.dec_kv_lens = f("dec_block_table", table), f("dec_kv_lens", lens)
         return f("input_ids", ids), meta, len(sampled)
 
     def _kv_slots(self, tables: np.ndarray, kv_lens: np.ndarray, length: int) -> np.ndarray:
