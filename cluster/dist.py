@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -88,24 +89,30 @@ def make_control_group(groups: Groups, cpu_group_timeout: float | None) -> Group
                    control_timeout=cpu_group_timeout, owns_default_group=False, owns_control_group=True)
 
 
-def send_plan(plan: StepPlan, groups: Groups) -> None:
-    """Broadcast one plan from the driver. The driver calls it; every other rank calls `recv_plan`."""
+def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
+    """Send one plan from the driver; returns every rank's state row. The driver calls it; every other rank
+    calls `recv_plan` once for it."""
     if not groups.distributed:
-        return
+        return None
     header = plan.header()
-    dist.broadcast(torch.from_numpy(header), DRIVER, group=groups.control_group)
+    table = torch.zeros(groups.world_size, HEADER_LEN, dtype=torch.int64)
+    table[DRIVER] = torch.from_numpy(header)
+    dist.all_reduce(table, group=groups.control_group)
     if header[H.PAYLOAD_LEN]:
         dist.broadcast(torch.from_numpy(plan.payload()), DRIVER, group=groups.control_group)
     if plan.data:
         dist.broadcast(torch.frombuffer(bytearray(plan.data), dtype=torch.uint8), DRIVER,
                        group=groups.control_group)
+    return table.numpy()
 
 
-def recv_plan(groups: Groups) -> StepPlan:
-    """Receive the driver's next plan. Every non-driver rank calls it, once per `send_plan`."""
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    dist.broadcast(header, DRIVER, group=groups.control_group)
-    h = header.numpy()
+def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
+    """Receive the driver's next plan, telling it this rank's `state` row. Every non-driver rank calls it,
+    once per `send_plan`."""
+    table = torch.zeros(groups.world_size, HEADER_LEN, dtype=torch.int64)
+    table[groups.rank, :len(state)] = torch.from_numpy(np.asarray(state, dtype=np.int64))
+    dist.all_reduce(table, group=groups.control_group)
+    h = table[DRIVER].numpy()
     payload = None
     if h[H.PAYLOAD_LEN]:
         t = torch.empty(int(h[H.PAYLOAD_LEN]), dtype=torch.int32)

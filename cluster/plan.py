@@ -1,9 +1,10 @@
 """The StepPlan: everything a rank needs to run one step, as fixed-layout integers.
 
-On the wire between ranks a plan is two tensors broadcast on the CPU control group: an int64 header of
-HEADER_LEN slots, then (when the header says so) one flat int32 payload whose layout the header's counts
-define, then (when the header says so) a uint8 tensor of msgpack bytes for commands that carry data.
-Nothing is pickled. Workers keep no request state: a plan is complete in itself.
+On the wire between ranks a plan is: one all-reduce of a [world, HEADER_LEN] int64 table, in which the
+driver fills row 0 with the header and every other rank fills its own row with its state (so the driver
+hears from every rank each step), then (when the header says so) one broadcast of a flat int32 payload whose
+layout the header's counts define, then (when the header says so) a broadcast of msgpack bytes for commands
+that carry data. Nothing is pickled. Workers keep no request state: a plan is complete in itself.
 
 Sequences are ordered with every single-token query first (the decode group), then the rest.
 """
@@ -42,8 +43,19 @@ class H(IntEnum):
     PAYLOAD_LEN = 7
     WEIGHT_VERSION = 8
     DATA_LEN = 9
-    RANK_STATE = 10  # reserved for the rank-state handshake
-    RESERVED = 11
+    RESERVED_10 = 10
+    RESERVED_11 = 11
+
+
+class S(IntEnum):
+    """Slots of a worker's state row in the header table."""
+
+    MAGIC = 0  # STATE_MAGIC: the rank is alive and in step with the protocol
+    LAST_STEP = 1  # the step number of the last plan it executed
+    WANTS_RESULTS = 2  # 1: a caller on this rank reads results, so the driver publishes them
+
+
+STATE_MAGIC = 0x5747
 
 
 @dataclass

@@ -80,6 +80,12 @@ class ClusterModel:
                                             timeout: float | None = None, persistent_manager: bool = False,
                                             warmup: bool = True, **kwargs: Any) -> Iterator[ContinuousBatchingManager]:
         manager = self.init_continuous_batching(generation_config, continuous_batching_config, **kwargs)
+        with self._running(manager, warmup, block, timeout, persistent_manager):
+            yield manager
+
+    @contextmanager
+    def _running(self, manager: ContinuousBatchingManager, warmup: bool, block: bool, timeout: float | None,
+                 persistent_manager: bool) -> Iterator[ContinuousBatchingManager]:
         if warmup:
             manager.warmup()
         manager.start()
@@ -104,9 +110,9 @@ class ClusterModel:
             check_prompt(ids, f"inputs[{i}]", self.config.vocab_size, self.max_model_len)
         check_max_new_tokens(default_max_new_tokens(gen) if max_new_tokens is None else max_new_tokens,
                              "for every input")
-        with self.continuous_batching_context_manager(gen, continuous_batching_config,
-                                                      persistent_manager=persistent_manager,
-                                                      warmup=warmup) as manager:
+        manager = self.init_continuous_batching(gen, continuous_batching_config)
+        manager.wants_results = True  # before start: every rank gets every output of this batch
+        with self._running(manager, warmup, block=True, timeout=None, persistent_manager=persistent_manager):
             ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps,
                                        **kwargs)
             results: dict[str, GenerationOutput] = {}
@@ -124,7 +130,8 @@ class ClusterModel:
             bar.close()
             if ids is not None:
                 results = {i: results[i] for i in ids if i in results}
-                manager.publish(list(results.values()))
+            else:  # a worker: the driver numbered the requests in input order
+                results = dict(sorted(results.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1])))
             self.last_stats = manager.stats()
         if manager.loop_error is not None and len(results) < len(inputs):
             raise RuntimeError(f"generation stopped early: {manager.loop_error!r}") from manager.loop_error

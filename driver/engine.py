@@ -13,7 +13,7 @@ import numpy as np
 from cluster.config import ResolvedConfig
 from cluster.dist import Groups, send_plan
 from cluster.outputs import RequestStatus
-from cluster.plan import Command, StepPlan
+from cluster.plan import Command, S, StepPlan
 from driver.block_manager import BlockManager
 from driver.request import Request
 from driver.sampler import Sampler
@@ -32,6 +32,7 @@ class Engine:
         self.step_no = 0
         self.weight_version = 0
         self.num_tokens_generated = 0
+        self.rank_states = None  # every rank's state row, as of the last plan (see cluster.plan.S)
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -48,11 +49,15 @@ class Engine:
 
     def send(self, command: Command, data: bytes = b"") -> None:
         """Broadcast a plan that runs no forward. The driver calls it; the workers' loops receive it."""
-        send_plan(StepPlan(command=command, step=self.step_no, weight_version=self.weight_version,
-                           data=data), self.groups)
+        self.rank_states = send_plan(StepPlan(command=command, step=self.step_no,
+                                              weight_version=self.weight_version, data=data), self.groups)
 
-    def step(self) -> list[Request]:
-        """Run one step; returns the requests that got a token or ended during it."""
+    def workers_want_results(self) -> bool:
+        s = self.rank_states
+        return s is not None and bool(s[1:, S.WANTS_RESULTS].any())
+
+    def step(self, data: bytes = b"") -> list[Request]:
+        """Run one step; returns the requests that got a token or ended during it. `data` rides along."""
         batch, impossible = self.scheduler.schedule()
         events = []
         for req in impossible:
@@ -64,7 +69,8 @@ class Engine:
             return events
         batch.sort(key=lambda s: s.num_tokens != 1)  # the decode group goes first
         plan = self._plan(batch)
-        send_plan(plan, self.groups)
+        plan.data = data
+        self.rank_states = send_plan(plan, self.groups)
         logits = self.runner.execute(plan)
         sampled = [s.req for s in batch if s.samples]
         for s in batch:

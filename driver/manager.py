@@ -50,6 +50,8 @@ class ContinuousBatchingManager:
         self.keep_for_next_session = False
         self.destroyed = False
         self.loop_error: BaseException | None = None
+        self.wants_results = False  # a worker whose caller reads results asks the driver for them
+        self._outbox: list[dict] = []  # outputs for the workers that want them, sent with the next plan
         self._ids = iter(range(1 << 62))
         self._lock = threading.Lock()
         if self.effective_config.notes and self.is_driver:
@@ -156,10 +158,14 @@ class ContinuousBatchingManager:
 
     # ---------------------------------------------------------------- results
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output (of `request_id` if given), or None after `timeout` seconds. On a worker rank,
+        results flow to it from its first call on (or from the start, after `wants_results = True`)."""
+        self.wants_results = True
         return self.results.get(request_id, timeout)
 
     def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
         """Every output of one request until its final one (blocking)."""
+        self.wants_results = True
         while True:
             out = self.results.get(request_id, timeout=1.0)
             if out is None:
@@ -171,17 +177,14 @@ class ContinuousBatchingManager:
                 return
 
     def register_result_handler(self, request_id: str, callback: Callable) -> None:
+        """Deliver this request's outputs to `callback` on the caller's asyncio loop; removed when it ends."""
         import asyncio
+        self.wants_results = True
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = asyncio.get_event_loop()
         self.results.register(request_id, callback, loop)
-
-    def publish(self, outputs: list[GenerationOutput]) -> None:
-        """Deliver outputs to every other rank's result list (the driver calls it; the others receive)."""
-        if self.is_driver and self.groups.distributed:
-            self.inbox.put(("publish", msgpack.packb([o.to_dict() for o in outputs])))
 
     # ---------------------------------------------------------------- pause
     @contextmanager
@@ -209,13 +212,15 @@ class ContinuousBatchingManager:
                 if self.stop_event.is_set() and (self.hard or not engine.has_work()):
                     break
                 if engine.has_work():
-                    for req in engine.step():
+                    for req in engine.step(self._take_outbox()):
                         self._emit(req)
+                if self._outbox and not engine.has_work():
+                    engine.send(Command.PUBLISH, self._take_outbox())
             if self.hard:
                 for req in list(self.requests.values()):
                     engine.end(req, RequestStatus.FAILED, "the manager was stopped with hard_stop=True")
                     self._emit(req)
-            engine.send(Command.STOP)
+            engine.send(Command.STOP, self._take_outbox())
         except BaseException as e:  # the loop must never die silently
             self.loop_error = e
             log.exception("lockstep driver loop failed")
@@ -228,7 +233,7 @@ class ContinuousBatchingManager:
             item = self.inbox.get(timeout=IDLE_HEARTBEAT_S) if block else self.inbox.get_nowait()
         except queue.Empty:
             if block:
-                self.engine.send(Command.IDLE)  # keep the workers' waits inside cpu_group_timeout
+                self.engine.send(Command.IDLE, self._take_outbox())  # keeps workers inside cpu_group_timeout
             return
         while True:
             self._handle(item)
@@ -248,23 +253,31 @@ class ContinuousBatchingManager:
             if req is not None and not req.is_finished:
                 self.engine.end(req, RequestStatus.CANCELLED, "cancelled")
                 self._emit(req)
-        elif kind == "publish":
-            self.engine.send(Command.PUBLISH, arg)
 
     def _emit(self, req: Request) -> None:
+        if not (req.is_finished or req.streaming):
+            return
         if req.is_finished:
             with self._lock:
                 self.requests.pop(req.request_id, None)
-            self.results.put(req.output())
-        elif req.streaming:
-            self.results.put(req.output())
+        out = req.output()
+        self.results.put(out)
+        if self.engine.workers_want_results():
+            self._outbox.append(out.to_dict())
+
+    def _take_outbox(self) -> bytes:
+        if not self._outbox:
+            return b""
+        data = msgpack.packb({"outputs": self._outbox})
+        self._outbox = []
+        return data
 
     def _worker_loop(self) -> None:
         try:
-            for plan in worker_loop(self.runner, self.groups, self.gate, self._barrier):
-                if plan.command == Command.PUBLISH:
-                    for d in msgpack.unpackb(plan.data):
-                        self.results.put(GenerationOutput.from_dict(d))
+            for plan in worker_loop(self.runner, self.groups, self.gate, self._barrier,
+                                    lambda: self.wants_results):
+                for d in msgpack.unpackb(plan.data).get("outputs", []):
+                    self.results.put(GenerationOutput.from_dict(d))
         except BaseException as e:
             self.loop_error = e
             log.exception("lockstep worker loop failed")

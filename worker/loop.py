@@ -4,25 +4,31 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
+import numpy as np
+
 from cluster.dist import Groups, recv_plan
 from cluster.pause import PauseGate
-from cluster.plan import Command, StepPlan
+from cluster.plan import STATE_MAGIC, Command, S, StepPlan
 from worker.runner import ModelRunner
 
 
-def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate,
-                barrier: Callable[[], None]) -> Iterator[StepPlan]:
+def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate, barrier: Callable[[], None],
+                wants_results: Callable[[], bool]) -> Iterator[StepPlan]:
     """Every non-driver rank runs it while its manager is started; it returns at STOP.
 
-    Plans that carry data for the caller (PUBLISH, CALL) are yielded; the rest are handled here.
+    Plans that carry data (results, calls) are yielded to the caller; the rest is handled here.
     """
+    state = np.zeros(len(S), np.int64)
+    state[S.MAGIC] = STATE_MAGIC
     while True:
-        plan = recv_plan(groups)
+        state[S.WANTS_RESULTS] = int(wants_results())
+        plan = recv_plan(groups, state)
+        state[S.LAST_STEP] = plan.step
+        if plan.data:
+            yield plan
         if plan.command == Command.STEP:
             runner.execute(plan)
         elif plan.command == Command.PAUSE:
             gate.park(barrier, lambda: True)
         elif plan.command == Command.STOP:
             return
-        elif plan.command in (Command.PUBLISH, Command.CALL):
-            yield plan
