@@ -195,7 +195,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
     else:
-        if device_kind == "cpu":
+        if device_kind == "cpu" and cfg.max_memory_percent is None:
             budget = CPU_KV_CACHE_BYTES
         else:
             frac = cfg.max_memory_percent if cfg.max_memory_percent is not None else 0.9

@@ -30,6 +30,18 @@ def flash_attn_available() -> bool:
         return False
 
 
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class ClusterModel:
     def __init__(self, model: CausalLM, config: Any, generation_config: Any, groups: Groups, dtype: torch.dtype,
                  model_dir: str):
@@ -55,7 +67,7 @@ class ClusterModel:
         heads = KVHeads(self.config, self.model.shard)
         d = head_dim_of(self.config)
         per_token = kv_bytes_per_token(self.config.num_hidden_layers, heads.kv_local, d, self.dtype)
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_host_memory()
         rc = resolve_config(cb, device_kind=self.device.type, max_model_len=self.max_model_len,
                             kv_bytes_per_token=per_token, free_bytes=free, flash_available=flash_attn_available())
         rc.num_blocks = agree_min(rc.num_blocks, self.groups)

@@ -15,16 +15,17 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import msgpack
+import numpy as np
 
 from cluster.config import ContinuousBatchingConfig, IDLE_HEARTBEAT_S
-from cluster.dist import agree_all_ok
+from cluster.dist import agree_all_ok, recv_plan, send_plan
 from cluster.outputs import GenerationOutput, RequestStatus
 from cluster.pause import PauseGate
 from cluster.plan import Command
 from driver.engine import Engine
 from driver.request import Request
 from driver.results import ResultRouter
-from driver.validation import build_request
+from driver.validation import build_request, supported_generation_config
 from worker.loop import worker_loop
 
 log = logging.getLogger("lockstep")
@@ -34,8 +35,9 @@ class ContinuousBatchingManager:
     def __init__(self, model: Any, generation_config: Any, continuous_batching_config: ContinuousBatchingConfig):
         """Every rank calls it (the cache size is agreed over the control group)."""
         self.model = model
-        self.generation_config = generation_config
         self.config = continuous_batching_config
+        self.generation_config = supported_generation_config(generation_config,
+                                                             continuous_batching_config.drop_unsupported_processors)
         self.runner, self.effective_config, self.groups = model.build_runner(continuous_batching_config)
         self.is_driver = self.groups.is_driver
         self.engine = Engine(self.runner, self.effective_config, self.groups, self.config.seed) \
@@ -75,8 +77,16 @@ class ContinuousBatchingManager:
         return self.thread is not None and self.thread.is_alive()
 
     def warmup(self) -> None:
-        """Run one padded step on every rank so first-request latency carries no one-time costs."""
-        # On CPU there are no graphs to capture; the first real step pays the allocator's warm-up.
+        """Run one padded step on the scratch block, so the first request pays no one-time costs.
+        Every rank calls it, before `start` (it is a no-op while the loop runs)."""
+        if self.is_running():
+            return
+        plan = self.runner.warmup_plan()
+        if self.is_driver:
+            send_plan(plan, self.groups)
+        elif self.groups.distributed:
+            plan = recv_plan(self.groups, np.zeros(0, np.int64))
+        self.runner.execute(plan)
 
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
              hard_stop: bool = False) -> None:
@@ -206,8 +216,10 @@ class ContinuousBatchingManager:
                 self._drain_inbox(block=not engine.has_work() and not self.stop_event.is_set()
                                   and not self.gate.requested)
                 if self.gate.requested:
-                    engine.send(Command.PAUSE)
+                    engine.send(Command.PAUSE, self._take_outbox())
                     self.gate.park(self._barrier, lambda: True)
+                    # the holders may have changed the weights: cached prefixes no longer match them
+                    engine.blocks.forget_cached_prefixes()
                     continue
                 if self.stop_event.is_set() and (self.hard or not engine.has_work()):
                     break

@@ -8,6 +8,12 @@ from cluster.config import DEFAULT_MAX_NEW_TOKENS
 from driver.request import Request, SamplingParams
 
 SAMPLING_KWARGS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+# GenerationConfig fields that would need a logits processor Lockstep does not have
+UNSUPPORTED_PROCESSORS = ("min_length", "min_new_tokens", "no_repeat_ngram_size", "bad_words_ids", "force_words_ids",
+                          "typical_p", "epsilon_cutoff", "eta_cutoff", "min_p", "diversity_penalty",
+                          "encoder_repetition_penalty", "exponential_decay_length_penalty", "suppress_tokens",
+                          "begin_suppress_tokens", "sequence_bias", "guidance_scale", "renormalize_logits",
+                          "forced_bos_token_id", "forced_eos_token_id", "num_beams", "num_return_sequences")
 
 
 def check_prompt(input_ids: Any, request_id: str, vocab_size: int, max_model_len: int) -> list[int]:
@@ -80,3 +86,34 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
     return Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=mnt, eos_token_ids=eos,
                    sampling=sampling, streaming=streaming, record_timestamps=record_timestamps,
                    return_logprobs=manager.config.return_logprobs)
+
+
+def unsupported_processors(generation_config: Any) -> list[str]:
+    """The GenerationConfig fields set away from their defaults that Lockstep cannot honour."""
+    from transformers import GenerationConfig
+
+    default = GenerationConfig()
+    return [name for name in UNSUPPORTED_PROCESSORS
+            if getattr(generation_config, name, None) not in (None, getattr(default, name, None))]
+
+
+def supported_generation_config(generation_config: Any, drop: bool) -> Any:
+    """`generation_config` without unsupported processors (drop=True, with a warning), or ValueError."""
+    import copy
+    import warnings
+
+    from transformers import GenerationConfig
+
+    names = unsupported_processors(generation_config)
+    if not names:
+        return generation_config
+    if not drop:
+        raise ValueError(f"generation_config sets {names}, which Lockstep does not support "
+                         f"(drop_unsupported_processors=False)")
+    warnings.warn(f"dropping unsupported generation settings {names} (drop_unsupported_processors=True)",
+                  stacklevel=3)
+    cleaned = copy.deepcopy(generation_config)
+    default = GenerationConfig()
+    for name in names:
+        setattr(cleaned, name, getattr(default, name, None))
+    return cleaned

@@ -28,13 +28,13 @@ def model_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def make_checkpoint(model_root):
-    """make_checkpoint(arch, **overrides) -> directory, made once per session."""
+    """make_checkpoint(arch, seed=0, **overrides) -> directory, made once per session."""
 
-    def get(arch: str = "llama", **overrides) -> Path:
-        key = (arch, tuple(sorted(overrides.items())))
+    def get(arch: str = "llama", seed: int = 0, **overrides) -> Path:
+        key = (arch, seed, tuple(sorted(overrides.items())))
         if key not in _MODELS:
-            name = arch + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
-            _MODELS[key] = make_model(model_root / name, arch=arch, size="tiny", seed=0, **overrides)
+            name = f"{arch}-seed{seed}" + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+            _MODELS[key] = make_model(model_root / name, arch=arch, size="tiny", seed=seed, **overrides)
         return _MODELS[key]
 
     return get

@@ -133,6 +133,12 @@ class ModelRunner:
         slots = tables[:, cols] * page + j % page
         return np.where(j[None, :] < kv_lens[:, None], slots, self.cache.scratch_slot)
 
+    def warmup_plan(self) -> StepPlan:
+        """A one-token decode step that reads and writes only the scratch block."""
+        one = np.ones(1, np.int32)
+        return StepPlan(input_ids=np.zeros(1, np.int32), q_lens=one, kv_lens=one, sample=one,
+                        block_tables=np.full((1, 1), self.cache.scratch_block, np.int32))
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one step. Every rank calls it with the same plan; the driver gets [sampled seqs, vocab] logits."""
