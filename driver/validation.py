@@ -75,11 +75,16 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
     if unknown:
         raise ValueError(f"request {request_id}: unknown generation parameter(s) {sorted(unknown)}")
     sampling = sampling_from(gen)
-    if kwargs and manager.config.per_request_processors:
-        for k, v in kwargs.items():
-            setattr(sampling, k, v)
-    elif kwargs.get("seed") is not None:
+    if kwargs.get("seed") is not None:
         sampling.seed = kwargs["seed"]
+    processors = {k: v for k, v in kwargs.items() if k != "seed"}
+    if processors and manager.config.per_request_processors:
+        for k, v in processors.items():
+            setattr(sampling, k, v)
+    elif processors:
+        import warnings
+        warnings.warn(f"request {request_id}: {sorted(processors)} ignored: per-request processor parameters "
+                      f"need ContinuousBatchingConfig(per_request_processors=True)", stacklevel=3)
     if sampling.temperature <= 0 and sampling.do_sample:
         raise ValueError(f"request {request_id}: temperature must be > 0 when sampling")
     eos = eos_set(eos_token_id if eos_token_id is not None else getattr(gen, "eos_token_id", None))

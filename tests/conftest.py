@@ -63,10 +63,12 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int = NEW_T
 
 def run_ranks(script: str, args: list[str], nproc: int = 2, timeout: float = 300,
               env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run tests/scripts/<script> on `nproc` ranks with torchrun; kill the whole group on timeout."""
+    """Run `script` (a path, or a name in tests/scripts) on `nproc` ranks with torchrun; kill the whole group
+    on timeout."""
+    path = Path(script) if os.path.isabs(script) else REPO / "tests" / "scripts" / script
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(REPO / "tests" / "scripts" / script), *args]
+           str(path), *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                             start_new_session=True)
