@@ -1,26 +1,18 @@
 """Offline throughput: Lockstep's generate_batch against transformers' own, on one random-token workload.
 
-Run it alone (TP=1) or under torchrun (every rank runs this script):
+    python benchmarks/throughput.py --model models/small                            # TP=1
+    torchrun --nproc-per-node 2 benchmarks/throughput.py --model models/small      # TP=2, every rank runs it
 
-    python benchmarks/throughput.py --model models/small
-    torchrun --nproc-per-node 2 benchmarks/throughput.py --model models/small
+A missing checkpoint is written first by rank 0 (launch.make_model llama/small, seed 0); other ranks wait.
+Each engine gets a warm-up call (4 short prompts), then one timed generate_batch call on the workload: `wall s`
+is that call (manager, KV cache and all, as a user pays it), `setup s` its part before the first forward. EOS is
+disabled, so every request must produce exactly --new-tokens tokens: checked, printed, exit status 1 if not.
+Both engines get the same ContinuousBatchingConfig fields (--max-batch-tokens, --num-blocks; None = default).
 
-If --model names a directory without a checkpoint, rank 0 writes the "small" Llama there first
-(launch.make_model, seed 0) and the other ranks wait for it.
-
-Each engine gets one warm-up call (a few short prompts), then one timed generate_batch call on the whole
-workload; `wall s` is that call's wall time (it includes building the manager and its KV cache, as a user
-pays it), `setup s` is the part of it before the first forward. Every request must produce exactly
---new-tokens tokens (EOS is disabled); the counts are printed and checked.
-
-Lockstep's forward-only figures: every ModelRunner.execute(plan) of the timed run is timed and its StepPlan
-kept, on every rank. "execute() in the run" is rank 0's summed execute time (padding of the plan into static
-buffers + the sharded forward + the logits gather; no scheduling, sampling or plan broadcast). "replay" runs
-the same plans again through execute() back to back on all ranks, after the run: the engine's forward cost
-with nothing else in between.
-
-Thread settings are left alone (torchrun sets OMP_NUM_THREADS=1 per rank); they are printed.
-See docs/benchmarks.md.
+Lockstep's forward-only figures: every ModelRunner.execute(plan) of the timed call is timed and its plan kept,
+on every rank. "execute() in the run" sums rank 0's (plan -> static buffers, sharded forward, logits gather; no
+scheduling, sampling or plan broadcast); "replay" runs the kept plans through execute() again back to back on
+every rank. Thread settings are only printed (torchrun sets OMP_NUM_THREADS=1). See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -74,7 +66,7 @@ def ensure_model(model_dir: Path, wait_s: float = 900.0) -> None:
     deadline = time.monotonic() + wait_s
     while not (model_dir / "config.json").exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {RANK}: no checkpoint appeared in {model_dir} after {wait_s:.0f}s")
+            raise TimeoutError(f"rank {RANK}: no checkpoint in {model_dir} after {wait_s:.0f}s")
         time.sleep(0.5)
 
 
@@ -90,10 +82,6 @@ def gen_config(max_new_tokens: int):
     from transformers import GenerationConfig
 
     return GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max_new_tokens)
-
-
-def counts_of(out: dict) -> list[int]:
-    return [len(o.generated_tokens) for o in out.values()]
 
 
 def timed_call(model, prompts, args, cb_config, first_forward: list) -> tuple[dict, float, float]:
@@ -129,8 +117,8 @@ def run_lockstep(args, prompts, warm) -> dict:
             rec["runner"] = self
         return out
 
-    def cb():
-        return cluster.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
+    cb = lambda: cluster.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens,  # noqa: E731
+                                                  num_blocks=args.num_blocks)
 
     ModelRunner.execute = recording_execute
     try:
@@ -149,19 +137,16 @@ def run_lockstep(args, prompts, warm) -> dict:
         runner.execute(plan)
     replay = time.perf_counter() - t0
     barrier()
-    result = dict(engine="lockstep", counts=counts_of(out), wall=wall, setup=setup,
+    rc = runner.rc
+    result = dict(engine="lockstep", counts=[len(o.generated_tokens) for o in out.values()], wall=wall, setup=setup,
                   threads=torch.get_num_threads(), steps=len(plans), exec_s=sum(rec["times"]), replay_s=replay,
-                  query_tokens=sum(int(p.q_lens.sum()) for p in plans), config=model_config_note(runner))
+                  query_tokens=sum(int(p.q_lens.sum()) for p in plans),
+                  config=f"max_batch_tokens={rc.max_batch_tokens} max_requests_per_batch={rc.max_requests_per_batch} "
+                         f"num_blocks={rc.num_blocks} page_size={rc.page_size} q_padding={rc.q_padding} "
+                         f"kv_padding={rc.kv_padding}")
     del out, model, runner, plans, rec
     gc.collect()
     return result
-
-
-def model_config_note(runner) -> str:
-    rc = runner.rc
-    return (f"max_batch_tokens={rc.max_batch_tokens} max_requests_per_batch={rc.max_requests_per_batch} "
-            f"num_blocks={rc.num_blocks} page_size={rc.page_size} q_padding={rc.q_padding} "
-            f"kv_padding={rc.kv_padding}")
 
 
 def run_transformers(args, prompts, warm) -> dict:
@@ -180,21 +165,27 @@ def run_transformers(args, prompts, warm) -> dict:
     hook = model.register_forward_pre_hook(
         lambda *_: first_forward.append(time.perf_counter()) if not first_forward else None)
 
-    def cb():
-        return transformers.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens,
-                                                     num_blocks=args.num_blocks)
+    cb = lambda: transformers.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens,  # noqa: E731
+                                                       num_blocks=args.num_blocks)
 
+    managers = []  # to report the config the manager resolved (its defaults filled in)
+    init = model.init_continuous_batching
+    model.init_continuous_batching = lambda *a, **k: managers.append(init(*a, **k)) or managers[-1]
     model.generate_batch(warm, generation_config=gen_config(8), continuous_batching_config=cb(), max_new_tokens=8)
     out, wall, setup = timed_call(model, prompts, args, cb, first_forward)
     hook.remove()
-    result = dict(engine="transformers", counts=counts_of(out), wall=wall, setup=setup,
-                  threads=torch.get_num_threads(), config=f"attn={model.config._attn_implementation}")
-    del out, model
+    c = managers[-1].continuous_batching_config
+    note = (f"max_batch_tokens={c.max_batch_tokens} max_requests_per_batch={c.max_requests_per_batch} "
+            f"num_blocks={c.num_blocks} page_size={c.page_size} attn={model.config._attn_implementation}")
+    result = dict(engine="transformers", counts=[len(o.generated_tokens) for o in out.values()], wall=wall, setup=setup,
+                  threads=torch.get_num_threads(), config=note)
+    del out, model, managers, init, c
     gc.collect()
     return result
 
 
-def report(args, results: list[dict]) -> None:
+def report(args, results: list[dict]) -> bool:
+    """Print the table and notes on rank 0; True when every request produced exactly --new-tokens tokens."""
     say(f"\nworkload: {args.num_prompts} prompts, lengths U[{args.min_len}, {args.max_len}] (seed {args.seed}), "
         f"{args.new_tokens} new tokens each, greedy, EOS disabled; both configs get "
         f"max_batch_tokens={args.max_batch_tokens} num_blocks={args.num_blocks} (None = each engine's default)")
@@ -208,9 +199,11 @@ def report(args, results: list[dict]) -> None:
         say(f"{r['engine']:<13} {WORLD:>2} {len(r['counts']):>8} {tokens:>10} {r['wall']:>8.2f} "
             f"{r['setup']:>8.2f} {r['tps']:>8.1f} {r['threads']:>7}")
     say("")
+    all_exact = True
     for r in results:
         c = r["counts"]
         exact = all(n == args.new_tokens for n in c) and len(c) == args.num_prompts
+        all_exact &= exact
         say(f"{r['engine']}: tokens per request min {min(c)} max {max(c)} over {len(c)} requests "
             f"({'all exactly' if exact else 'NOT all'} {args.new_tokens}); {r['config']}")
     by = {r["engine"]: r for r in results}
@@ -219,11 +212,12 @@ def report(args, results: list[dict]) -> None:
     if "lockstep" in by:
         r = by["lockstep"]
         tokens = sum(r["counts"])
-        say(f"lockstep forward-only ({r['steps']} steps, {r['query_tokens']} query tokens incl. decode):")
+        say(f"lockstep forward-only ({r['steps']} execute() calls, {r['query_tokens']} query tokens):")
         say(f"  execute() in the run, rank 0: {r['exec_s']:.2f} s = {100 * r['exec_s'] / r['wall']:.0f}% of wall "
             f"-> {tokens / r['exec_s']:.1f} tok/s if nothing else took time")
         say(f"  replay of the same plans    : {r['replay_s']:.2f} s -> {tokens / r['replay_s']:.1f} tok/s "
             f"(pad into static buffers + sharded forward + logits gather, back to back)")
+    return all_exact
 
 
 def main() -> int:
@@ -258,9 +252,9 @@ def main() -> int:
     results = [run_lockstep(args, prompts, warm)]
     if not args.skip_transformers:
         results.append(run_transformers(args, prompts, warm))
-    report(args, results)
+    ok = report(args, results)
     barrier()
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

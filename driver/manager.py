@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -18,6 +19,7 @@ import msgpack
 import numpy as np
 
 from cluster.config import ContinuousBatchingConfig, IDLE_HEARTBEAT_S
+from cluster.liveness import Liveness
 from cluster.dist import agree_all_ok, recv_plan, send_plan
 from cluster.outputs import GenerationOutput, RequestStatus
 from cluster.pause import PauseGate
@@ -49,9 +51,12 @@ class ContinuousBatchingManager:
         self.thread: threading.Thread | None = None
         self.stop_event = threading.Event()
         self.hard = False
+        self.held = False  # scheduling held by a client's pause: requests queue, nothing steps
         self.keep_for_next_session = False
         self.destroyed = False
         self.loop_error: BaseException | None = None
+        self.failure: str | None = None  # what the loop died of, naming the rank when it can
+        self.liveness: Liveness | None = None
         self.wants_results = False  # a worker whose caller reads results asks the driver for them
         self._outbox: list[dict] = []  # outputs for the workers that want them, sent with the next plan
         self._ids = iter(range(1 << 62))
@@ -69,6 +74,8 @@ class ContinuousBatchingManager:
         self.stop_event.clear()
         self.hard = False
         self.loop_error = None
+        if self.liveness is None and self.groups.distributed:
+            self.liveness = Liveness(self.groups).start()
         target = self._driver_loop if self.is_driver else self._worker_loop
         self.thread = threading.Thread(target=target, name="lockstep-loop", daemon=True)
         self.thread.start()
@@ -93,6 +100,7 @@ class ContinuousBatchingManager:
         """Flush what is queued and stop (hard_stop: fail it). Every rank calls it; the driver decides."""
         self.keep_for_next_session = keep_for_next_session
         self.hard = hard_stop
+        self.held = False
         self.stop_event.set()
         self.inbox.put(None)  # wake the loop
         if block:
@@ -113,6 +121,8 @@ class ContinuousBatchingManager:
         self.destroyed = True
         if getattr(self.model, "persistent_manager", None) is self:
             self.model.persistent_manager = None
+        if self.liveness is not None:
+            self.liveness.stop()
         if self.groups is not self.model.groups:
             self.groups.destroy()
         self.runner = None
@@ -205,6 +215,12 @@ class ContinuousBatchingManager:
         with self.gate.hold(self.is_running):
             yield
 
+    def hold_scheduling(self, hold: bool) -> None:
+        """Stop (or restart) stepping without parking the ranks: the serving pause. In-flight requests keep
+        their KV and new ones queue; workers keep receiving heartbeats, so a hold may last any time."""
+        self.held = hold
+        self.inbox.put(None)
+
     def _barrier(self) -> None:
         agree_all_ok(True, self.groups)
 
@@ -213,8 +229,8 @@ class ContinuousBatchingManager:
         engine = self.engine
         try:
             while True:
-                self._drain_inbox(block=not engine.has_work() and not self.stop_event.is_set()
-                                  and not self.gate.requested)
+                idle = self.held or not engine.has_work()
+                self._drain_inbox(block=idle and not self.stop_event.is_set() and not self.gate.requested)
                 if self.gate.requested:
                     engine.send(Command.PAUSE, self._take_outbox())
                     self.gate.park(self._barrier, lambda: True)
@@ -223,9 +239,11 @@ class ContinuousBatchingManager:
                     continue
                 if self.stop_event.is_set() and (self.hard or not engine.has_work()):
                     break
-                if engine.has_work():
+                if engine.has_work() and not self.held:
                     for req in engine.step(self._take_outbox()):
                         self._emit(req)
+                    if self.liveness:
+                        self.liveness.step = engine.step_no
                 if self._outbox and not engine.has_work():
                     engine.send(Command.PUBLISH, self._take_outbox())
             if self.hard:
@@ -235,9 +253,12 @@ class ContinuousBatchingManager:
             engine.send(Command.STOP, self._take_outbox())
         except BaseException as e:  # the loop must never die silently
             self.loop_error = e
-            log.exception("lockstep driver loop failed")
+            self.failure = (self.liveness.describe_failure(engine.step_no, e) if self.liveness
+                            else f"driver loop failed at step {engine.step_no}: {e!r}")
+            log.error("lockstep driver loop failed: %s", self.failure)
             for req in list(self.requests.values()):
-                req.status, req.error = RequestStatus.FAILED, f"driver loop failed: {e!r}"
+                req.status, req.error = RequestStatus.FAILED, self.failure
+                req.end_time = time.perf_counter()
                 self._emit(req)
 
     def _drain_inbox(self, block: bool) -> None:
@@ -287,7 +308,7 @@ class ContinuousBatchingManager:
     def _worker_loop(self) -> None:
         try:
             for plan in worker_loop(self.runner, self.groups, self.gate, self._barrier,
-                                    lambda: self.wants_results):
+                                    lambda: self.wants_results, self.liveness):
                 for d in msgpack.unpackb(plan.data).get("outputs", []):
                     self.results.put(GenerationOutput.from_dict(d))
         except BaseException as e:

@@ -19,9 +19,11 @@ class ResultRouter:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.pending: deque[GenerationOutput] = deque()
-        self.handlers: dict[str, tuple[asyncio.AbstractEventLoop, Callable]] = {}
+        self.handlers: dict[str, tuple[asyncio.AbstractEventLoop | None, Callable]] = {}
 
-    def register(self, request_id: str, callback: Callable, loop: asyncio.AbstractEventLoop) -> None:
+    def register(self, request_id: str, callback: Callable, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Send the request's outputs to `callback`: through `loop` (call_soon_threadsafe), or, with no loop,
+        directly from the manager's loop thread (the callback must be quick and thread-safe)."""
         with self.cond:
             self.handlers[request_id] = (loop, callback)
             # anything that arrived before the handler goes to it, in order
@@ -44,8 +46,14 @@ class ResultRouter:
             loop, callback = self.handlers[out.request_id]
             if out.is_finished():
                 del self.handlers[out.request_id]
-        if not loop.is_closed():
+        if loop is None:
+            callback(out)
+        elif not loop.is_closed():
             loop.call_soon_threadsafe(callback, out)
+
+    def unregister(self, request_id: str) -> None:
+        with self.cond:
+            self.handlers.pop(request_id, None)
 
     def get(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The oldest output (of `request_id`, if given); None after `timeout` seconds."""

@@ -7,13 +7,14 @@ from typing import Callable, Iterator
 import numpy as np
 
 from cluster.dist import Groups, recv_plan
+from cluster.liveness import Liveness
 from cluster.pause import PauseGate
 from cluster.plan import STATE_MAGIC, Command, S, StepPlan
 from worker.runner import ModelRunner
 
 
 def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate, barrier: Callable[[], None],
-                wants_results: Callable[[], bool]) -> Iterator[StepPlan]:
+                wants_results: Callable[[], bool], liveness: Liveness | None = None) -> Iterator[StepPlan]:
     """Every non-driver rank runs it while its manager is started; it returns at STOP.
 
     Plans that carry data (results, calls) are yielded to the caller; the rest is handled here.
@@ -24,6 +25,8 @@ def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate, barrier: C
         state[S.WANTS_RESULTS] = int(wants_results())
         plan = recv_plan(groups, state)
         state[S.LAST_STEP] = plan.step
+        if liveness is not None:
+            liveness.step = plan.step
         if plan.data:
             yield plan
         if plan.command == Command.STEP:

@@ -1,0 +1,147 @@
+"""The wire format between clients and the driver's front door: msgpack maps over ZeroMQ, versioned.
+
+Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSION), `kind`, and `mid`
+(the client's message id, echoed in the reply). docs/protocol.md is the written contract; this module is
+its only implementation, shared by the server and every client. Decoding is strict (size limits, map keys
+must be strings) and never runs code: nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+DEFAULT_MAX_FRAME_BYTES = 4 << 20
+
+# client -> server
+SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PING, BYE = (
+    "submit", "cancel", "pause", "resume", "update_weights", "stats", "health", "ping", "bye")
+CLIENT_KINDS = (SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PING, BYE)
+# server -> client
+ACCEPTED, REJECTED, TOKENS, FINAL, REPLY, ERROR = "accepted", "rejected", "tokens", "final", "reply", "error"
+
+SAMPLING_FIELDS = {"do_sample": bool, "temperature": (int, float), "top_k": int, "top_p": (int, float),
+                   "repetition_penalty": (int, float), "seed": int}
+
+
+class Code:
+    """Error codes of `rejected` and `error` replies."""
+
+    BAD_FRAME = "bad_frame"  # not msgpack, or not a map
+    FRAME_TOO_LARGE = "frame_too_large"
+    BAD_VERSION = "bad_version"
+    UNKNOWN_KIND = "unknown_kind"
+    BAD_FIELD = "bad_field"  # a field missing or of the wrong type
+    EMPTY_PROMPT = "empty_prompt"
+    TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    BAD_MAX_NEW_TOKENS = "bad_max_new_tokens"
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"
+    UNKNOWN_REQUEST = "unknown_request"
+    QUEUE_FULL = "queue_full"
+    NO_TOKENIZER = "no_tokenizer"
+    UNSUPPORTED = "unsupported"
+    RANK_FAILED = "rank_failed"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str, mid: Any = None, request_id: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.mid, self.request_id = code, message, mid, request_id
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, **fields}, use_bin_type=True)
+
+
+def unpack_map(frame: bytes, max_frame_bytes: int, max_map_len: int = 64) -> dict[str, Any]:
+    """A msgpack map under strict limits, or ProtocolError."""
+    if len(frame) > max_frame_bytes:
+        raise ProtocolError(Code.FRAME_TOO_LARGE, f"frame of {len(frame)} bytes exceeds {max_frame_bytes}")
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True,
+                              max_str_len=1 << 20, max_bin_len=max_frame_bytes, max_array_len=1 << 20,
+                              max_map_len=max_map_len, max_ext_len=0)
+    except Exception as e:  # msgpack raises several types for bad input
+        raise ProtocolError(Code.BAD_FRAME, f"not a msgpack frame: {type(e).__name__}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(Code.BAD_FRAME, f"a message must be a map, got {type(msg).__name__}")
+    return msg
+
+
+def decode_reply(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> dict[str, Any]:
+    """A server message, as a client reads it."""
+    return unpack_map(frame, max_frame_bytes, max_map_len=1 << 16)
+
+
+def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> dict[str, Any]:
+    """A client message, or ProtocolError naming what is wrong with the frame."""
+    msg = unpack_map(frame, max_frame_bytes)
+    mid = msg.get("mid")
+    if not isinstance(mid, (int, str, type(None))) or isinstance(mid, bool):
+        raise ProtocolError(Code.BAD_FIELD, "mid must be an integer or a string")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(Code.BAD_VERSION, f"protocol version {msg.get('v')!r}; this server speaks "
+                                              f"{PROTOCOL_VERSION}", mid)
+    if msg.get("kind") not in CLIENT_KINDS:
+        raise ProtocolError(Code.UNKNOWN_KIND, f"unknown message kind {msg.get('kind')!r}", mid)
+    return msg
+
+
+@dataclass
+class Submit:
+    """A checked submit message (types only; the prompt's content is checked by the engine's rules)."""
+
+    mid: Any
+    request_id: str | None
+    input_ids: list[int] | None
+    text: str | None
+    max_new_tokens: int | None
+    streaming: bool
+    sampling: dict[str, Any]
+    eos_token_id: int | list[int] | None
+
+
+def field(msg: dict, name: str, types: Any, default: Any = None, required: bool = False) -> Any:
+    if name not in msg or msg[name] is None:
+        if required:
+            raise ProtocolError(Code.BAD_FIELD, f"field {name!r} is required", msg.get("mid"))
+        return default
+    value = msg[name]
+    if isinstance(value, bool) and types is not bool and bool not in (types if isinstance(types, tuple) else ()):
+        raise ProtocolError(Code.BAD_FIELD, f"field {name!r} must be {_names(types)}, got bool", msg.get("mid"))
+    if not isinstance(value, types):
+        raise ProtocolError(Code.BAD_FIELD, f"field {name!r} must be {_names(types)}, got "
+                                            f"{type(value).__name__}", msg.get("mid"))
+    return value
+
+
+def _names(types: Any) -> str:
+    return " or ".join(t.__name__ for t in types) if isinstance(types, tuple) else types.__name__
+
+
+def parse_submit(msg: dict) -> Submit:
+    mid = msg.get("mid")
+    ids = field(msg, "input_ids", list)
+    text = field(msg, "text", str)
+    if (ids is None) == (text is None):
+        raise ProtocolError(Code.BAD_FIELD, "a submit carries exactly one of input_ids and text", mid)
+    if ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ProtocolError(Code.BAD_FIELD, "input_ids must be a list of integers", mid)
+    sampling = field(msg, "sampling", dict, default={})
+    for k, v in sampling.items():
+        if k not in SAMPLING_FIELDS:
+            raise ProtocolError(Code.BAD_FIELD, f"unknown sampling parameter {k!r}", mid)
+        field(sampling | {"mid": mid}, k, SAMPLING_FIELDS[k])
+    eos = msg.get("eos_token_id")
+    if eos is not None and not (isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(e, int)
+                                                                                       for e in eos))):
+        raise ProtocolError(Code.BAD_FIELD, "eos_token_id must be an integer or a list of integers", mid)
+    return Submit(mid=mid, request_id=field(msg, "request_id", str), input_ids=ids, text=text,
+                  max_new_tokens=field(msg, "max_new_tokens", int), streaming=field(msg, "streaming", bool, False),
+                  sampling=sampling, eos_token_id=eos)
