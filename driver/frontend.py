@@ -25,8 +25,9 @@ from cluster.outputs import GenerationOutput, RequestStatus
 
 log = logging.getLogger("lockstep")
 
+# the engine's ValueError messages -> wire codes (first match wins)
 VALUE_ERROR_CODES = (("the prompt is empty", P.Code.EMPTY_PROMPT), ("outside the vocabulary", P.Code.TOKEN_OUT_OF_VOCAB),
-                     ("the model's context", P.Code.PROMPT_TOO_LONG), ("max_new_tokens", P.Code.BAD_MAX_NEW_TOKENS),
+                     ("max_new_tokens", P.Code.BAD_MAX_NEW_TOKENS), ("the model's context", P.Code.PROMPT_TOO_LONG),
                      ("already in flight", P.Code.DUPLICATE_REQUEST_ID))
 
 

@@ -71,6 +71,9 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
     prompt = check_prompt(input_ids, request_id, manager.model.config.vocab_size, rc.max_model_len)
     mnt = check_max_new_tokens(default_max_new_tokens(gen) if max_new_tokens is None else max_new_tokens,
                                request_id)
+    if len(prompt) + mnt > rc.max_model_len:
+        raise ValueError(f"request {request_id}: max_new_tokens={mnt} with a prompt of {len(prompt)} tokens goes "
+                         f"beyond the model's context of {rc.max_model_len}")
     unknown = set(kwargs) - set(SAMPLING_KWARGS)
     if unknown:
         raise ValueError(f"request {request_id}: unknown generation parameter(s) {sorted(unknown)}")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch import make_model
+from launch import client_verbs, make_model
 from launch.torchrun import torchrun_command
 
 DEFAULT_MODEL = Path("models/tiny-llama")
@@ -31,6 +31,36 @@ def run_main_job(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, env=env if args.tp > 1 else None)
 
 
+def run_ranks(args: argparse.Namespace, module: str, extra: list[str]) -> int:
+    """Start `module` on args.tp local ranks through torch's launcher (multi-node when --nnodes > 1)."""
+    cmd = torchrun_command(args.tp, module, extra)
+    if getattr(args, "nnodes", 1) > 1:
+        at = cmd.index("--master-addr")
+        cmd[at:at + 4] = ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank),
+                          "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
+    if getattr(args, "max_restarts", 0):
+        cmd[3:3] = ["--max-restarts", str(args.max_restarts)]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    os.execve(cmd[0], cmd, env)  # signals go straight to the launcher
+
+
+def serve(args: argparse.Namespace) -> int:
+    extra = ["--model", args.model]
+    if args.config:
+        extra += ["--config", args.config]
+    if args.address:
+        extra += ["--address", args.address]
+    return run_ranks(args, "launch.serve", extra)
+
+
+def generate(args: argparse.Namespace) -> int:
+    extra = ["--model", args.model, "--input", args.input, "--output", args.output,
+             "--max-new-tokens", str(args.max_new_tokens)]
+    if args.config:
+        extra += ["--config", args.config]
+    return run_ranks(args, "launch.generate", extra)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lockstep", description="tensor-parallel LLM serving")
     sub = p.add_subparsers(dest="verb", required=True)
@@ -47,6 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--config", help="a TOML preset from configs/")
     run.set_defaults(func=run_main_job)
 
+    sv = sub.add_parser("serve", help="start the ranks and serve requests over ZeroMQ")
+    sv.add_argument("--model", required=True)
+    sv.add_argument("--tp", type=int, default=1)
+    sv.add_argument("--config", help="a TOML preset ([continuous_batching] and [serve] tables)")
+    sv.add_argument("--address", help="bind address (default tcp://127.0.0.1:5555)")
+    sv.add_argument("--nnodes", type=int, default=1)
+    sv.add_argument("--node-rank", type=int, default=0)
+    sv.add_argument("--rdzv-endpoint", default="127.0.0.1:29400", help="host:port of the rendezvous (multi-node)")
+    sv.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole group after a failure")
+    sv.set_defaults(func=serve)
+
+    gen = sub.add_parser("generate", help="offline batch: JSONL prompts in, JSONL outputs out")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--input", required=True)
+    gen.add_argument("--output", required=True)
+    gen.add_argument("--tp", type=int, default=1)
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--config")
+    gen.set_defaults(func=generate)
+
+    client_verbs.add_parsers(sub)
     args = p.parse_args(argv)
     return args.func(args)
 

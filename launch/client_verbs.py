@@ -1,0 +1,83 @@
+"""CLI verbs that talk to a running cluster: `submit`, `stats`, `health`, `update-weights`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cluster.protocol import DEFAULT_ADDRESS
+
+
+def _client(args: argparse.Namespace):
+    from cluster.client import Client
+
+    return Client(args.address, timeout=args.timeout)
+
+
+def submit(args: argparse.Namespace) -> int:
+    from cluster.client import ClientError
+
+    params = {"max_new_tokens": args.max_new_tokens}
+    if args.temperature is not None:
+        params.update(do_sample=True, temperature=args.temperature)
+    source = {"text": args.text} if args.text is not None else {
+        "input_ids": [int(t) for t in args.input_ids.split(",")]}
+    with _client(args) as c:
+        try:
+            if args.stream:
+                for out in c.stream(source.get("input_ids"), text=source.get("text"), **params):
+                    print(json.dumps({"request_id": out.request_id, "generated_tokens": out.generated_tokens,
+                                      "status": out.status.name}), flush=True)
+            else:
+                out = c.generate(source.get("input_ids"), text=source.get("text"), **params)
+                print(json.dumps(out.to_dict()))
+        except ClientError as e:
+            print(json.dumps({"error": e.code, "message": e.message}), file=sys.stderr)
+            return 2
+    return 0
+
+
+def stats(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        print(json.dumps(c.stats() if args.verb == "stats" else c.health(), indent=2))
+    return 0
+
+
+def update_weights(args: argparse.Namespace) -> int:
+    from cluster.client import ClientError
+
+    with _client(args) as c:
+        try:
+            print(json.dumps(c.update_weights(args.path, kv_policy=args.kv_policy), indent=2))
+        except ClientError as e:
+            print(json.dumps({"error": e.code, "message": e.message}), file=sys.stderr)
+            return 2
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--address", default=DEFAULT_ADDRESS)
+        p.add_argument("--timeout", type=float, default=600.0)
+
+    p = sub.add_parser("submit", help="send one request to a running cluster and print its output")
+    common(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input-ids", help="comma-separated token ids")
+    src.add_argument("--text", help="text (the checkpoint needs a tokenizer)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--stream", action="store_true", help="print one line per generated token")
+    p.set_defaults(func=submit)
+
+    for verb, text in (("stats", "the driver's counters"), ("health", "whether the cluster serves")):
+        p = sub.add_parser(verb, help=f"print {text} as JSON")
+        common(p)
+        p.set_defaults(func=stats)
+
+    p = sub.add_parser("update-weights", help="load new weights into a running cluster")
+    common(p)
+    p.add_argument("path", help="a checkpoint directory every rank can read")
+    p.add_argument("--kv-policy", choices=("keep", "recompute"), default="keep")
+    p.set_defaults(func=update_weights)

@@ -1,0 +1,184 @@
+"""End to end with real processes: `lockstep serve` at TP=2 on the CPU, clients in other processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster.client import AsyncClient, Client, ClientError
+from cluster.outputs import RequestStatus
+from tests.conftest import REPO, hf_greedy
+from tests.serving import rank_pid, serve
+from tests.workloads import mixed_prompts
+
+FAST = """
+[continuous_batching]
+page_size = 16
+max_batch_tokens = 256
+max_requests_per_batch = 64
+cpu_group_timeout = 5.0
+
+[serve]
+client_timeout_s = 2.0
+"""
+
+
+def hammer(address: str, client_no: int, n: int, results: "mp.Queue") -> None:
+    """One client process: n concurrent requests, then report how many finished."""
+    c = Client(address, timeout=300)
+    rids = [c.submit([1, 3 + client_no, 5 + i % 50], max_new_tokens=4) for i in range(n)]
+    done = sum(c.result(r).status == RequestStatus.FINISHED for r in rids)
+    c.close()
+    results.put(done)
+
+
+def abandon(address: str) -> None:
+    """A client that submits a long request and dies without saying goodbye."""
+    c = Client(address)
+    c.submit([1, 2, 3], max_new_tokens=800)
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def server(make_checkpoint, tmp_path_factory):
+    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path_factory.mktemp("srv")) as s:
+        yield s
+
+
+def test_outputs_match_transformers(server, make_checkpoint):
+    prompts = mixed_prompts(2048)
+    with Client(server.address) as c:
+        rids = [c.submit(p, max_new_tokens=32) for p in prompts]
+        got = [c.result(r).generated_tokens for r in rids]
+    assert got == hf_greedy(make_checkpoint("llama"), prompts)
+
+
+def test_streaming_and_cancel(server, make_checkpoint):
+    prompt = mixed_prompts(2048)[6]
+    with Client(server.address) as c:
+        outs = list(c.stream(prompt, max_new_tokens=10))
+        assert [len(o.generated_tokens) for o in outs] == list(range(1, 11))
+        assert outs[-1].status == RequestStatus.FINISHED
+        assert outs[-1].generated_tokens == hf_greedy(make_checkpoint("llama"), [prompt])[0][:10]
+        rid = c.submit(prompt, max_new_tokens=900)
+        time.sleep(0.3)
+        c.cancel(rid)
+        out = c.result(rid, timeout=30)
+        assert out.status == RequestStatus.CANCELLED and len(out.generated_tokens) < 900
+
+
+def test_async_client(server):
+    import asyncio
+
+    async def go():
+        c = AsyncClient(server.address)
+        outs = await asyncio.gather(*[c.generate([1, 9, k], max_new_tokens=3) for k in range(20)])
+        streamed = [o async for o in c.stream([1, 2], max_new_tokens=3)]
+        await c.close()
+        return outs, streamed
+
+    outs, streamed = asyncio.run(go())
+    assert all(len(o.generated_tokens) == 3 for o in outs) and len(streamed) == 3
+
+
+def test_disconnected_client_is_cancelled(server):
+    p = mp.get_context("spawn").Process(target=abandon, args=(server.address,))
+    p.start()
+    p.join(60)
+    with Client(server.address) as c:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            s = c.stats()
+            if s["frontend"]["disconnect_cancels"] >= 1 and s["running"] == 0:
+                break
+            time.sleep(0.5)
+        assert s["frontend"]["disconnect_cancels"] >= 1
+        assert s["running"] == 0 and s["free_blocks"] == s["num_blocks"]
+
+
+def test_thousand_requests_from_eight_clients(server):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=hammer, args=(server.address, k, 125, results)) for k in range(8)]
+    for p in procs:
+        p.start()
+    done = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert sum(done) == 1000
+
+
+@pytest.mark.parametrize("payload,code", [
+    ({"input_ids": []}, "empty_prompt"),
+    ({"input_ids": [1, 99999]}, "token_out_of_vocab"),
+    ({"input_ids": [1] * 1024}, "prompt_too_long"),
+    ({"input_ids": [1, 2], "max_new_tokens": 0}, "bad_max_new_tokens"),
+    ({"input_ids": [1, 2], "max_new_tokens": -5}, "bad_max_new_tokens"),
+    ({"input_ids": [1, 2], "max_new_tokens": 5000}, "bad_max_new_tokens"),
+    ({"input_ids": "1,2"}, "bad_field"),
+    ({"input_ids": [1, 2], "sampling": {"temperature": "hot"}}, "bad_field"),
+    ({"text": "hello"}, "no_tokenizer"),
+])
+def test_bad_submits_are_rejected_with_codes(server, payload, code):
+    with Client(server.address) as c:
+        with pytest.raises(ClientError) as e:
+            c.generate(payload.pop("input_ids", None), **payload)
+        assert e.value.code == code, e.value
+        assert len(c.generate([1, 2, 3], max_new_tokens=2).generated_tokens) == 2  # still serving
+
+
+def test_duplicate_request_id(server):
+    with Client(server.address) as c:
+        c.submit([1, 2, 3], request_id="dup", max_new_tokens=200)
+        with pytest.raises(ClientError) as e:
+            c.submit([1, 2, 3], request_id="dup", max_new_tokens=2)
+        assert e.value.code == "duplicate_request_id"
+        c.cancel("dup")
+
+
+def test_pause_resume_and_health(server):
+    with Client(server.address) as c:
+        c.pause()
+        rid = c.submit([1, 2, 3], max_new_tokens=3)
+        time.sleep(0.5)
+        assert c.stats()["waiting"] + c.stats()["running"] == 1  # queued, not stepped
+        c.resume()
+        assert c.result(rid, timeout=30).status == RequestStatus.FINISHED
+        h = c.health()
+        assert h["ok"] and h["world_size"] == 2 and h["restart_count"] == 0
+
+
+def test_killed_worker_fails_every_request_naming_it(make_checkpoint, tmp_path):
+    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path) as s:
+        c = Client(s.address, timeout=60)
+        rids = [c.submit([1, 5, k], max_new_tokens=900) for k in range(6)]
+        time.sleep(1.0)
+        os.kill(rank_pid(s, 1), signal.SIGKILL)
+        t0 = time.monotonic()
+        errors = []
+        for r in rids:
+            with pytest.raises(ClientError) as e:
+                c.result(r)
+            errors.append(e.value)
+        took = time.monotonic() - t0
+        assert all(e.code == "rank_failed" and "rank 1" in e.message for e in errors), errors[0]
+        assert took < 5.0  # within cpu_group_timeout
+        assert s.wait(60) != 0
+        assert "exitcode  : 3" in s.log or "exitcode: 3" in s.log
+
+
+def test_cli_submit_and_stats(server):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "submit", "--address", server.address, "--input-ids",
+                          "1,5,9", "--max-new-tokens", "3"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert '"generated_tokens"' in out.stdout
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "stats", "--address", server.address],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and '"step"' in out.stdout
