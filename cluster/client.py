@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterator
@@ -84,20 +85,25 @@ class _IOThread:
             self.requests[req.request_id] = req
 
     def _wake(self) -> None:
-        try:
-            os.write(self.wake_w, b"x")
-        except BlockingIOError:
-            pass
+        with self.lock:  # the I/O thread closes the pipe under the lock: never write to a reused fd number
+            if self.wake_w < 0:
+                return
+            try:
+                os.write(self.wake_w, b"x")
+            except BlockingIOError:
+                pass
 
     def close(self) -> None:
+        """Say goodbye and end the thread, which closes the socket, the context and the wake pipe itself
+        (so that close may also run on the I/O thread, e.g. from a finalizer the garbage collector calls)."""
         if self.closed:
             return
         with self.lock:
             self.outbox.append(P.encode(P.BYE))
         self.closed = True
         self._wake()
-        self.thread.join(5)
-        self.ctx.term()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(5)
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -114,6 +120,11 @@ class _IOThread:
                 self.sock.send(f)
             if self.closed:
                 self.sock.close(0)
+                self.ctx.term()
+                with self.lock:
+                    os.close(self.wake_r)
+                    os.close(self.wake_w)
+                    self.wake_r = self.wake_w = -1
                 return
             if self.sock in events:
                 while True:
@@ -183,11 +194,17 @@ class Client:
         with self._io_lock:
             if self._io is None or self._io.closed:
                 self._io = _IOThread(self.address, self.server_key, self.client_keys, self.max_frame_bytes)
+                # a handle dropped without close() must not leave its thread, socket and pipe behind: a Ray
+                # worker process unpickles a fresh handle for every task it runs and lives on after them
+                self._finalizer = weakref.finalize(self, self._io.close)
+                self._finalizer.atexit = False  # at exit the daemon thread just dies, as before
             return self._io
 
     def close(self) -> None:
-        """Say goodbye (the server cancels this client's unfinished requests) and close the socket."""
+        """Say goodbye (the server cancels this client's unfinished requests) and close the socket.
+        A client that is garbage-collected without close() is closed the same way."""
         if self._io is not None:
+            self._finalizer.detach()
             self._io.close()
             self._io = None
 

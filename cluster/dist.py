@@ -159,3 +159,15 @@ def unresponsive_ranks(groups: Groups, timeout_s: float = 5.0) -> list[int] | No
         ranks = sorted({int(r) for r in found if 0 < int(r) < groups.world_size})
         return ranks or None
     return []
+
+
+def agree_messages(message: str, groups: Groups, max_bytes: int = 1024) -> list[str]:
+    """Every rank's message (empty: all is well), as plain bytes in a tensor. Every rank calls it."""
+    raw = message.encode()[:max_bytes]
+    if not groups.distributed:
+        return [raw.decode(errors="replace")]
+    table = torch.zeros(groups.world_size, max_bytes, dtype=torch.uint8)
+    if raw:
+        table[groups.rank, :len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.all_reduce(table, group=groups.control_group)
+    return [bytes(row[row != 0].tolist()).decode(errors="replace") for row in table]

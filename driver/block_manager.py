@@ -87,7 +87,7 @@ class BlockManager:
 
     def register_full_blocks(self, req: Request) -> None:
         """Make the request's newly completed blocks findable by later requests with the same prefix."""
-        if not self.allow_sharing:
+        if not self.allow_sharing or not req.cacheable:
             return
         tokens, page = req.tokens, self.page_size
         for i in range(len(req.block_hashes), req.num_computed // page):

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -36,9 +36,10 @@ class FrontendConfig:
     address: str = P.DEFAULT_ADDRESS
     max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
     client_timeout_s: float = 30.0
-    curve_secret_key: bytes | None = None  # z85 server secret key: CURVE on when set
-    curve_public_key: bytes | None = None
-    curve_allowed_clients: list[bytes] = field(default_factory=list)  # z85 public keys
+    # CURVE: on when server_secret_file is set (a zmq certificate with the secret key, made by
+    # zmq.auth.create_certificates); only clients whose public certificates lie in allowed_clients_dir get in
+    curve_server_secret_file: str | None = None
+    curve_allowed_clients_dir: str | None = None
 
 
 @dataclass
@@ -64,24 +65,29 @@ class Frontend:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes + 1024)
+        # ZeroMQ drops (and disconnects) only beyond 4x the limit; frames in between get `frame_too_large`
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_frame_bytes)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.auth = None
-        if config.curve_secret_key:
+        if config.curve_server_secret_file:
             self._enable_curve()
         self.sock.bind(config.address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.thread = threading.Thread(target=self._run, name="lockstep-frontend", daemon=True)
 
     def _enable_curve(self) -> None:
+        from zmq.auth import load_certificate
         from zmq.auth.thread import ThreadAuthenticator
 
+        if not self.config.curve_allowed_clients_dir:
+            raise ValueError("[serve] curve_server_secret_file needs curve_allowed_clients_dir")
+        public, secret = load_certificate(self.config.curve_server_secret_file)
+        if secret is None:
+            raise ValueError(f"{self.config.curve_server_secret_file} holds no secret key")
         self.auth = ThreadAuthenticator(self.ctx)
         self.auth.start()
-        self.auth.configure_curve_callback(domain="*", credentials_provider=AllowedKeys(
-            self.config.curve_allowed_clients))
-        self.sock.curve_secretkey = self.config.curve_secret_key
-        self.sock.curve_publickey = self.config.curve_public_key
+        self.auth.configure_curve(domain="*", location=self.config.curve_allowed_clients_dir)
+        self.sock.curve_secretkey, self.sock.curve_publickey = secret, public
         self.sock.curve_server = True
 
     def start(self) -> "Frontend":
@@ -180,11 +186,20 @@ class Frontend:
                 "ok": self.manager.is_running(), "world_size": self.manager.groups.world_size,
                 "restart_count": getattr(self.manager, "restart_count", 0), "failure": self.manager.failure})
         elif kind == P.UPDATE_WEIGHTS:
-            path = P.field(msg, "path", str, required=True)
+            from worker.weights import UpdateCall
+
+            source = P.field(msg, "source", str, "checkpoint")
             kv_policy = P.field(msg, "kv_policy", str, "keep")
-            if not hasattr(self.manager, "update_weights_async"):
-                raise P.ProtocolError(P.Code.UNSUPPORTED, "weight updates are not available", mid)
-            self.manager.update_weights_async(path, kv_policy, lambda r: self._reply_later(ident, mid, r))
+            if kv_policy not in ("keep", "recompute"):
+                raise P.ProtocolError(P.Code.BAD_FIELD, "kv_policy must be 'keep' or 'recompute'", mid)
+            if source == "checkpoint":
+                call = UpdateCall(source, path=P.field(msg, "path", str, required=True), kv_policy=kv_policy)
+            elif source == "push":
+                call = UpdateCall(source, kv_policy=kv_policy, store=P.field(msg, "store", str, required=True),
+                                  buckets=P.field(msg, "buckets", list, required=True))
+            else:
+                raise P.ProtocolError(P.Code.BAD_FIELD, f"unknown weight source {source!r}", mid)
+            self.manager.update_weights_async(call, lambda r: self._reply_later(ident, mid, r))
         elif kind == P.BYE:
             self._cancel_client(ident)
         # PING only refreshes last_seen
@@ -264,15 +279,3 @@ class _Reply:
     ident: bytes
     mid: Any
     data: dict
-
-
-class AllowedKeys:
-    """CURVE credentials provider: admits exactly the listed client public keys."""
-
-    def __init__(self, keys: list[bytes]):
-        from zmq.utils import z85
-
-        self.keys = {z85.decode(k) if len(k) == 40 else k for k in keys}
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys

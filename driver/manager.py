@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -27,6 +28,7 @@ from cluster.plan import Command
 from driver.engine import Engine
 from driver.request import Request
 from driver.results import ResultRouter
+from worker.weights import UpdateCall, run_update
 from driver.validation import build_request, supported_generation_config
 from worker.loop import worker_loop
 
@@ -58,7 +60,12 @@ class ContinuousBatchingManager:
         self.failure: str | None = None  # what the loop died of, naming the rank when it can
         self.liveness: Liveness | None = None
         self.wants_results = False  # a worker whose caller reads results asks the driver for them
-        self._outbox: list[dict] = []  # outputs for the workers that want them, sent with the next plan
+        self._outbox: list[dict] = []
+        # a worker's weight updates: results of the driver's CALLs in order, and tensors its callers hand over
+        self._calls = threading.Condition()
+        self._call_results: list[dict] = []
+        self._calls_taken = 0
+        self._call_tensors: list[dict] = []  # outputs for the workers that want them, sent with the next plan
         self._ids = iter(range(1 << 62))
         self._lock = threading.Lock()
         if self.effective_config.notes and self.is_driver:
@@ -215,6 +222,55 @@ class ContinuousBatchingManager:
         with self.gate.hold(self.is_running):
             yield
 
+    # ---------------------------------------------------------------- weight updates
+    def update_weights(self, source: Any, kv_policy: str = "keep", timeout: float | None = None) -> dict[str, Any]:
+        """Swap the weights at one step boundary on every rank, all or none, and bump the weight version.
+        Every rank calls it. `source` is a checkpoint directory (each rank reads its slices) or a dict of full
+        tensors with transformers' names. Inside `pause()` it runs at once; otherwise at the next boundary.
+        In-flight requests keep their KV (kv_policy="keep") or recompute it under the new weights
+        ("recompute"). Returns {"ok", "version", "error", "seconds", ...}; nothing changes when ok is False."""
+        if kv_policy not in ("keep", "recompute"):
+            raise ValueError(f"kv_policy={kv_policy!r}: must be 'keep' or 'recompute'")
+        local = source if isinstance(source, dict) else None
+        call = UpdateCall(source="tensors" if local is not None else "checkpoint",
+                          path="" if local is not None else str(source), kv_policy=kv_policy)
+        if self.gate.parked or not self.is_running():  # the loops are parked: this thread may use the groups
+            result = run_update(self.model.model, self.groups, call, local)
+            return self._after_update(result, call) if self.is_driver else result
+        if not self.is_driver:  # the driver decides when; this rank's share runs in its loop
+            with self._calls:
+                if local is not None:
+                    self._call_tensors.append(local)
+                mine = self._calls_taken
+                self._calls_taken += 1
+                if not self._calls.wait_for(lambda: len(self._call_results) > mine, timeout):
+                    raise TimeoutError("no weight update came from the driver")
+                return self._call_results[mine]
+        fut: Future = Future()
+        self.inbox.put(("update", (call, local, fut)))
+        return fut.result(timeout)
+
+    def update_weights_async(self, call: UpdateCall, done: Callable[[dict], None]) -> None:
+        """The front door's path (driver only): `done(result)` is called from the loop thread."""
+        fut: Future = Future()
+        fut.add_done_callback(lambda f: done(f.result()))
+        self.inbox.put(("update", (call, None, fut)))
+
+    def _after_update(self, result: dict[str, Any], call: UpdateCall) -> dict[str, Any]:
+        """Driver bookkeeping once every rank agreed: version, stale prefix pages, in-flight KV."""
+        e = self.engine
+        if result["ok"]:
+            e.weight_version += 1
+            e.blocks.forget_cached_prefixes()
+            holding = [r for r in e.scheduler.running if r.block_ids]
+            if call.kv_policy == "recompute":
+                for req in reversed(holding):
+                    e.scheduler.preempt(req)
+            else:
+                for req in holding:
+                    req.cacheable = False
+        return result | {"version": e.weight_version}
+
     def hold_scheduling(self, hold: bool) -> None:
         """Stop (or restart) stepping without parking the ranks: the serving pause. In-flight requests keep
         their KV and new ones queue; workers keep receiving heartbeats, so a hold may last any time."""
@@ -281,6 +337,11 @@ class ContinuousBatchingManager:
         kind, arg = item
         if kind == "add":
             self.engine.add(arg)
+        elif kind == "update":
+            call, local, fut = arg
+            self.engine.send(Command.CALL, self._take_outbox(call=call.to_dict()))
+            result = run_update(self.model.model, self.groups, call, local)
+            fut.set_result(self._after_update(result, call))
         elif kind == "cancel":
             req = self.requests.get(arg)
             if req is not None and not req.is_finished:
@@ -298,19 +359,35 @@ class ContinuousBatchingManager:
         if self.engine.workers_want_results():
             self._outbox.append(out.to_dict())
 
-    def _take_outbox(self) -> bytes:
-        if not self._outbox:
+    def _take_outbox(self, **extra: Any) -> bytes:
+        """Outputs owed to the workers (and `extra` keys, such as a call), packed for the next plan."""
+        if not self._outbox and not extra:
             return b""
-        data = msgpack.packb({"outputs": self._outbox})
+        data = msgpack.packb({"outputs": self._outbox, **extra})
         self._outbox = []
         return data
+
+    def _worker_call(self, call: UpdateCall) -> None:
+        """A worker's share of a weight update the driver started (tensors come from this rank's caller)."""
+        local = None
+        if call.source == "tensors":
+            with self._calls:
+                self._calls.wait_for(lambda: bool(self._call_tensors), call.timeout_s)
+                local = self._call_tensors.pop(0) if self._call_tensors else None
+        result = run_update(self.model.model, self.groups, call, local)
+        with self._calls:
+            self._call_results.append(result)
+            self._calls.notify_all()
 
     def _worker_loop(self) -> None:
         try:
             for plan in worker_loop(self.runner, self.groups, self.gate, self._barrier,
                                     lambda: self.wants_results, self.liveness):
-                for d in msgpack.unpackb(plan.data).get("outputs", []):
+                data = msgpack.unpackb(plan.data)
+                for d in data.get("outputs", []):
                     self.results.put(GenerationOutput.from_dict(d))
+                if "call" in data:
+                    self._worker_call(UpdateCall(**data["call"]))
         except BaseException as e:
             self.loop_error = e
             log.exception("lockstep worker loop failed")

@@ -40,6 +40,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the leading full blocks
+    cacheable: bool = True  # False once its KV mixes weight versions: its blocks are never shared
     created_time: float = field(default_factory=time.perf_counter)
     start_time: float = -1.0
     end_time: float = -1.0

@@ -45,6 +45,10 @@ def run_ranks(args: argparse.Namespace, module: str, extra: list[str]) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.launcher == "ray":  # the ranks become Ray actors; this process waits for SIGINT, then ends them
+        from launch.ray_launcher import run_cli
+
+        return run_cli(args)
     extra = ["--model", args.model]
     if args.config:
         extra += ["--config", args.config]
@@ -86,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--node-rank", type=int, default=0)
     sv.add_argument("--rdzv-endpoint", default="127.0.0.1:29400", help="host:port of the rendezvous (multi-node)")
     sv.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole group after a failure")
+    sv.add_argument("--launcher", choices=["torchrun", "ray"], default="torchrun",
+                    help="ray: start the ranks as Ray actors in a placement group (RAY_ADDRESS joins a running Ray)")
+    sv.add_argument("--gpu", action="store_true", help="with --launcher ray: one GPU per rank")
     sv.set_defaults(func=serve)
 
     gen = sub.add_parser("generate", help="offline batch: JSONL prompts in, JSONL outputs out")

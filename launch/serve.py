@@ -1,7 +1,8 @@
 """`lockstep serve`, one rank of it: every rank loads its shard and runs its loop; rank 0 also opens the
 ZeroMQ front door and prints `ready <address>` once it serves.
 
-Started by `lockstep serve` through torch's launcher (`python -m torch.distributed.run ... -m launch.serve`).
+Started by `lockstep serve` through torch's launcher (`python -m torch.distributed.run ... -m launch.serve`),
+or by `launch/ray_launcher.py`, whose Ray actors call `serve_rank` (the same code, minus signals and exit).
 Exit codes: 0 after a clean stop (SIGINT/SIGTERM with every rank healthy), 3 when a rank failed (the
 launcher may then restart the group; `stats` reports the restart count).
 """
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 import tomllib
+from typing import Callable
 
 RANK_FAILED_EXIT = 3
 
@@ -24,55 +26,65 @@ def frontend_config(preset: dict, address: str | None):
     from driver.frontend import FrontendConfig
 
     table = dict(preset.get("serve", {}))
-    curve = table.pop("curve", {})
+    known = {f for f in FrontendConfig.__dataclass_fields__}
+    unknown = set(table) - known
+    if unknown:
+        raise ValueError(f"[serve] table: unknown key(s) {sorted(unknown)} (known: {sorted(known)})")
     cfg = FrontendConfig(**table)
     if address:
         cfg.address = address
-    if curve:
-        from zmq.auth import load_certificate
-
-        public, secret = load_certificate(curve["server_secret_file"])
-        cfg.curve_public_key, cfg.curve_secret_key = public, secret
-        cfg.curve_allowed_clients = [load_certificate(os.path.join(curve["allowed_clients_dir"], f))[0]
-                                     for f in sorted(os.listdir(curve["allowed_clients_dir"])) if f.endswith(".key")]
     return cfg
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="launch.serve")
-    p.add_argument("--model", required=True)
-    p.add_argument("--config", help="a TOML preset ([continuous_batching] and [serve] tables)")
-    p.add_argument("--address", help="ZeroMQ bind address (default tcp://127.0.0.1:5555)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s rank" + os.environ.get("RANK", "0")
-                        + " %(levelname)s %(message)s")
+def load_preset(config: dict | str | os.PathLike | None) -> dict:
+    """A preset as a dict: given as one (the Ray launcher ships it that way, so no file has to exist on the
+    actor's node), read from a TOML path, or empty."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return config
+    with open(config, "rb") as f:
+        return tomllib.load(f)
 
+
+def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, address: str | None = None,
+               stop_event: threading.Event | None = None, *, on_started: Callable[[], None] | None = None,
+               on_ready: Callable[[str], None] | None = None) -> int:
+    """Serve as this rank until `stop_event` is set or the step loop ends; returns the exit code (0 clean,
+    RANK_FAILED_EXIT when a rank failed).
+
+    Every rank of the group calls it, with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT in the
+    environment: it joins the process groups (`cluster.load`) and runs the step loop's collectives. It is
+    shared by the torchrun entry (`main`) and the Ray launcher's actors, so it neither installs signal
+    handlers nor exits the process: `main` does both, a Ray actor can do neither from its thread.
+    `on_started` runs on every rank once the loop runs (main installs its signal handlers there, so a
+    signal during loading still interrupts the load); `on_ready(address)` runs on rank 0 once it serves,
+    right after it prints `ready <address>`.
+    """
     import cluster
     from cluster.config import ContinuousBatchingConfig
 
-    preset: dict = {}
-    if args.config:
-        with open(args.config, "rb") as f:
-            preset = tomllib.load(f)
+    preset = load_preset(preset)
+    stop = stop_event if stop_event is not None else threading.Event()
     cb = ContinuousBatchingConfig.from_any(preset.get("continuous_batching", {}))
-    fe_cfg = frontend_config(preset, args.address)
-    model = cluster.load(args.model, cpu_group_timeout=cb.cpu_group_timeout)
+    fe_cfg = frontend_config(preset, address)
+    model = cluster.load(model_dir, cpu_group_timeout=cb.cpu_group_timeout)
     manager = model.init_continuous_batching(continuous_batching_config=cb)
     manager.warmup()
     manager.start()
     manager.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    if on_started is not None:
+        on_started()
 
     frontend = None
     if model.groups.is_driver:
         from driver.frontend import Frontend
 
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(model_dir)
         frontend = Frontend(manager, fe_cfg, tokenizer).start()
         print(f"ready {frontend.address}", flush=True)
+        if on_ready is not None:
+            on_ready(frontend.address)
     while not stop.wait(0.2) and manager.is_running():
         pass
     if model.groups.is_driver and manager.is_running():
@@ -89,6 +101,26 @@ def main(argv: list[str] | None = None) -> int:
     code = RANK_FAILED_EXIT if manager.loop_error is not None else 0
     if manager.failure:
         print(f"lockstep: {manager.failure}", file=sys.stderr, flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The torchrun entry: one rank of `lockstep serve`, stopped by SIGINT/SIGTERM."""
+    p = argparse.ArgumentParser(prog="launch.serve")
+    p.add_argument("--model", required=True)
+    p.add_argument("--config", help="a TOML preset ([continuous_batching] and [serve] tables)")
+    p.add_argument("--address", help="ZeroMQ bind address (default tcp://127.0.0.1:5555)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s rank" + os.environ.get("RANK", "0")
+                        + " %(levelname)s %(message)s")
+
+    stop = threading.Event()
+
+    def install_signal_handlers() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+
+    code = serve_rank(args.model, args.config, args.address, stop, on_started=install_signal_handlers)
     os._exit(code)  # daemon threads may sit in a broken collective: leave without joining them
 
 

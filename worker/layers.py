@@ -1,7 +1,8 @@
 """Tensor-parallel building blocks: sharded linears, vocab-parallel embedding and LM head, RMSNorm.
 
-Each parameterised layer knows how to fill its shard from a checkpoint tensor (`load`), reading only the
-rows or columns this rank owns through a safetensors slice. `Shard` carries the TP coordinates.
+Each parameterised layer knows which part of a checkpoint tensor is its shard (`shard_of`), reading only
+the rows or columns this rank owns through a safetensors slice, and refusing a tensor of the wrong shape.
+`Shard` carries the TP coordinates.
 """
 
 from __future__ import annotations
@@ -27,9 +28,19 @@ class Shard:
         return x
 
 
+def shape_of(src: Any) -> tuple[int, ...]:
+    return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)
+
+
+def expect_shape(src: Any, shape: tuple[int, ...]) -> None:
+    """Refuse a checkpoint tensor whose full shape is not the one this model needs."""
+    if shape_of(src) != tuple(shape):
+        raise ValueError(f"shape {list(shape_of(src))}, expected {list(shape)}")
+
+
 def read_rows(src: Any, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of a checkpoint tensor or safetensors slice, zero-padded past its end."""
-    total = src.get_shape()[0] if hasattr(src, "get_shape") else src.shape[0]
+    total = shape_of(src)[0]
     part = src[start:min(stop, total)]
     if stop > total:
         pad = torch.zeros((stop - max(start, total),) + tuple(part.shape[1:]), dtype=part.dtype)
@@ -49,15 +60,16 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks; the output stays sharded.
 
     `parts` lists the checkpoint tensors fused into this one (q, k, v or gate, up) as
-    (name, rows per rank, first row for this rank).
+    name -> (rows on this rank, first row for this rank, rows in the checkpoint tensor).
     """
 
-    def __init__(self, in_features: int, parts: dict[str, tuple[int, int]], bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, parts: dict[str, tuple[int, int, int]], bias: bool, dtype: torch.dtype):
         super().__init__()
         self.parts = parts
+        self.in_features = in_features
         self.offsets: dict[str, int] = {}
         out = 0
-        for name, (rows, _) in parts.items():
+        for name, (rows, _, _) in parts.items():
             self.offsets[name] = out
             out += rows
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
@@ -66,11 +78,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
 
-    def load(self, part: str, kind: str, src: Any) -> None:
-        rows, first = self.parts[part]
-        dst = (self.weight if kind == "weight" else self.bias)
+    def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's destination, its values from `src`): the same for loading and for hot updates."""
+        rows, first, total = self.parts[part]
+        expect_shape(src, (total, self.in_features) if kind == "weight" else (total,))
+        dst = self.weight if kind == "weight" else self.bias
         off = self.offsets[part]
-        dst.data[off:off + rows].copy_(read_rows(src, first, first + rows))
+        return dst.data[off:off + rows], read_rows(src, first, first + rows)
 
 
 class RowParallelLinear(nn.Module):
@@ -89,12 +103,13 @@ class RowParallelLinear(nn.Module):
         y = self.shard.all_reduce(nn.functional.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
-    def load(self, part: str, kind: str, src: Any) -> None:
+    def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if kind == "bias":
-            self.bias.data.copy_(full(src))
-        else:
-            start = self.shard.rank * self.cols
-            self.weight.data.copy_(read_cols(src, start, start + self.cols))
+            expect_shape(src, tuple(self.bias.shape))
+            return self.bias.data, full(src)
+        expect_shape(src, (self.weight.shape[0], self.cols * self.shard.size))
+        start = self.shard.rank * self.cols
+        return self.weight.data, read_cols(src, start, start + self.cols)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -118,8 +133,9 @@ class VocabParallelEmbedding(nn.Module):
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return self.shard.all_reduce(out)
 
-    def load(self, part: str, kind: str, src: Any) -> None:
-        self.weight.data.copy_(read_rows(src, self.start, self.start + self.rows))
+    def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        expect_shape(src, (self.vocab_size, self.weight.shape[1]))
+        return self.weight.data, read_rows(src, self.start, self.start + self.rows)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -154,5 +170,6 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
-    def load(self, part: str, kind: str, src: Any) -> None:
-        self.weight.data.copy_(full(src))
+    def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        expect_shape(src, tuple(self.weight.shape))
+        return self.weight.data, full(src)

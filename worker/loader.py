@@ -1,7 +1,10 @@
 """Checkpoint loading: each rank reads only its own slices of the safetensors files.
 
 `safe_open(...).get_slice(name)[a:b]` reads just those rows (or columns) from the memory-mapped file, so a
-rank's I/O and memory scale with its shard, not with the whole model.
+rank's I/O and memory scale with its shard, not with the whole model. Loading is two-phase: `stage_*`
+reads and checks everything (names, shapes, readable bytes) into new tensors without touching the model,
+`apply` copies them into the existing parameter storage (so captured graphs stay valid). At start-up the
+two run back to back; a hot update agrees across ranks in between.
 """
 
 from __future__ import annotations
@@ -9,15 +12,20 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any, Iterable
 
 import torch
 from safetensors import safe_open
 
 from worker.model import CausalLM
 
+Staged = list[tuple[torch.Tensor, torch.Tensor]]  # (parameter storage, new values)
+
 
 def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
     d = Path(model_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory {d}")
     index = d / "model.safetensors.index.json"
     if index.exists():
         with open(index) as f:
@@ -33,20 +41,53 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
-@torch.no_grad()
-def load_weights(model: CausalLM, model_dir: str | os.PathLike) -> None:
-    """Fill every parameter of this rank's shard from the checkpoint, or raise naming what is missing."""
+def stage_named(model: CausalLM, tensors: Iterable[tuple[str, Any]], where: str) -> Staged:
+    """This rank's shard of every named tensor (safetensors slices or full tensors), checked, as copies."""
     expected = model.expected_tensors()
+    staged: Staged = []
     found: set[str] = set()
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tgt = model.target(name)
-                if tgt is None:
-                    continue
-                layer, part, kind = tgt
-                layer.load(part, kind, f.get_slice(name))
-                found.add(name)
+    for name, src in tensors:
+        tgt = model.target(name)
+        if tgt is None:
+            continue
+        layer, part, kind = tgt
+        try:
+            dst, value = layer.shard_of(part, kind, src)
+        except ValueError as e:
+            raise ValueError(f"{where}: tensor {name}: {e}") from None
+        if value.shape != dst.shape:
+            raise ValueError(f"{where}: tensor {name}: shard shape {list(value.shape)}, expected {list(dst.shape)}")
+        if value.is_floating_point() != dst.is_floating_point():
+            raise ValueError(f"{where}: tensor {name}: dtype {value.dtype} cannot replace {dst.dtype}")
+        staged.append((dst, value.to(dst.dtype).clone()))
+        found.add(name)
     missing = expected - found
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
+        raise ValueError(f"{where} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
+    return staged
+
+
+def stage_checkpoint(model: CausalLM, model_dir: str | os.PathLike) -> Staged:
+    """Read and check this rank's slices of a checkpoint directory; the model is not touched."""
+    staged: Staged = []
+    handles = []
+    try:
+        for path in checkpoint_files(model_dir):
+            handles.append(safe_open(str(path), framework="pt"))
+        pairs = ((name, f.get_slice(name)) for f in handles for name in f.keys())
+        staged = stage_named(model, pairs, f"checkpoint {model_dir}")
+    finally:
+        handles.clear()
+    return staged
+
+
+@torch.no_grad()
+def apply(staged: Staged) -> None:
+    """Copy staged values into the parameters' existing storage."""
+    for dst, value in staged:
+        dst.copy_(value)
+
+
+def load_weights(model: CausalLM, model_dir: str | os.PathLike) -> None:
+    """Fill every parameter of this rank's shard from the checkpoint, or raise naming what is wrong."""
+    apply(stage_checkpoint(model, model_dir))

@@ -73,10 +73,11 @@ class Attention(nn.Module):
         self.window = window
         self.scale = d ** -0.5
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        hkv_all = config.num_key_value_heads
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, {
-            "q": (heads.q_local * d, heads.q_start * d),
-            "k": (heads.kv_local * d, heads.kv_start * d),
-            "v": (heads.kv_local * d, heads.kv_start * d)}, bias=bias, dtype=dtype)
+            "q": (heads.q_local * d, heads.q_start * d, config.num_attention_heads * d),
+            "k": (heads.kv_local * d, heads.kv_start * d, hkv_all * d),
+            "v": (heads.kv_local * d, heads.kv_start * d, hkv_all * d)}, bias=bias, dtype=dtype)
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, o_bias, shard, dtype)
         self.qk_norm = config.model_type == "qwen3"
@@ -107,7 +108,7 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.rows = rows
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {
-            "gate": (rows, shard.rank * rows), "up": (rows, shard.rank * rows)}, bias=bias, dtype=dtype)
+            "gate": (rows, shard.rank * rows, inter), "up": (rows, shard.rank * rows, inter)}, bias=bias, dtype=dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, shard, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

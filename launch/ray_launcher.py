@@ -1,0 +1,290 @@
+"""Start the ranks of `lockstep serve` as Ray actors instead of torchrun.
+
+Why: on a Ray cluster the resources belong to Ray, so the ranks should be Ray actors that Ray places,
+accounts for and cleans up. A placement group reserves one bundle per rank (`{"CPU": 1}`, or
+`{"GPU": 1, "CPU": 1}` with gpu=True) with strategy PACK, so the ranks share as few nodes as possible and
+the gloo/NCCL traffic stays local where it can. Each actor sets the environment torchrun would have set
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR = rank 0's node IP, MASTER_PORT = a port rank
+0's actor found free) and runs `launch.serve.serve_rank`, the same per-rank code as `lockstep serve`, in
+a thread of its own: a Ray actor must not install signal handlers or `os._exit`, so stopping is an event
+and ending the process is `ray.kill`.
+
+Nothing crosses between ranks through Ray except these few strings and integers; the ranks talk over
+their own process groups, and clients over ZeroMQ, as under torchrun.
+
+    handle = start_ray_cluster("models/tiny-llama", tp=2)
+    print(handle.client().generate([1, 2, 3], max_new_tokens=8).generated_tokens)
+    handle.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.client import Client
+from launch.serve import RANK_FAILED_EXIT, load_preset
+
+REPO_ROOT = str(Path(__file__).resolve().parents[1])  # where `cluster`, `driver`, `worker`, `launch` live
+
+
+class RankActor:
+    """One rank in one Ray actor process. `start` returns at once; the rank serves in a thread until `stop`.
+
+    Methods stay short (status is a snapshot, stop joins with a timeout) so that the launcher can always
+    reach the actor, even while its rank is loading or stuck in a broken collective.
+    """
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.stop_event = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.address: str | None = None  # rank 0, once it serves
+        self.code: int | None = None  # serve_rank's exit code, once it returned
+        self.error: str | None = None  # the traceback, when serve_rank raised
+
+    def where(self) -> dict:
+        """This actor's node (id and IP) and pid: the launcher derives LOCAL_RANK and MASTER_ADDR from it."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid()}
+
+    def free_port(self) -> int:
+        """A port free on this node right now (asked of rank 0's actor: the port must be free on its node)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def start(self, env: dict[str, str], model_dir: str, preset: dict, address: str | None) -> None:
+        """Set torchrun's environment and start serving in a thread. Every rank's actor must be started:
+        serve_rank joins the process groups and runs collectives on every rank."""
+        os.environ.update(env)
+        logging.basicConfig(level=logging.INFO,
+                            format=f"%(asctime)s %(name)s rank{self.rank} %(levelname)s %(message)s")
+        self.thread = threading.Thread(target=self._serve, args=(model_dir, preset, address),
+                                       name=f"lockstep-rank{self.rank}", daemon=True)
+        self.thread.start()
+
+    def _serve(self, model_dir: str, preset: dict, address: str | None) -> None:
+        from launch.serve import serve_rank
+
+        def on_ready(addr: str) -> None:
+            self.address = addr
+
+        try:
+            self.code = serve_rank(model_dir, preset, address, self.stop_event, on_ready=on_ready)
+        except BaseException:
+            self.error = traceback.format_exc()
+            self.code = 1
+
+    def status(self) -> dict:
+        """A snapshot: address (rank 0, once ready), code (None while serving), error (a traceback)."""
+        return {"rank": self.rank, "address": self.address, "code": self.code, "error": self.error}
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """Ask the rank to stop and wait up to `timeout`; its exit code, or None if it did not return.
+        Call it on every rank, as torchrun signals every rank: the driver stops the loop for all of them."""
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return self.code
+
+
+@dataclass
+class RayCluster:
+    """A running cluster whose ranks are Ray actors. `client()` talks to it; `shutdown()` ends it."""
+
+    address: str
+    actors: list[Any]
+    placement_group: Any
+    pids: list[int] = field(default_factory=list)  # of the actor processes, rank order
+    nodes: list[str] = field(default_factory=list)  # node IP of each rank
+    owns_ray: bool = False  # ray.init was called by start_ray_cluster: shutdown ends Ray too
+    closed: bool = False
+
+    def client(self, **kwargs: Any) -> Client:
+        """A blocking client of this cluster; it pickles as its settings, so it can go into Ray tasks."""
+        return Client(self.address, **kwargs)
+
+    def poll(self, timeout: float = 10.0) -> int | None:
+        """None while every rank serves; otherwise the exit code of the first rank that returned
+        (RANK_FAILED_EXIT when an actor died or does not answer)."""
+        import ray
+
+        try:
+            states = ray.get([a.status.remote() for a in self.actors], timeout=timeout)
+        except Exception:  # an actor died (RayActorError) or hangs (GetTimeoutError)
+            return RANK_FAILED_EXIT
+        codes = [s["code"] for s in states if s["code"] is not None]
+        return codes[0] if codes else None
+
+    def shutdown(self, timeout: float = 30.0) -> list[int | None]:
+        """Stop every rank, kill the actors, free the placement group; returns each rank's exit code (None
+        where a rank did not stop in time). Idempotent; returns once the actors are dead."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.closed:
+            return []
+        self.closed = True
+        codes: list[int | None] = [None] * len(self.actors)
+        refs = [a.stop.remote(timeout) for a in self.actors]
+        for i, ref in enumerate(refs):
+            try:
+                codes[i] = ray.get(ref, timeout=timeout + 10)
+            except Exception:  # dead or stuck: ray.kill below ends it either way
+                pass
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        deadline = time.monotonic() + timeout
+        for a in self.actors:
+            wait_dead(a, deadline)
+        try:
+            remove_placement_group(self.placement_group)
+        except Exception:
+            pass
+        if self.owns_ray:
+            ray.shutdown()
+        return codes
+
+
+def wait_dead(actor: Any, deadline: float) -> bool:
+    """True once Ray reports the actor dead (a call on it raises RayActorError), False at the deadline."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.status.remote(), timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+        except RayActorError:
+            return True
+        except GetTimeoutError:
+            continue
+        time.sleep(0.1)
+    return False
+
+
+def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | str | os.PathLike | None = None,
+                      address: str | None = None, gpu: bool = False, ready_timeout: float = 300.0,
+                      ray_init: dict | None = None) -> RayCluster:
+    """Start `tp` ranks of `lockstep serve` as Ray actors in a PACK placement group; returns once rank 0
+    serves (the address it bound is `.address`).
+
+    config is a preset (a dict, or a TOML path read here and shipped as a dict, so it need not exist on the
+    actors' nodes); address is rank 0's ZeroMQ bind address (default tcp://127.0.0.1:5555 on rank 0's node;
+    bind tcp://0.0.0.0:PORT for clients on other nodes). Ray is initialised with `ray_init` if it is not
+    yet (RAY_ADDRESS, if set, joins a running Ray cluster). On any failure before ready, everything started
+    is torn down and RuntimeError names the rank and its traceback.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    model_dir = str(Path(model_dir).resolve())
+    preset = load_preset(config)
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(**(ray_init or {}))
+    bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK", name=f"lockstep-{os.getpid()}")
+    actors: list[Any] = []
+    handle = RayCluster(address="", actors=actors, placement_group=pg, owns_ray=owns_ray)
+    try:
+        ray.get(pg.ready(), timeout=ready_timeout)
+        pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+        remote = ray.remote(RankActor)
+        for rank in range(tp):
+            actors.append(remote.options(
+                num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0, name=None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                     placement_group_bundle_index=rank),
+                runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+            ).remote(rank, tp))
+        places = ray.get([a.where.remote() for a in actors], timeout=ready_timeout)
+        handle.pids = [p["pid"] for p in places]
+        handle.nodes = [p["ip"] for p in places]
+        master_addr = places[0]["ip"]
+        master_port = ray.get(actors[0].free_port.remote(), timeout=60)
+        starts = []
+        for rank, a in enumerate(actors):
+            same_node = [r for r in range(tp) if places[r]["node_id"] == places[rank]["node_id"]]
+            env = {"RANK": str(rank), "WORLD_SIZE": str(tp), "LOCAL_RANK": str(same_node.index(rank)),
+                   "LOCAL_WORLD_SIZE": str(len(same_node)), "MASTER_ADDR": master_addr,
+                   "MASTER_PORT": str(master_port)}
+            starts.append(a.start.remote(env, model_dir, preset, address))
+        ray.get(starts, timeout=60)
+        handle.address = wait_ready(actors, master_addr, ready_timeout)
+        return handle
+    except BaseException:
+        if actors:
+            handle.shutdown(timeout=10)
+        else:
+            remove_placement_group(pg)
+            if owns_ray:
+                ray.shutdown()
+        raise
+
+
+def wait_ready(actors: list[Any], master_addr: str, timeout: float) -> str:
+    """Rank 0's address once it serves; RuntimeError as soon as any rank returned or died before that."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = ray.get([a.status.remote() for a in actors], timeout=60)
+        for s in states:
+            if s["code"] is not None:
+                raise RuntimeError(f"rank {s['rank']} exited with code {s['code']} before the cluster was ready"
+                                   + (f":\n{s['error']}" if s["error"] else ""))
+        if states[0]["address"]:
+            return reachable(states[0]["address"], master_addr)
+        time.sleep(0.2)
+    raise RuntimeError(f"rank 0 did not serve within {timeout:.0f}s")
+
+
+def reachable(address: str, node_ip: str) -> str:
+    """The bound address as a client dials it: a wildcard host (0.0.0.0, *) becomes rank 0's node IP."""
+    for wildcard in ("://0.0.0.0:", "://*:"):
+        if wildcard in address:
+            return address.replace(wildcard, f"://{node_ip}:")
+    return address
+
+
+def run_cli(args: Any) -> int:
+    """`lockstep serve --launcher ray`: start the actors, print `ready <address>`, serve until SIGINT or
+    SIGTERM (or until a rank ends), then shut everything down. Returns the exit code like torchrun's
+    (0 clean, RANK_FAILED_EXIT when a rank failed)."""
+    if getattr(args, "nnodes", 1) > 1 or getattr(args, "max_restarts", 0):
+        raise SystemExit("lockstep serve --launcher ray: --nnodes and --max-restarts are torchrun's; "
+                         "Ray places the ranks on its own nodes")
+    stop = threading.Event()
+    handle = start_ray_cluster(args.model, tp=args.tp, config=args.config, address=args.address,
+                               gpu=getattr(args, "gpu", False))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # installed after ray.init, which sets its own SIGTERM handler
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"ready {handle.address}", flush=True)
+    code: int | None = None
+    try:
+        while not stop.wait(1.0):
+            code = handle.poll()
+            if code is not None:
+                break
+    finally:
+        codes = handle.shutdown()
+    if code is None:
+        code = max((c for c in codes if c is not None), default=0)
+    return code
