@@ -49,11 +49,12 @@ def update_weights(args: argparse.Namespace) -> int:
 
     with _client(args) as c:
         try:
-            print(json.dumps(c.update_weights(args.path, kv_policy=args.kv_policy), indent=2))
+            result = c.update_weights(args.path, kv_policy=args.kv_policy)
         except ClientError as e:
             print(json.dumps({"error": e.code, "message": e.message}), file=sys.stderr)
             return 2
-    return 0
+    print(json.dumps(result, indent=2))
+    return 0 if result.get("ok") else 1
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

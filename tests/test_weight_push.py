@@ -1,0 +1,70 @@
+"""Weight updates from outside the cluster: a trainer process pushing tensors through the update group at
+TP=2, and `lockstep update-weights` from the command line; `lockstep generate` offline from JSONL."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+
+from cluster.client import Client
+from tests.conftest import REPO, hf_greedy
+from tests.serving import serve
+
+PROMPTS = [[1, 4, 9, 16, 25, 36], [1, 2, 3], [7, 7, 7, 7, 7, 7, 7, 7]]
+
+
+def trainer(address: str, dir_b: str, out: "mp.Queue") -> None:
+    """A separate process with its own copy of B's weights, as a training loop would have them."""
+    from safetensors.torch import load_file
+
+    from launch.weight_push import push_weights
+
+    state = load_file(os.path.join(dir_b, "model.safetensors"))
+    with Client(address) as c:
+        out.put(push_weights(c, state, bucket_bytes=1 << 20))
+
+
+def test_trainer_pushes_weights_tp2(make_checkpoint, tmp_path):
+    dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
+    with serve(dir_a, tp=2, tmp_path=tmp_path) as s, Client(s.address) as c:
+        assert [c.generate(p, max_new_tokens=8).generated_tokens for p in PROMPTS] == \
+            [t[:8] for t in hf_greedy(dir_a, PROMPTS, 8)]
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=trainer, args=(s.address, str(dir_b), q))
+        p.start()
+        result = q.get(timeout=180)
+        p.join(30)
+        assert result["ok"] and result["version"] == 1, result
+        outs = [c.generate(p, max_new_tokens=8) for p in PROMPTS]
+        assert [o.generated_tokens for o in outs] == [t[:8] for t in hf_greedy(dir_b, PROMPTS, 8)]
+        assert all(o.weight_versions == [(0, 1)] for o in outs)
+        assert c.stats()["weight_version"] == 1
+
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        cli = subprocess.run([sys.executable, "-m", "launch.cli", "update-weights", "--address", s.address,
+                              str(dir_a)], capture_output=True, text=True, timeout=120, env=env)
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout)["version"] == 2
+        assert [c.generate(p, max_new_tokens=8).generated_tokens for p in PROMPTS] == \
+            [t[:8] for t in hf_greedy(dir_a, PROMPTS, 8)]
+        bad = subprocess.run([sys.executable, "-m", "launch.cli", "update-weights", "--address", s.address,
+                              str(tmp_path / "missing")], capture_output=True, text=True, timeout=120, env=env)
+        assert bad.returncode == 1 and '"ok": false' in bad.stdout and "rank 1:" in bad.stdout
+
+
+def test_offline_generate_from_jsonl(make_checkpoint, tmp_path):
+    model = make_checkpoint("qwen3")
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--model", str(model), "--tp", "2",
+                           "--input", str(src), "--output", str(dst), "--max-new-tokens", "8"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    assert [r["generated_tokens"] for r in rows] == [t[:8] for t in hf_greedy(model, PROMPTS, 8)]
