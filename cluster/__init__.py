@@ -11,9 +11,12 @@ from typing import Any
 from cluster.config import ContinuousBatchingConfig
 from cluster.outputs import GenerationOutput, RequestStatus
 
-__all__ = ["load", "ContinuousBatchingConfig", "ContinuousBatchingManager", "GenerationOutput", "RequestStatus"]
+__all__ = ["load", "ContinuousBatchingConfig", "ContinuousBatchingManager", "GenerationOutput", "RequestStatus",
+           "Client", "AsyncClient"]
 
 _LAZY = {
+    "Client": ("cluster.client", "Client"),
+    "AsyncClient": ("cluster.client", "AsyncClient"),
     "load": ("launch.load", "load"),
     "ContinuousBatchingManager": ("driver.manager", "ContinuousBatchingManager"),
     "ClusterModel": ("driver.api", "ClusterModel"),
