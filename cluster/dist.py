@@ -145,22 +145,6 @@ def agree_all_ok(ok: bool, groups: Groups) -> list[bool]:
     return [bool(x) for x in t.tolist()]
 
 
-def unresponsive_ranks(groups: Groups, timeout_s: float = 5.0) -> list[int] | None:
-    """After a failed collective: the ranks that do not answer a monitored barrier (None if it cannot tell).
-    Only the driver calls it; the healthy workers' barrier calls are not needed for the driver to learn
-    which ranks are missing."""
-    import re
-
-    try:
-        dist.monitored_barrier(group=groups.control_group, timeout=timedelta(seconds=timeout_s),
-                               wait_all_ranks=True)
-    except Exception as e:  # the barrier's message names the missing ranks
-        found = re.findall(r"\d+", str(e).split("monitoredBarrier")[0]) if "monitoredBarrier" in str(e) else []
-        ranks = sorted({int(r) for r in found if 0 < int(r) < groups.world_size})
-        return ranks or None
-    return []
-
-
 def agree_messages(message: str, groups: Groups, max_bytes: int = 1024) -> list[str]:
     """Every rank's message (empty: all is well), as plain bytes in a tensor. Every rank calls it."""
     raw = message.encode()[:max_bytes]
