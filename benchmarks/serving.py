@@ -85,6 +85,22 @@ def own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def speed_probe() -> str:
+    """The machine's speed right now: a fixed torch matmul (16 x 768 by 768 x 32000, the small model's LM head at
+    a decode batch of 16, memory-bound), median of 15, in this process's torch threads. Other guests on the
+    same host or a busy neighbour slow it without showing in the load average."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(32000, 768, generator=g), torch.randn(16, 768, generator=g)
+    times = []
+    for _ in range(17):
+        t = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - t)
+    return f"speed probe {1000 * sorted(times[2:])[7]:.1f} ms ({torch.get_num_threads()} threads)"
+
+
 class CpuWindow:
     """How much CPU other processes used while one engine ran: machine busy time minus ours."""
 
@@ -127,6 +143,9 @@ def client_main(address: str, prompts: list[list[int]], warm: list[list[int]], a
                     if len(out.generated_tokens) > n:
                         last = now
                     n, status = len(out.generated_tokens), out.status.name
+                    if out.is_finished():  # the server's own clock (perf_counter is CLOCK_MONOTONIC: shared)
+                        rec.update(srv_created=out.created_time - t0, srv_first=out.lifespan[0] - t0,
+                                   srv_end=out.lifespan[1] - t0)
             except Exception as e:  # recorded and reported; the run goes on
                 err = f"{type(e).__name__}: {e}"
             rec.update(first=first, last=last, n=n, status=status, error=err)
@@ -356,7 +375,14 @@ def summarize(args, r: dict) -> dict:
     span = (max(x["last"] for x in ok) - min(x["arrival"] for x in recs)) if ok else float("nan")
     counts = [x.get("n", 0) for x in recs]
     lag = [1000 * (x["submit"] - x["arrival"]) for x in recs if "submit" in x]
-    return dict(ttft50=pct(ttft, 50), ttft99=pct(ttft, 99), tpot50=pct(tpot, 50), tpot99=pct(tpot, 99),
+    hop = {}
+    srv = [x for x in ok if x.get("srv_first", -1e9) > x["arrival"] - 1]  # Lockstep: the server's timestamps
+    if srv:
+        hop = {"submit -> server add_request": [1000 * (x["srv_created"] - x["submit"]) for x in srv],
+               "server: add_request -> 1st token sampled": [1000 * (x["srv_first"] - x["srv_created"]) for x in srv],
+               "1st token sampled -> client": [1000 * (x["first"] - x["srv_first"]) for x in srv],
+               "last token sampled -> client": [1000 * (x["last"] - x["srv_end"]) for x in srv]}
+    return dict(hop=hop, ttft50=pct(ttft, 50), ttft99=pct(ttft, 99), tpot50=pct(tpot, 50), tpot99=pct(tpot, 99),
                 ttft_mean=sum(ttft) / max(1, len(ttft)), tpot_mean=sum(tpot) / max(1, len(tpot)),
                 tps=tokens / span, tokens=tokens, span=span, counts=counts, max_lag=max(lag) if lag else float("nan"),
                 exact=len(counts) == args.num_requests and all(n == args.new_tokens for n in counts)
@@ -369,8 +395,9 @@ def report(args, results: list[dict]) -> bool:
         f"U[{args.min_len}, {args.max_len}] (seed {args.seed}), {args.new_tokens} new tokens each, greedy, EOS "
         f"disabled; both engines: page_size={PAGE} num_blocks={args.num_blocks} max_batch_tokens="
         f"{args.max_batch_tokens} (None = each engine's default); warm-up {NUM_WARM} x {WARM_TOKENS} tokens")
+    args.probes.append(speed_probe())
     say(f"cpus={os.cpu_count()}, load average (1 min) {args.load_before:.2f} at start, {os.getloadavg()[0]:.2f} "
-        f"at end\n")
+        f"at end; speed probes (start, between engines, end): {', '.join(args.probes)}\n")
     say(f"{'engine':<13} {'TP':>2} {'threads':>7} {'requests':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
         f"{'TPOT p99':>9} {'tok/s':>7}")
     say(f"{'':<13} {'':>2} {'':>7} {'':>8} {'ms':>9} {'ms':>9} {'ms':>9} {'ms':>9} {'':>7}")
@@ -389,6 +416,9 @@ def report(args, results: list[dict]) -> bool:
             f"{s['tokens']} in all); first arrival to last token {s['span']:.2f} s; TTFT mean {s['ttft_mean']:.1f} "
             f"ms, TPOT mean {s['tpot_mean']:.1f} ms; latest submit {s['max_lag']:.1f} ms after its arrival time")
         say(f"    {r['note']}; other processes' CPU while this engine ran: {others:.1f} s over {wall:.0f} s")
+        if s["hop"]:
+            say("    where TTFT goes (server timestamps, same clock), p50 / p99 ms: " + "; ".join(
+                f"{k} {pct(v, 50):.1f} / {pct(v, 99):.1f}" for k, v in s["hop"].items()))
         for e in s["errors"][:3]:
             say(f"    error: {e}")
     by = {r["engine"]: r["s"] for r in results}
@@ -399,7 +429,8 @@ def report(args, results: list[dict]) -> bool:
             f"{a['tpot99'] / b['tpot99']:.2f}, throughput ratio {a['tps'] / b['tps']:.2f} (below 1 = lockstep "
             f"faster, except throughput)")
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "s"} | {"summary": r["s"]}
+        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "s"}
+                                               | {"summary": {k: v for k, v in r["s"].items() if k != "hop"}}
                                                for r in results], indent=1))
     return all_exact
 
@@ -433,7 +464,8 @@ def main() -> int:
         p.error("need --new-tokens >= 2, --rate > 0, --num-requests >= 1")
 
     args.load_before = os.getloadavg()[0]
-    say(f"load average (1 min) at start: {args.load_before:.2f} (cpus={os.cpu_count()})")
+    args.probes = [speed_probe()]
+    say(f"load average (1 min) at start: {args.load_before:.2f} (cpus={os.cpu_count()}); {args.probes[0]}")
     if args.num_blocks is None:
         args.num_blocks = args.num_requests * math.ceil((args.max_len + args.new_tokens) / PAGE)
     if args.server_threads is None:
@@ -448,7 +480,8 @@ def main() -> int:
     results = []
     if not args.skip_lockstep:
         results.append(run_lockstep(args, prompts, warm, arrivals))
-        say(f"load average (1 min) after lockstep: {os.getloadavg()[0]:.2f}")
+        args.probes.append(speed_probe())
+        say(f"load average (1 min) after lockstep: {os.getloadavg()[0]:.2f}; {args.probes[-1]}")
     if not args.skip_transformers:
         results.append(run_transformers(args, prompts, warm, arrivals))
     ok = report(args, results)

@@ -205,12 +205,12 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         num_blocks = min(num_blocks, max_requests * max_blocks)
     graphs = cfg.use_cuda_graph
     graphs = (graphs, graphs) if isinstance(graphs, bool) else tuple(graphs) if graphs is not None else None
-    if device_kind != "cuda":
-        if graphs and any(graphs):
-            notes.append("use_cuda_graph -> (False, False): no CUDA device")
-        graphs = (False, False)
-    elif graphs is None:
-        graphs = (False, True)  # decode graphs pay off; varlen shapes vary too much by default
+    if graphs and any(graphs):
+        # the forward is capture-safe (static buffers, padded shapes, no host syncs) but capture and replay
+        # are not built yet, so say so rather than claim graphs that do not run
+        notes.append("use_cuda_graph -> (False, False): " + ("no CUDA device" if device_kind != "cuda"
+                                                             else "graph capture is not implemented yet"))
+    graphs = (False, False)
     use_flash = device_kind == "cuda" and flash_available and cfg.auto_switch_to_flash
     if use_flash and page % 256:
         use_flash = False

@@ -51,3 +51,15 @@ def test_tp2_matches_transformers(arch, overrides, make_checkpoint, tmp_path):
         r = results[name]
         check_scenario(name, r["tokens"], r["status"], r["stats"], hf_greedy(model_dir, prompts_for(kind, vocab)))
         assert rank1[name] == r["tokens"], "rank 1 got different results from rank 0"
+
+
+def test_sliding_window_matches_transformers(make_checkpoint):
+    """Mistral with a window shorter than most prompts: keys older than the window are masked, as transformers
+    masks them."""
+    model_dir = make_checkpoint("mistral", sliding_window=48)
+    model = cluster.load(model_dir)
+    prompts = prompts_for("mixed", model.config.vocab_size)[::2]
+    out = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS,
+                               continuous_batching_config=cluster.ContinuousBatchingConfig(page_size=16,
+                                                                                          max_batch_tokens=64))
+    assert [o.generated_tokens for o in out.values()] == hf_greedy(model_dir, prompts)
