@@ -85,7 +85,7 @@ def own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def speed_probe() -> str:
+def speed_probe() -> float:
     """The machine's speed right now: a fixed torch matmul (16 x 768 by 768 x 32000, the small model's LM head at
     a decode batch of 16, memory-bound), median of 15, in this process's torch threads. Other guests on the
     same host or a busy neighbour slow it without showing in the load average."""
@@ -98,7 +98,7 @@ def speed_probe() -> str:
         t = time.perf_counter()
         torch.nn.functional.linear(x, w)
         times.append(time.perf_counter() - t)
-    return f"speed probe {1000 * sorted(times[2:])[7]:.1f} ms ({torch.get_num_threads()} threads)"
+    return 1000 * sorted(times[2:])[7]
 
 
 class CpuWindow:
@@ -114,14 +114,14 @@ class CpuWindow:
 
 # ------------------------------------------------------------------------------------------------ Lockstep
 def client_main(address: str, prompts: list[list[int]], warm: list[list[int]], arrivals: list[float],
-                new_tokens: int, out_q) -> None:
+                new_tokens: int, sampling: dict, out_q) -> None:
     """The client process: warm-up, then one thread per request, each started at its arrival time."""
     try:
         from cluster.client import Client
 
         client = Client(address, timeout=900)
         warm_threads = [threading.Thread(target=lambda p=p: list(client.stream(p, max_new_tokens=WARM_TOKENS,
-                                                                               eos_token_id=-1, do_sample=False)))
+                                                                               eos_token_id=-1, **sampling)))
                         for p in warm]
         for t in warm_threads:
             t.start()
@@ -136,7 +136,7 @@ def client_main(address: str, prompts: list[list[int]], warm: list[list[int]], a
             rec["submit"] = time.perf_counter() - t0
             n, first, last, status, err = 0, None, None, None, None
             try:
-                for out in client.stream(prompts[i], max_new_tokens=new_tokens, eos_token_id=-1, do_sample=False):
+                for out in client.stream(prompts[i], max_new_tokens=new_tokens, eos_token_id=-1, **sampling):
                     now = time.perf_counter() - t0
                     if first is None and out.generated_tokens:
                         first = now
@@ -144,6 +144,7 @@ def client_main(address: str, prompts: list[list[int]], warm: list[list[int]], a
                         last = now
                     n, status = len(out.generated_tokens), out.status.name
                     if out.is_finished():  # the server's own clock (perf_counter is CLOCK_MONOTONIC: shared)
+                        rec["tokens"] = list(out.generated_tokens)
                         rec.update(srv_created=out.created_time - t0, srv_first=out.lifespan[0] - t0,
                                    srv_end=out.lifespan[1] - t0)
             except Exception as e:  # recorded and reported; the run goes on
@@ -175,6 +176,8 @@ def client_main(address: str, prompts: list[list[int]], warm: list[list[int]], a
 def preset_toml(args) -> str:
     lines = ["[continuous_batching]", f"page_size = {PAGE}", f"num_blocks = {args.num_blocks}",
              "cpu_group_timeout = 120.0"]
+    if args.model_samples:  # greedy must then be asked per request, which needs per-request processors
+        lines.append("per_request_processors = true")
     if args.max_batch_tokens:
         lines.append(f"max_batch_tokens = {args.max_batch_tokens}")
     return "\n".join(lines) + "\n"
@@ -237,7 +240,9 @@ def run_lockstep(args, prompts, warm, arrivals) -> dict:
         say(f"lockstep: ready at {got} after {time.monotonic() - t_start:.1f}s; client process (spawn) starts")
         ctx = mp.get_context("spawn")
         out_q = ctx.Queue()
-        client = ctx.Process(target=client_main, args=(got, prompts, warm, arrivals, args.new_tokens, out_q))
+        sampling = {"do_sample": False} if args.model_samples else {}  # else the server's default is greedy
+        client = ctx.Process(target=client_main, args=(got, prompts, warm, arrivals, args.new_tokens, sampling,
+                                                       out_q))
         client.start()
         try:
             msg = out_q.get(timeout=args.run_timeout)
@@ -329,6 +334,8 @@ def run_transformers(args, prompts, warm, arrivals) -> dict:
                 if n > rec.get("n", 0):
                     rec["last"] = now
                 rec["n"] = n
+                if out.is_finished():
+                    rec["tokens"] = list(out.generated_tokens)
                 rec["status"] = out.status.name
                 if out.error:
                     rec["error"] = out.error
@@ -397,7 +404,8 @@ def report(args, results: list[dict]) -> bool:
         f"{args.max_batch_tokens} (None = each engine's default); warm-up {NUM_WARM} x {WARM_TOKENS} tokens")
     args.probes.append(speed_probe())
     say(f"cpus={os.cpu_count()}, load average (1 min) {args.load_before:.2f} at start, {os.getloadavg()[0]:.2f} "
-        f"at end; speed probes (start, between engines, end): {', '.join(args.probes)}\n")
+        f"at end; speed probe {' / '.join(f'{x:.1f}' for x in args.probes)} ms (start / between engines / end; "
+        f"lower is faster)\n")
     say(f"{'engine':<13} {'TP':>2} {'threads':>7} {'requests':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
         f"{'TPOT p99':>9} {'tok/s':>7}")
     say(f"{'':<13} {'':>2} {'':>7} {'':>8} {'ms':>9} {'ms':>9} {'ms':>9} {'ms':>9} {'':>7}")
@@ -424,6 +432,10 @@ def report(args, results: list[dict]) -> bool:
     by = {r["engine"]: r["s"] for r in results}
     if "lockstep" in by and "transformers" in by:
         a, b = by["lockstep"], by["transformers"]
+        ra, rb = ([x.get("tokens") for x in r["records"]] for r in results[:2])
+        same = sum(x is not None and x == y for x, y in zip(ra, rb))
+        say(f"same generated tokens in both engines: {same}/{len(ra)} requests (greedy, float32; a random model's "
+            f"near-tied logits may still flip a token)")
         say(f"lockstep/transformers: TTFT p50 ratio {a['ttft50'] / b['ttft50']:.2f}, TTFT p99 ratio "
             f"{a['ttft99'] / b['ttft99']:.2f}, TPOT p50 ratio {a['tpot50'] / b['tpot50']:.2f}, TPOT p99 ratio "
             f"{a['tpot99'] / b['tpot99']:.2f}, throughput ratio {a['tps'] / b['tps']:.2f} (below 1 = lockstep "
@@ -465,7 +477,8 @@ def main() -> int:
 
     args.load_before = os.getloadavg()[0]
     args.probes = [speed_probe()]
-    say(f"load average (1 min) at start: {args.load_before:.2f} (cpus={os.cpu_count()}); {args.probes[0]}")
+    say(f"load average (1 min) at start: {args.load_before:.2f} (cpus={os.cpu_count()}); speed probe "
+        f"{args.probes[0]:.1f} ms")
     if args.num_blocks is None:
         args.num_blocks = args.num_requests * math.ceil((args.max_len + args.new_tokens) / PAGE)
     if args.server_threads is None:
@@ -473,6 +486,9 @@ def main() -> int:
     args.model = Path(args.model).resolve()
     ensure_model(args.model)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    gen_file = args.model / "generation_config.json"
+    # the server decodes with the checkpoint's generation config; requests override max_new_tokens and EOS
+    args.model_samples = bool(gen_file.exists() and json.loads(gen_file.read_text()).get("do_sample"))
     prompts = make_prompts(args, vocab)
     warm = [x[:args.min_len] for x in prompts[:NUM_WARM]]
     arrivals = [i / args.rate for i in range(args.num_requests)]
@@ -481,7 +497,7 @@ def main() -> int:
     if not args.skip_lockstep:
         results.append(run_lockstep(args, prompts, warm, arrivals))
         args.probes.append(speed_probe())
-        say(f"load average (1 min) after lockstep: {os.getloadavg()[0]:.2f}; {args.probes[-1]}")
+        say(f"load average (1 min) after lockstep: {os.getloadavg()[0]:.2f}; speed probe {args.probes[-1]:.1f} ms")
     if not args.skip_transformers:
         results.append(run_transformers(args, prompts, warm, arrivals))
     ok = report(args, results)

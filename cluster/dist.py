@@ -7,6 +7,7 @@ gloo on CPU) and the control group carries StepPlans and agreements (always gloo
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -77,9 +78,12 @@ def init_groups(cpu_group_timeout: float | None = 300.0, device: str | torch.dev
         owns = True
     device_group = dist.group.WORLD
     control_group = dist.new_group(backend="gloo", timeout=timeout)
-    return Groups(rank=rank, world_size=world, local_rank=local_rank, device=dev, device_group=device_group,
-                  control_group=control_group, owns_default_group=owns, control_timeout=cpu_group_timeout,
-                  owns_control_group=True)
+    groups = Groups(rank=rank, world_size=world, local_rank=local_rank, device=dev, device_group=device_group,
+                    control_group=control_group, owns_default_group=owns, control_timeout=cpu_group_timeout,
+                    owns_control_group=True)
+    # tear the groups down before interpreter shutdown: gloo's threads must not outlive their owners
+    atexit.register(groups.destroy)
+    return groups
 
 
 def make_control_group(groups: Groups, cpu_group_timeout: float | None) -> Groups:

@@ -4,6 +4,7 @@ broken gloo group cannot say which peer it lost)."""
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 
@@ -27,10 +28,14 @@ class Liveness:
         if self.store is not None:
             self._stamp()
             self.thread.start()
+            atexit.register(self.stop)  # runs before the groups' own teardown (registered earlier)
         return self
 
     def stop(self) -> None:
+        """Stop stamping and wait for the thread, so no store call is in flight when the process exits."""
         self.stop_event.set()
+        if self.thread.is_alive():
+            self.thread.join(4 * self.period_s)
 
     def _stamp(self) -> None:
         self.store.set(f"lockstep/alive/{self.groups.rank}", f"{self.step} {time.time()}")
