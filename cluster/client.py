@@ -170,6 +170,13 @@ class _IOThread:
             req.final.set_exception(err)
 
 
+def _checked(item: GenerationOutput | Exception) -> GenerationOutput:
+    """A streamed item, or the server's error for the request raised."""
+    if isinstance(item, Exception):
+        raise item
+    return item
+
+
 class Client:
     """Blocking client of a Lockstep cluster at `address`."""
 
@@ -281,13 +288,9 @@ class Client:
         req, fut = self.submit_future(input_ids, **params)
         self._wait(fut)
         try:
-            while True:
-                item = req.stream.get(timeout=self.timeout)
-                if isinstance(item, Exception):
-                    raise item
+            while not (item := _checked(req.stream.get(timeout=self.timeout))).is_finished():
                 yield item
-                if item.is_finished():
-                    return
+            yield item
         finally:
             self._forget(req.request_id)
 
@@ -346,13 +349,9 @@ class AsyncClient:
         await self._await(fut)
         loop = asyncio.get_running_loop()
         try:
-            while True:
-                item = await loop.run_in_executor(None, req.stream.get)
-                if isinstance(item, Exception):
-                    raise item
+            while not (item := _checked(await loop.run_in_executor(None, req.stream.get))).is_finished():
                 yield item
-                if item.is_finished():
-                    return
+            yield item
         finally:
             self.client._forget(req.request_id)
 
