@@ -27,8 +27,13 @@ def run_main_job(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "launch.demo", *extra]
     else:
         cmd = torchrun_command(args.tp, "launch.demo", extra)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads_per_rank(args.tp))))
     return subprocess.call(cmd, env=env if args.tp > 1 else None)
+
+
+def threads_per_rank(tp: int) -> int:
+    """The machine's cores shared among this node's ranks (torchrun's own default is 1 thread per rank)."""
+    return max(1, (os.cpu_count() or 1) // tp)
 
 
 def run_ranks(args: argparse.Namespace, module: str, extra: list[str]) -> int:
@@ -40,7 +45,7 @@ def run_ranks(args: argparse.Namespace, module: str, extra: list[str]) -> int:
                           "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
     if getattr(args, "max_restarts", 0):
         cmd[3:3] = ["--max-restarts", str(args.max_restarts)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads_per_rank(args.tp))))
     os.execve(cmd[0], cmd, env)  # signals go straight to the launcher
 
 
