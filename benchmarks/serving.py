@@ -31,10 +31,7 @@ import math
 import os
 import queue
 import random
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -183,60 +180,20 @@ def preset_toml(args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def stop_server(proc: subprocess.Popen) -> int | None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # anything the launcher left behind
-    except ProcessLookupError:
-        pass
-    try:
-        return proc.wait(10)
-    except subprocess.TimeoutExpired:
-        return None
-
-
 def run_lockstep(args, prompts, warm, arrivals) -> dict:
     import multiprocessing as mp
-    from launch.torchrun import free_port
+
+    from launch.local_server import local_server
 
     window = CpuWindow()
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", prefix="serving-bench-", delete=False) as f:
-        f.write(preset_toml(args))
-        preset = f.name
-    address = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "launch.cli", "serve", "--model", str(args.model), "--tp", str(args.tp),
-           "--config", preset, "--address", address]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.server_threads))
-    say(f"lockstep: starting {' '.join(cmd[1:])} (OMP_NUM_THREADS={args.server_threads}); preset:\n"
+    say(f"lockstep: starting lockstep serve --model {args.model} --tp {args.tp} "
+        f"(OMP_NUM_THREADS={args.server_threads}); preset:\n"
         + "".join(f"    {line}\n" for line in preset_toml(args).splitlines()))
     t_start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
-                            start_new_session=True)
-    lines: list[str] = []
-    ready: queue.Queue = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ready "):
-                ready.put(line.split()[1])
-        ready.put(None)
-
-    pumper = threading.Thread(target=pump, daemon=True)
-    pumper.start()
     result: dict = {"engine": "lockstep", "tp": args.tp, "threads": args.server_threads}
-    try:
-        try:
-            got = ready.get(timeout=args.ready_timeout)
-        except queue.Empty:
-            got = None
-        if got is None:
-            raise RuntimeError("lockstep serve did not become ready:\n" + "".join(lines)[-4000:])
+    with local_server(args.model, args.tp, preset_toml(args), env={"OMP_NUM_THREADS": str(args.server_threads)},
+                      ready_timeout=args.ready_timeout) as server:
+        got = server.address
         say(f"lockstep: ready at {got} after {time.monotonic() - t_start:.1f}s; client process (spawn) starts")
         ctx = mp.get_context("spawn")
         out_q = ctx.Queue()
@@ -258,13 +215,10 @@ def run_lockstep(args, prompts, warm, arrivals) -> dict:
         sb, sa = msg["stats_before"], msg["stats_after"]
         result["note"] = (f"server steps in the timed run {sa.get('step', 0) - sb.get('step', 0)}, preemptions "
                           f"{sa.get('preemptions', 0) - sb.get('preemptions', 0)}, num_blocks {sa.get('num_blocks')}")
-    finally:
-        rc = stop_server(proc)
-        pumper.join(5)
-        os.unlink(preset)
+        rc = server.stop()
         result["server_rc"] = rc
         if os.environ.get("BENCH_DEBUG"):
-            say("lockstep server log:\n" + "".join(lines)[-6000:])
+            say("lockstep server log:\n" + server.log[-6000:])
     others, wall = window.others()
     result["others"] = (others, wall)
     say(f"lockstep: server stopped (exit status {rc}; torchrun exits 1 when SIGINT stops it)")

@@ -3,80 +3,24 @@
 from __future__ import annotations
 
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from launch.torchrun import free_port
-from tests.conftest import REPO
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, address: str, lines: list[str]):
-        self.proc, self.address, self.lines = proc, address, lines
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout)
+from launch.local_server import LocalServer, local_server
 
 
 @contextmanager
 def serve(model_dir: Path, tp: int = 2, config: str | None = None, extra: list[str] | None = None,
-          tmp_path: Path | None = None, ready_timeout: float = 120) -> Iterator[Server]:
-    """`lockstep serve` in its own process group; yields once it prints `ready <address>`."""
-    address = f"tcp://127.0.0.1:{free_port()}"
-    args = [sys.executable, "-m", "launch.cli", "serve", "--model", str(model_dir), "--tp", str(tp),
-            "--address", address, *(extra or [])]
-    if config is not None:
-        path = (tmp_path or Path("/tmp")) / f"serve-{free_port()}.toml"
-        path.write_text(config)
-        args += ["--config", str(path)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-                            start_new_session=True)
-    lines: list[str] = []
-    ready: queue.Queue = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ready "):
-                ready.put(line.split()[1])
-        ready.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        try:
-            got = ready.get(timeout=ready_timeout)
-        except queue.Empty:
-            got = None
-        if got is None:
-            raise AssertionError("server did not become ready:\n" + "".join(lines)[-4000:])
-        yield Server(proc, got, lines)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(10)
+          tmp_path: Path | None = None, ready_timeout: float = 120) -> Iterator[LocalServer]:
+    """`lockstep serve` in its own process group (one thread a rank); yields once it prints `ready`."""
+    with local_server(model_dir, tp, config, extra, env={"OMP_NUM_THREADS": "1"},
+                      ready_timeout=ready_timeout) as server:
+        yield server
 
 
-def rank_pid(server: Server, rank: int, timeout: float = 10) -> int:
+def rank_pid(server: LocalServer, rank: int, timeout: float = 10) -> int:
     """The pid of one rank of the server (found through its RANK environment variable)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -4,7 +4,6 @@ transformers token for token."""
 
 from __future__ import annotations
 
-import pytest
 
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy, read_json, run_ranks

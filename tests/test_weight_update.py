@@ -4,7 +4,6 @@ right, and a bad update (on any rank) changes nothing."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from cluster.outputs import RequestStatus
