@@ -24,17 +24,10 @@ from typing import Any, AsyncIterator, Iterator
 import zmq
 
 from cluster import protocol as P
+from cluster.errors import ClientError, ServerGone, WeightUpdateError  # noqa: F401  (re-exported)
 from cluster.outputs import GenerationOutput, RequestStatus
 
 PING_EVERY_S = 1.0
-
-
-class ClientError(RuntimeError):
-    """The server rejected a message or failed a request; `code` is one of cluster.protocol.Code."""
-
-    def __init__(self, code: str, message: str, request_id: str | None = None):
-        super().__init__(f"{code}: {message}")
-        self.code, self.message, self.request_id = code, message, request_id
 
 
 class _Request:

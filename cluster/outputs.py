@@ -38,6 +38,7 @@ class GenerationOutput:
     timestamps: list[float] | None = None
     weight_version: int = 0
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    error_code: str | None = None  # one of cluster.errors.Code when status is FAILED
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgpack
 
+from cluster.errors import Code  # noqa: F401  (the codes live with the typed errors)
+
 PROTOCOL_VERSION = 1
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_MAX_FRAME_BYTES = 4 << 20
@@ -26,27 +28,6 @@ ACCEPTED, REJECTED, TOKENS, FINAL, REPLY, ERROR = "accepted", "rejected", "token
 
 SAMPLING_FIELDS = {"do_sample": bool, "temperature": (int, float), "top_k": int, "top_p": (int, float),
                    "repetition_penalty": (int, float), "seed": int}
-
-
-class Code:
-    """Error codes of `rejected` and `error` replies."""
-
-    BAD_FRAME = "bad_frame"  # not msgpack, or not a map
-    FRAME_TOO_LARGE = "frame_too_large"
-    BAD_VERSION = "bad_version"
-    UNKNOWN_KIND = "unknown_kind"
-    BAD_FIELD = "bad_field"  # a field missing or of the wrong type
-    EMPTY_PROMPT = "empty_prompt"
-    TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
-    PROMPT_TOO_LONG = "prompt_too_long"
-    BAD_MAX_NEW_TOKENS = "bad_max_new_tokens"
-    DUPLICATE_REQUEST_ID = "duplicate_request_id"
-    UNKNOWN_REQUEST = "unknown_request"
-    QUEUE_FULL = "queue_full"
-    NO_TOKENIZER = "no_tokenizer"
-    UNSUPPORTED = "unsupported"
-    RANK_FAILED = "rank_failed"
-    INTERNAL = "internal"
 
 
 class ProtocolError(Exception):

@@ -22,6 +22,7 @@ import numpy as np
 from cluster.config import ContinuousBatchingConfig, IDLE_HEARTBEAT_S
 from cluster.liveness import Liveness
 from cluster.dist import agree_all_ok, recv_plan, send_plan
+from cluster.errors import Code, ManagerStopped, QueueFull, RequestRejected
 from cluster.outputs import GenerationOutput, RequestStatus
 from cluster.pause import PauseGate
 from cluster.plan import Command
@@ -68,6 +69,7 @@ class ContinuousBatchingManager:
         self._call_tensors: list[dict] = []  # outputs for the workers that want them, sent with the next plan
         self._ids = iter(range(1 << 62))
         self._lock = threading.Lock()
+        self.closed = False  # set (under _lock) once the loop has stopped or died: submit refuses
         if self.effective_config.notes and self.is_driver:
             log.info("lockstep effective config: %s", "; ".join(self.effective_config.notes))
 
@@ -156,19 +158,40 @@ class ContinuousBatchingManager:
         """Queue a request; its id on the driver, None on other ranks (a no-op there)."""
         if not self.is_driver:
             return None
+        req = self.build_request(input_ids, request_id, max_new_tokens, streaming, record_timestamps,
+                                 eos_token_id, **logit_processor_kwargs)
+        return self.submit(req)
+
+    def build_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
+                      streaming: bool = False, record_timestamps: bool = False,
+                      eos_token_id: int | list[int] | None = None, *, strict_processors: bool = False,
+                      **logit_processor_kwargs: Any) -> Request:
+        """A validated request, not yet queued (RequestRejected, with its code, if it cannot be served).
+        `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire)."""
         if request_id is None:
             request_id = f"req_{next(self._ids)}"
-        req = build_request(self, input_ids, request_id, max_new_tokens, streaming, record_timestamps,
-                            eos_token_id, logit_processor_kwargs)
-        with self._lock:
-            if request_id in self.requests:
-                raise ValueError(f"request {request_id}: a request with this id is already in flight")
+        return build_request(self, input_ids, request_id, max_new_tokens, streaming, record_timestamps,
+                             eos_token_id, logit_processor_kwargs, strict_processors=strict_processors)
+
+    def submit(self, req: Request, sink: Callable[[GenerationOutput], None] | None = None) -> str:
+        """Queue a built request (driver only). `sink`, when given, receives every output of it on the loop
+        thread (it must be quick); otherwise outputs go to the result router. Raises RequestRejected
+        (duplicate id), QueueFull or ManagerStopped; never queues a request no loop will run."""
+        rid = req.request_id
+        req.sink = sink
+        with self._lock:  # the inbox put is under the lock too, so a cancel can never overtake its add
+            if self.closed:
+                raise ManagerStopped(f"request {rid}: the manager is stopped"
+                                     + (f" ({self.failure})" if self.failure else ""), request_id=rid)
+            if rid in self.requests:
+                raise RequestRejected(f"request {rid}: a request with this id is already in flight",
+                                      Code.DUPLICATE_REQUEST_ID, rid)
             if self.config.max_queue_size and self._queued() >= self.config.max_queue_size:
-                raise RuntimeError(f"request {request_id}: the queue is full "
-                                   f"(max_queue_size={self.config.max_queue_size})")
-            self.requests[request_id] = req
-        self.inbox.put(("add", req))
-        return request_id
+                raise QueueFull(f"request {rid}: the queue is full (max_queue_size={self.config.max_queue_size})",
+                                request_id=rid)
+            self.requests[rid] = req
+            self.inbox.put(("add", req))
+        return rid
 
     def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
                      record_timestamps: bool = False, **logit_processor_kwargs: Any) -> list[str] | None:
@@ -355,7 +378,10 @@ class ContinuousBatchingManager:
             with self._lock:
                 self.requests.pop(req.request_id, None)
         out = req.output()
-        self.results.put(out)
+        if req.sink is not None:
+            req.sink(out)
+        else:
+            self.results.put(out)
         if self.engine.workers_want_results():
             self._outbox.append(out.to_dict())
 

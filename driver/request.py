@@ -37,6 +37,7 @@ class Request:
     timestamps: list[float] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     error: str | None = None
+    error_code: str | None = None  # cluster.errors.Code, set with `error`
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the leading full blocks
@@ -46,6 +47,7 @@ class Request:
     end_time: float = -1.0
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
     generator: object = None  # torch.Generator for seeded sampling, made by the sampler
+    sink: object = None  # callable(GenerationOutput) on the loop thread (the front door's), else the ResultRouter
 
     @property
     def tokens(self) -> list[int]:
@@ -71,4 +73,4 @@ class Request:
             lifespan=(self.start_time, self.end_time),
             timestamps=list(self.timestamps) if self.record_timestamps else None,
             weight_version=self.weight_versions[0][1] if self.weight_versions else 0,
-            weight_versions=list(self.weight_versions))
+            weight_versions=list(self.weight_versions), error_code=self.error_code)

@@ -1,10 +1,12 @@
-"""Checks on what users send, before anything runs: every problem is a ValueError naming the request."""
+"""Checks on what users send, before anything runs: every problem is a RequestRejected (a ValueError) naming
+the request, with the wire code that says what is wrong."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from cluster.config import DEFAULT_MAX_NEW_TOKENS
+from cluster.errors import Code, RequestRejected
 from driver.request import Request, SamplingParams
 
 SAMPLING_KWARGS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
@@ -21,27 +23,31 @@ def check_prompt(input_ids: Any, request_id: str, vocab_size: int, max_model_len
     if hasattr(input_ids, "tolist"):
         input_ids = input_ids.tolist()
     if not isinstance(input_ids, (list, tuple)):
-        raise ValueError(f"request {request_id}: input_ids must be a list of token ids, "
-                         f"got {type(input_ids).__name__}")
+        raise RequestRejected(f"request {request_id}: input_ids must be a list of token ids, "
+                              f"got {type(input_ids).__name__}", Code.BAD_FIELD, request_id)
     if len(input_ids) == 0:
-        raise ValueError(f"request {request_id}: the prompt is empty")
+        raise RequestRejected(f"request {request_id}: the prompt is empty", Code.EMPTY_PROMPT, request_id)
     for i, t in enumerate(input_ids):
         if isinstance(t, bool) or not isinstance(t, int):
-            raise ValueError(f"request {request_id}: token {i} is {t!r}, not an integer id")
+            raise RequestRejected(f"request {request_id}: token {i} is {t!r}, not an integer id", Code.BAD_FIELD,
+                                  request_id)
         if not 0 <= t < vocab_size:
-            raise ValueError(f"request {request_id}: token id {t} at position {i} is outside the "
-                             f"vocabulary [0, {vocab_size})")
+            raise RequestRejected(f"request {request_id}: token id {t} at position {i} is outside the "
+                                  f"vocabulary [0, {vocab_size})", Code.TOKEN_OUT_OF_VOCAB, request_id)
     if len(input_ids) >= max_model_len:
-        raise ValueError(f"request {request_id}: the prompt has {len(input_ids)} tokens; the model's context "
-                         f"is {max_model_len}, which leaves no room for a new token")
+        raise RequestRejected(f"request {request_id}: the prompt has {len(input_ids)} tokens; the model's context "
+                              f"is {max_model_len}, which leaves no room for a new token", Code.PROMPT_TOO_LONG,
+                              request_id)
     return list(input_ids)
 
 
 def check_max_new_tokens(value: Any, request_id: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"request {request_id}: max_new_tokens must be an integer, got {value!r}")
+        raise RequestRejected(f"request {request_id}: max_new_tokens must be an integer, got {value!r}",
+                              Code.BAD_MAX_NEW_TOKENS, request_id)
     if value < 1:
-        raise ValueError(f"request {request_id}: max_new_tokens={value}; it must be at least 1")
+        raise RequestRejected(f"request {request_id}: max_new_tokens={value}; it must be at least 1",
+                              Code.BAD_MAX_NEW_TOKENS, request_id)
     return value
 
 
@@ -65,18 +71,21 @@ def sampling_from(generation_config: Any) -> SamplingParams:
 
 
 def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens: int | None, streaming: bool,
-                  record_timestamps: bool, eos_token_id: Any, kwargs: dict[str, Any]) -> Request:
+                  record_timestamps: bool, eos_token_id: Any, kwargs: dict[str, Any],
+                  strict_processors: bool = False) -> Request:
     """A validated Request from add_request's arguments and the manager's generation config."""
     rc, gen = manager.effective_config, manager.generation_config
     prompt = check_prompt(input_ids, request_id, manager.model.config.vocab_size, rc.max_model_len)
     mnt = check_max_new_tokens(default_max_new_tokens(gen) if max_new_tokens is None else max_new_tokens,
                                request_id)
     if len(prompt) + mnt > rc.max_model_len:
-        raise ValueError(f"request {request_id}: max_new_tokens={mnt} with a prompt of {len(prompt)} tokens goes "
-                         f"beyond the model's context of {rc.max_model_len}")
+        raise RequestRejected(f"request {request_id}: max_new_tokens={mnt} with a prompt of {len(prompt)} tokens "
+                              f"goes beyond the model's context of {rc.max_model_len}", Code.BAD_MAX_NEW_TOKENS,
+                              request_id)
     unknown = set(kwargs) - set(SAMPLING_KWARGS)
     if unknown:
-        raise ValueError(f"request {request_id}: unknown generation parameter(s) {sorted(unknown)}")
+        raise RequestRejected(f"request {request_id}: unknown generation parameter(s) {sorted(unknown)}",
+                              Code.BAD_FIELD, request_id)
     sampling = sampling_from(gen)
     if kwargs.get("seed") is not None:
         sampling.seed = kwargs["seed"]
@@ -84,12 +93,17 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
     if processors and manager.config.per_request_processors:
         for k, v in processors.items():
             setattr(sampling, k, v)
+    elif processors and strict_processors:
+        raise RequestRejected(f"request {request_id}: sampling parameters {sorted(processors)} need "
+                              f"per_request_processors = true in the server's [continuous_batching] preset",
+                              Code.UNSUPPORTED, request_id)
     elif processors:
         import warnings
         warnings.warn(f"request {request_id}: {sorted(processors)} ignored: per-request processor parameters "
                       f"need ContinuousBatchingConfig(per_request_processors=True)", stacklevel=3)
     if sampling.temperature <= 0 and sampling.do_sample:
-        raise ValueError(f"request {request_id}: temperature must be > 0 when sampling")
+        raise RequestRejected(f"request {request_id}: temperature must be > 0 when sampling", Code.BAD_FIELD,
+                              request_id)
     eos = eos_set(eos_token_id if eos_token_id is not None else getattr(gen, "eos_token_id", None))
     return Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=mnt, eos_token_ids=eos,
                    sampling=sampling, streaming=streaming, record_timestamps=record_timestamps,

@@ -1,0 +1,97 @@
+"""Typed errors with codes: one catalogue of codes for the engine, the wire and the clients.
+
+Every error that can reach a user carries a `code` from `Code`; callers branch on the type or the code,
+never on message text. Torch-free: clients import it.
+"""
+
+from __future__ import annotations
+
+
+class Code:
+    """Error codes of `rejected` and `error` replies (docs/protocol.md lists when each is sent)."""
+
+    BAD_FRAME = "bad_frame"  # not msgpack, or not a map
+    FRAME_TOO_LARGE = "frame_too_large"
+    BAD_VERSION = "bad_version"
+    UNKNOWN_KIND = "unknown_kind"
+    BAD_FIELD = "bad_field"  # a field missing, of the wrong type, or out of its range
+    EMPTY_PROMPT = "empty_prompt"
+    TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    BAD_MAX_NEW_TOKENS = "bad_max_new_tokens"
+    EXCEEDS_KV_CACHE = "exceeds_kv_cache"  # prompt + max_new_tokens can never fit the whole cache
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"
+    UNKNOWN_REQUEST = "unknown_request"
+    QUEUE_FULL = "queue_full"
+    CLIENT_LIMIT = "client_limit"  # this client has max_inflight_per_client requests in flight
+    NO_TOKENIZER = "no_tokenizer"
+    UNSUPPORTED = "unsupported"
+    ADMIN_REQUIRED = "admin_required"  # pause/resume/update_weights from a client that is not an admin
+    ADMIN_DISABLED = "admin_disabled"  # the preset turned admin operations off
+    NOT_PAUSE_OWNER = "not_pause_owner"  # another client holds the pause
+    SLOW_CLIENT = "slow_client"  # (in `error`) the client stopped reading; its requests were cancelled
+    SAMPLING_FAILED = "sampling_failed"  # (in `error`) sampling this request's token failed; others go on
+    STOPPED = "stopped"  # the manager is stopping or stopped: no new requests
+    RANK_FAILED = "rank_failed"  # (in `error`) a rank died or stopped answering; the message names it
+    DRIVER_FAILED = "driver_failed"  # (in `error`) the driver's own loop failed (no other rank did)
+    WEIGHT_UPDATE_FAILED = "weight_update_failed"
+    SERVER_GONE = "server_gone"  # client side: the server stopped answering
+    CLIENT_FAILED = "client_failed"  # client side: the client's own I/O thread failed
+    INTERNAL = "internal"
+
+
+class LockstepError(Exception):
+    """Base of Lockstep's typed errors; `code` is one of `Code`."""
+
+    code = Code.INTERNAL
+
+    def __init__(self, message: str, code: str | None = None, request_id: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
+        if code is not None:
+            self.code = code
+
+
+class RequestRejected(LockstepError, ValueError):
+    """A request (or one of its values) that cannot be accepted; raised before anything runs."""
+
+    code = Code.BAD_FIELD
+
+
+class QueueFull(LockstepError, RuntimeError):
+    code = Code.QUEUE_FULL
+
+
+class ManagerStopped(LockstepError, RuntimeError):
+    """The manager's loop has stopped or died: it takes no new requests."""
+
+    code = Code.STOPPED
+
+
+class ClientError(LockstepError, RuntimeError):
+    """The server rejected a message or failed a request; `code` is one of `Code`."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None):
+        LockstepError.__init__(self, message, code, request_id)
+        self.args = (f"{code}: {message}",)
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+class ServerGone(ClientError):
+    """The server stopped answering (driver dead, network gone): every outstanding call ends with this."""
+
+    def __init__(self, message: str, request_id: str | None = None):
+        super().__init__(Code.SERVER_GONE, message, request_id)
+
+
+class WeightUpdateError(ClientError):
+    """A weight update was refused; nothing changed on any rank. `rank` is the first rank that refused
+    (None when unknown) and `reason` what it said."""
+
+    def __init__(self, reason: str, rank: int | None = None, result: dict | None = None):
+        where = f"rank {rank}: " if rank is not None and not reason.startswith("rank ") else ""
+        super().__init__(Code.WEIGHT_UPDATE_FAILED, f"weight update refused: {where}{reason}")
+        self.rank, self.reason, self.result = rank, reason, result or {}
