@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from concurrent.futures import Future
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -29,7 +28,8 @@ from cluster.plan import Command
 from driver.engine import Engine
 from driver.request import Request
 from driver.results import ResultRouter
-from worker.weights import UpdateCall, run_update
+from driver.update_calls import WeightUpdates
+from worker.weights import UpdateCall
 from driver.validation import build_request, supported_generation_config
 from worker.loop import worker_loop
 
@@ -62,11 +62,8 @@ class ContinuousBatchingManager:
         self.liveness: Liveness | None = None
         self.wants_results = False  # a worker whose caller reads results asks the driver for them
         self._outbox: list[dict] = []
-        # a worker's weight updates: results of the driver's CALLs in order, and tensors its callers hand over
-        self._calls = threading.Condition()
-        self._call_results: list[dict] = []
-        self._calls_taken = 0
-        self._call_tensors: list[dict] = []  # outputs for the workers that want them, sent with the next plan
+        self.updates = WeightUpdates(self)
+        self.loop_beat = time.monotonic()  # when the loop last came round (the front door's deadline reads it)
         self._ids = iter(range(1 << 62))
         self._lock = threading.Lock()
         self.closed = False  # set (under _lock) once the loop has stopped or died: submit refuses
@@ -248,51 +245,12 @@ class ContinuousBatchingManager:
     # ---------------------------------------------------------------- weight updates
     def update_weights(self, source: Any, kv_policy: str = "keep", timeout: float | None = None) -> dict[str, Any]:
         """Swap the weights at one step boundary on every rank, all or none, and bump the weight version.
-        Every rank calls it. `source` is a checkpoint directory (each rank reads its slices) or a dict of full
-        tensors with transformers' names. Inside `pause()` it runs at once; otherwise at the next boundary.
-        In-flight requests keep their KV (kv_policy="keep") or recompute it under the new weights
-        ("recompute"). Returns {"ok", "version", "error", "seconds", ...}; nothing changes when ok is False."""
-        if kv_policy not in ("keep", "recompute"):
-            raise ValueError(f"kv_policy={kv_policy!r}: must be 'keep' or 'recompute'")
-        local = source if isinstance(source, dict) else None
-        call = UpdateCall(source="tensors" if local is not None else "checkpoint",
-                          path="" if local is not None else str(source), kv_policy=kv_policy)
-        if self.gate.parked or not self.is_running():  # the loops are parked: this thread may use the groups
-            result = run_update(self.model.model, self.groups, call, local)
-            return self._after_update(result, call) if self.is_driver else result
-        if not self.is_driver:  # the driver decides when; this rank's share runs in its loop
-            with self._calls:
-                if local is not None:
-                    self._call_tensors.append(local)
-                mine = self._calls_taken
-                self._calls_taken += 1
-                if not self._calls.wait_for(lambda: len(self._call_results) > mine, timeout):
-                    raise TimeoutError("no weight update came from the driver")
-                return self._call_results[mine]
-        fut: Future = Future()
-        self.inbox.put(("update", (call, local, fut)))
-        return fut.result(timeout)
+        Every rank calls it. See driver/update_calls.py."""
+        return self.updates.update_weights(source, kv_policy, timeout)
 
     def update_weights_async(self, call: UpdateCall, done: Callable[[dict], None]) -> None:
         """The front door's path (driver only): `done(result)` is called from the loop thread."""
-        fut: Future = Future()
-        fut.add_done_callback(lambda f: done(f.result()))
-        self.inbox.put(("update", (call, None, fut)))
-
-    def _after_update(self, result: dict[str, Any], call: UpdateCall) -> dict[str, Any]:
-        """Driver bookkeeping once every rank agreed: version, stale prefix pages, in-flight KV."""
-        e = self.engine
-        if result["ok"]:
-            e.weight_version += 1
-            e.blocks.forget_cached_prefixes()
-            holding = [r for r in e.scheduler.running if r.block_ids]
-            if call.kv_policy == "recompute":
-                for req in reversed(holding):
-                    e.scheduler.preempt(req)
-            else:
-                for req in holding:
-                    req.cacheable = False
-        return result | {"version": e.weight_version}
+        self.updates.update_weights_async(call, done)
 
     def hold_scheduling(self, hold: bool) -> None:
         """Stop (or restart) stepping without parking the ranks: the serving pause. In-flight requests keep
@@ -308,6 +266,7 @@ class ContinuousBatchingManager:
         engine = self.engine
         try:
             while True:
+                self.loop_beat = time.monotonic()
                 idle = self.held or not engine.has_work()
                 self._drain_inbox(block=idle and not self.stop_event.is_set() and not self.gate.requested)
                 if self.gate.requested:
@@ -363,8 +322,7 @@ class ContinuousBatchingManager:
         elif kind == "update":
             call, local, fut = arg
             self.engine.send(Command.CALL, self._take_outbox(call=call.to_dict()))
-            result = run_update(self.model.model, self.groups, call, local)
-            fut.set_result(self._after_update(result, call))
+            self.updates.run_on_driver(call, local, fut)
         elif kind == "cancel":
             req = self.requests.get(arg)
             if req is not None and not req.is_finished:
@@ -393,18 +351,6 @@ class ContinuousBatchingManager:
         self._outbox = []
         return data
 
-    def _worker_call(self, call: UpdateCall) -> None:
-        """A worker's share of a weight update the driver started (tensors come from this rank's caller)."""
-        local = None
-        if call.source == "tensors":
-            with self._calls:
-                self._calls.wait_for(lambda: bool(self._call_tensors), call.timeout_s)
-                local = self._call_tensors.pop(0) if self._call_tensors else None
-        result = run_update(self.model.model, self.groups, call, local)
-        with self._calls:
-            self._call_results.append(result)
-            self._calls.notify_all()
-
     def _worker_loop(self) -> None:
         try:
             for plan in worker_loop(self.runner, self.groups, self.gate, self._barrier,
@@ -413,7 +359,7 @@ class ContinuousBatchingManager:
                 for d in data.get("outputs", []):
                     self.results.put(GenerationOutput.from_dict(d))
                 if "call" in data:
-                    self._worker_call(UpdateCall(**data["call"]))
+                    self.updates.worker_call(UpdateCall(**data["call"]))
         except BaseException as e:
             self.loop_error = e
             log.exception("lockstep worker loop failed")

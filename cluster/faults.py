@@ -1,0 +1,35 @@
+"""Fault injection for the chaos tests: named points in the engine that raise when the environment asks.
+
+`LOCKSTEP_FAULTS` holds comma-separated rules `point[:key=value...]`, e.g.
+`driver_step:step=5` (the driver's step 5 raises) or `sample:request=r7` (sampling request r7 raises) or
+`worker_execute:rank=1:step=3`. A point raises `InjectedFault` when every key of a rule equals (as text)
+the value passed at the call. Unset (always, outside tests), `hit` is one attribute read and a return.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class InjectedFault(RuntimeError):
+    """Raised at a fault point that LOCKSTEP_FAULTS names."""
+
+
+def _parse(spec: str) -> list[tuple[str, dict[str, str]]]:
+    rules = []
+    for rule in filter(None, (r.strip() for r in spec.split(","))):
+        point, *conds = rule.split(":")
+        rules.append((point, dict(c.split("=", 1) for c in conds)))
+    return rules
+
+
+RULES = _parse(os.environ.get("LOCKSTEP_FAULTS", ""))
+
+
+def hit(point: str, **context: object) -> None:
+    """Raise InjectedFault if a rule names `point` and all its conditions match `context`."""
+    if not RULES:
+        return
+    for name, conds in RULES:
+        if name == point and all(str(context.get(k)) == v for k, v in conds.items()):
+            raise InjectedFault(f"injected fault at {point} {context}")
