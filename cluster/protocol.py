@@ -24,7 +24,8 @@ SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PING, BYE = (
     "submit", "cancel", "pause", "resume", "update_weights", "stats", "health", "ping", "bye")
 CLIENT_KINDS = (SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PING, BYE)
 # server -> client
-ACCEPTED, REJECTED, TOKENS, FINAL, REPLY, ERROR = "accepted", "rejected", "tokens", "final", "reply", "error"
+ACCEPTED, REJECTED, TOKENS, FINAL, REPLY, ERROR, PONG = (
+    "accepted", "rejected", "tokens", "final", "reply", "error", "pong")
 
 SAMPLING_FIELDS = {"do_sample": bool, "temperature": (int, float), "top_k": int, "top_p": (int, float),
                    "repetition_penalty": (int, float), "seed": int}

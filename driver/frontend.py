@@ -202,7 +202,8 @@ class Frontend:
             self.manager.update_weights_async(call, lambda r: self._reply_later(ident, mid, r))
         elif kind == P.BYE:
             self._cancel_client(ident)
-        # PING only refreshes last_seen
+        elif kind == P.PING:  # refreshes last_seen (above); the pong tells the client the server lives
+            self._send(ident, P.PONG, mid=mid)
 
     def _reply_later(self, ident: bytes, mid: Any, result: dict) -> None:
         """A reply computed on another thread (weight updates): sent from this thread."""

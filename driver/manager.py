@@ -359,7 +359,7 @@ class ContinuousBatchingManager:
                 for d in data.get("outputs", []):
                     self.results.put(GenerationOutput.from_dict(d))
                 if "call" in data:
-                    self.updates.worker_call(UpdateCall(**data["call"]))
+                    self.updates.worker_call(UpdateCall(**data["call"]), plan.weight_version)
         except BaseException as e:
             self.loop_error = e
             log.exception("lockstep worker loop failed")

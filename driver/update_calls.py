@@ -80,9 +80,9 @@ class WeightUpdates:
                     req.cacheable = False
         return result | {"version": e.weight_version}
 
-    def worker_call(self, call: UpdateCall) -> None:
-        """A worker's share of an update the driver started (the worker loop thread, after a CALL plan);
-        tensors come from this rank's caller."""
+    def worker_call(self, call: UpdateCall, plan_version: int) -> None:
+        """A worker's share of an update the driver started (the worker loop thread, after a CALL plan whose
+        weight_version is `plan_version`); tensors come from this rank's caller."""
         local = None
         if call.source == "tensors":
             with self.cond:
