@@ -72,11 +72,7 @@ class Liveness:
         now_t = time.time()
         return [(r, first.get(r, (-1, 0.0))[0], now_t - first.get(r, (-1, 0.0))[1]) for r in sorted(silent)]
 
-    def describe_failure(self, step: int, error: BaseException) -> str:
-        """One sentence naming the rank(s) that failed, for every request's error."""
-        silent = self.silent_ranks() if self.store is not None else []
-        if silent:
-            who = "; ".join(f"rank {r} stopped answering at step {s} ({age:.1f}s silent)" for r, s, age in silent)
-        else:
-            who = "a rank failed"
+    def describe(self, silent: list[tuple[int, int, float]], step: int, error: BaseException) -> str:
+        """One sentence naming the silent rank(s) (from `silent_ranks`), for every request's error."""
+        who = "; ".join(f"rank {r} stopped answering at step {s} ({age:.1f}s silent)" for r, s, age in silent)
         return f"{who}; the driver was at step {step}: {type(error).__name__}: {str(error)[:200]}"

@@ -30,7 +30,8 @@ class PauseGate:
         """Enter once this rank's loop is parked (at once if no loop runs); the loop resumes after the last exit."""
         with self.cond:
             self.holders += 1
-            self.enters += 1
+            if loop_alive():  # with no loop there is no park to release: counting it would free a later one
+                self.enters += 1
             self.cond.notify_all()
             while loop_alive() and not self.parked:
                 self.cond.wait(0.05)

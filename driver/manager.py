@@ -15,23 +15,22 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-import msgpack
 import numpy as np
 
-from cluster.config import ContinuousBatchingConfig, IDLE_HEARTBEAT_S
-from cluster.liveness import Liveness
+from cluster.config import ContinuousBatchingConfig
 from cluster.dist import agree_all_ok, recv_plan, send_plan
 from cluster.errors import Code, ManagerStopped, QueueFull, RequestRejected
+from cluster.liveness import Liveness
 from cluster.outputs import GenerationOutput, RequestStatus
 from cluster.pause import PauseGate
-from cluster.plan import Command
+from driver.driver_loop import DriverLoop
 from driver.engine import Engine
 from driver.request import Request
 from driver.results import ResultRouter
 from driver.update_calls import WeightUpdates
-from worker.weights import UpdateCall
 from driver.validation import build_request, supported_generation_config
-from worker.loop import worker_loop
+from driver.worker_side import run_worker_side
+from worker.weights import UpdateCall
 
 log = logging.getLogger("lockstep")
 
@@ -59,9 +58,9 @@ class ContinuousBatchingManager:
         self.destroyed = False
         self.loop_error: BaseException | None = None
         self.failure: str | None = None  # what the loop died of, naming the rank when it can
+        self.failure_code: str | None = None  # cluster.errors.Code of that failure (rank_failed, driver_failed)
         self.liveness: Liveness | None = None
         self.wants_results = False  # a worker whose caller reads results asks the driver for them
-        self._outbox: list[dict] = []
         self.updates = WeightUpdates(self)
         self.loop_beat = time.monotonic()  # when the loop last came round (the front door's deadline reads it)
         self._ids = iter(range(1 << 62))
@@ -80,10 +79,12 @@ class ContinuousBatchingManager:
         self.stop_event.clear()
         self.hard = False
         self.loop_error = None
+        self.failure = self.failure_code = None
         if self.liveness is None and self.groups.distributed:
             self.liveness = Liveness(self.groups).start()
-        target = self._driver_loop if self.is_driver else self._worker_loop
-        self.thread = threading.Thread(target=target, name="lockstep-loop", daemon=True)
+        with self._lock:
+            self.closed = False
+        self.thread = threading.Thread(target=self._run_loop, name="lockstep-loop", daemon=True)
         self.thread.start()
 
     def is_running(self) -> bool:
@@ -258,108 +259,20 @@ class ContinuousBatchingManager:
         self.held = hold
         self.inbox.put(None)
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
+        """All ranks meet (the pause's two barriers). Every rank's loop thread calls it."""
         agree_all_ok(True, self.groups)
 
-    # ---------------------------------------------------------------- loops
-    def _driver_loop(self) -> None:
-        engine = self.engine
+    # ---------------------------------------------------------------- the loop thread
+    def _run_loop(self) -> None:
+        """The loop thread: the driver's step loop, or a worker's plan loop. Whatever ends it, callers
+        waiting on it are woken and new requests are refused."""
         try:
-            while True:
-                self.loop_beat = time.monotonic()
-                idle = self.held or not engine.has_work()
-                self._drain_inbox(block=idle and not self.stop_event.is_set() and not self.gate.requested)
-                if self.gate.requested:
-                    engine.send(Command.PAUSE, self._take_outbox())
-                    self.gate.park(self._barrier, lambda: True)
-                    # the holders may have changed the weights: cached prefixes no longer match them
-                    engine.blocks.forget_cached_prefixes()
-                    continue
-                if self.stop_event.is_set() and (self.hard or not engine.has_work()):
-                    break
-                if engine.has_work() and not self.held:
-                    for req in engine.step(self._take_outbox()):
-                        self._emit(req)
-                    if self.liveness:
-                        self.liveness.step = engine.step_no
-                if self._outbox and not engine.has_work():
-                    engine.send(Command.PUBLISH, self._take_outbox())
-            if self.hard:
-                for req in list(self.requests.values()):
-                    engine.end(req, RequestStatus.FAILED, "the manager was stopped with hard_stop=True")
-                    self._emit(req)
-            engine.send(Command.STOP, self._take_outbox())
-        except BaseException as e:  # the loop must never die silently
-            self.loop_error = e
-            self.failure = (self.liveness.describe_failure(engine.step_no, e) if self.liveness
-                            else f"driver loop failed at step {engine.step_no}: {e!r}")
-            log.error("lockstep driver loop failed: %s", self.failure)
-            for req in list(self.requests.values()):
-                req.status, req.error = RequestStatus.FAILED, self.failure
-                req.end_time = time.perf_counter()
-                self._emit(req)
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self.inbox.get(timeout=IDLE_HEARTBEAT_S) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            if block:
-                self.engine.send(Command.IDLE, self._take_outbox())  # keeps workers inside cpu_group_timeout
-            return
-        while True:
-            self._handle(item)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _handle(self, item: Any) -> None:
-        if item is None:
-            return
-        kind, arg = item
-        if kind == "add":
-            self.engine.add(arg)
-        elif kind == "update":
-            call, local, fut = arg
-            self.engine.send(Command.CALL, self._take_outbox(call=call.to_dict()))
-            self.updates.run_on_driver(call, local, fut)
-        elif kind == "cancel":
-            req = self.requests.get(arg)
-            if req is not None and not req.is_finished:
-                self.engine.end(req, RequestStatus.CANCELLED, "cancelled")
-                self._emit(req)
-
-    def _emit(self, req: Request) -> None:
-        if not (req.is_finished or req.streaming):
-            return
-        if req.is_finished:
+            if self.is_driver:
+                DriverLoop(self).run()
+            else:
+                run_worker_side(self)
+        finally:
             with self._lock:
-                self.requests.pop(req.request_id, None)
-        out = req.output()
-        if req.sink is not None:
-            req.sink(out)
-        else:
-            self.results.put(out)
-        if self.engine.workers_want_results():
-            self._outbox.append(out.to_dict())
-
-    def _take_outbox(self, **extra: Any) -> bytes:
-        """Outputs owed to the workers (and `extra` keys, such as a call), packed for the next plan."""
-        if not self._outbox and not extra:
-            return b""
-        data = msgpack.packb({"outputs": self._outbox, **extra})
-        self._outbox = []
-        return data
-
-    def _worker_loop(self) -> None:
-        try:
-            for plan in worker_loop(self.runner, self.groups, self.gate, self._barrier,
-                                    lambda: self.wants_results, self.liveness):
-                data = msgpack.unpackb(plan.data)
-                for d in data.get("outputs", []):
-                    self.results.put(GenerationOutput.from_dict(d))
-                if "call" in data:
-                    self.updates.worker_call(UpdateCall(**data["call"]), plan.weight_version)
-        except BaseException as e:
-            self.loop_error = e
-            log.exception("lockstep worker loop failed")
+                self.closed = True
+            self.updates.loop_ended()

@@ -24,28 +24,32 @@ class ResultRouter:
     def register(self, request_id: str, callback: Callable, loop: asyncio.AbstractEventLoop | None) -> None:
         """Send the request's outputs to `callback`: through `loop` (call_soon_threadsafe), or, with no loop,
         directly from the manager's loop thread (the callback must be quick and thread-safe)."""
+        handler = (loop, callback)
         with self.cond:
-            self.handlers[request_id] = (loop, callback)
+            self.handlers[request_id] = handler
             # anything that arrived before the handler goes to it, in order
             early = [o for o in self.pending if o.request_id == request_id]
             for o in early:
                 self.pending.remove(o)
+            if any(o.is_finished() for o in early):
+                del self.handlers[request_id]
         for o in early:
-            self._deliver(o)
+            self._deliver(handler, o)
 
     def put(self, out: GenerationOutput) -> None:
         with self.cond:
-            if out.request_id not in self.handlers:
+            handler = self.handlers.get(out.request_id)
+            if handler is None:
                 self.pending.append(out)
                 self.cond.notify_all()
                 return
-        self._deliver(out)
-
-    def _deliver(self, out: GenerationOutput) -> None:
-        with self.cond:
-            loop, callback = self.handlers[out.request_id]
-            if out.is_finished():
+            if out.is_finished():  # looked up and removed under one lock: an unregister cannot race it
                 del self.handlers[out.request_id]
+        self._deliver(handler, out)
+
+    @staticmethod
+    def _deliver(handler: tuple[asyncio.AbstractEventLoop | None, Callable], out: GenerationOutput) -> None:
+        loop, callback = handler
         if loop is None:
             callback(out)
         elif not loop.is_closed():

@@ -6,6 +6,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from cluster import faults
 from cluster.dist import Groups, recv_plan
 from cluster.liveness import Liveness
 from cluster.pause import PauseGate
@@ -30,6 +31,7 @@ def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate, barrier: C
         if plan.data:
             yield plan
         if plan.command == Command.STEP:
+            faults.hit("worker_execute", rank=groups.rank, step=plan.step)
             runner.execute(plan)
         elif plan.command == Command.PAUSE:
             gate.park(barrier, lambda: True)
