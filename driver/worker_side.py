@@ -1,8 +1,8 @@
 """A worker rank's loop thread, as its manager runs it: execute every plan (worker/loop.py) and act on what
 plans carry for this rank's callers: outputs they read, and weight-update calls.
 
-A worker whose loop dies stops stamping liveness at once, so the driver names this rank when its next
-collective fails, and the manager refuses new work.
+A worker whose loop dies stops stamping liveness at once, so when the driver's pending collective fails
+(the process exits, or the group's timeout passes) it names this rank; the manager refuses new work.
 """
 
 from __future__ import annotations
@@ -31,6 +31,6 @@ def run_worker_side(m: Any) -> None:
     except BaseException as e:  # never silently: the driver must be able to name this rank
         m.loop_error = e
         m.failure = f"rank {m.groups.rank}: worker loop failed: {type(e).__name__}: {str(e)[:300]}"
+        log.exception("lockstep worker loop failed")
         if m.liveness is not None:
             m.liveness.stop()
-        log.exception("lockstep worker loop failed")
