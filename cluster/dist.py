@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Iterator
 from datetime import timedelta
 
 import numpy as np
@@ -20,6 +23,10 @@ from cluster.plan import HEADER_LEN, H, StepPlan, plan_from_parts
 
 DRIVER = 0
 NO_TIMEOUT = timedelta(days=7)
+
+
+class ControlThreadError(RuntimeError):
+    """A thread other than the loop's tried to use the control group: a lockstep invariant broke."""
 
 
 @dataclass
@@ -33,6 +40,35 @@ class Groups:
     owns_default_group: bool = False
     control_timeout: float | None = 300.0
     owns_control_group: bool = False
+    # the lockstep rule "only the loop thread talks on the control group", checked by every call below:
+    control_owner: int | None = None  # the loop thread's ident while a loop runs (None: whoever calls)
+    control_lent: bool = False  # a pause lends the channel to the callers holding it, between its barriers
+
+    @contextmanager
+    def owned_by_this_thread(self) -> Iterator[None]:
+        """Make the calling thread (a manager's loop) the only one allowed on the control group."""
+        self.control_owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            self.control_owner = None
+
+    @contextmanager
+    def lent(self) -> Iterator[None]:
+        """While a pause parks the loop, the pause's holders may run collectives (weight updates) too."""
+        self.control_lent = True
+        try:
+            yield
+        finally:
+            self.control_lent = False
+
+    def check_control_thread(self) -> None:
+        """Raise if this thread may not talk on the control group now (see docs/architecture.md)."""
+        owner = self.control_owner
+        if owner is not None and owner != threading.get_ident() and not self.control_lent:
+            raise ControlThreadError(f"rank {self.rank}: thread {threading.current_thread().name!r} used the control "
+                                     f"group while the loop thread owns it: only the loop thread sends or receives "
+                                     f"plans and agreements, or a pause's holders while the loop is parked")
 
     @property
     def is_driver(self) -> bool:
@@ -96,6 +132,7 @@ def make_control_group(groups: Groups, cpu_group_timeout: float | None) -> Group
 def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
     """Send one plan from the driver; returns every rank's state row. The driver calls it; every other rank
     calls `recv_plan` once for it."""
+    groups.check_control_thread()
     if not groups.distributed:
         return None
     header = plan.header()
@@ -113,6 +150,7 @@ def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
 def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
     """Receive the driver's next plan, telling it this rank's `state` row. Every non-driver rank calls it,
     once per `send_plan`."""
+    groups.check_control_thread()
     table = torch.zeros(groups.world_size, HEADER_LEN, dtype=torch.int64)
     table[groups.rank, :len(state)] = torch.from_numpy(np.asarray(state, dtype=np.int64))
     dist.all_reduce(table, group=groups.control_group)
@@ -132,6 +170,7 @@ def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
 
 def agree_min(value: int, groups: Groups) -> int:
     """The smallest of every rank's value. Every rank calls it."""
+    groups.check_control_thread()
     if not groups.distributed:
         return value
     t = torch.tensor([value], dtype=torch.int64)
@@ -141,6 +180,7 @@ def agree_min(value: int, groups: Groups) -> int:
 
 def agree_all_ok(ok: bool, groups: Groups) -> list[bool]:
     """Every rank's OK flag, so that all ranks take the same branch. Every rank calls it."""
+    groups.check_control_thread()
     if not groups.distributed:
         return [ok]
     t = torch.zeros(groups.world_size, dtype=torch.int64)
@@ -151,6 +191,7 @@ def agree_all_ok(ok: bool, groups: Groups) -> list[bool]:
 
 def agree_messages(message: str, groups: Groups, max_bytes: int = 1024) -> list[str]:
     """Every rank's message (empty: all is well), as plain bytes in a tensor. Every rank calls it."""
+    groups.check_control_thread()
     raw = message.encode()[:max_bytes]
     if not groups.distributed:
         return [raw.decode(errors="replace")]

@@ -8,8 +8,8 @@ while every loop is parked, and no loop moves on while any rank's caller is stil
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Callable, ContextManager, Iterator
 
 
 class PauseGate:
@@ -42,10 +42,12 @@ class PauseGate:
                 self.holders -= 1
                 self.cond.notify_all()
 
-    def park(self, barrier: Callable[[], None], still_alive: Callable[[], bool]) -> None:
-        """Called by the loop thread after a PAUSE plan; returns when every rank's holders have left."""
+    def park(self, barrier: Callable[[], None], still_alive: Callable[[], bool],
+             lend: Callable[[], ContextManager] = nullcontext) -> None:
+        """Called by the loop thread after a PAUSE plan; returns when every rank's holders have left.
+        `lend()` is entered between the two barriers (the groups' `lent`: holders may run collectives)."""
         barrier()
-        with self.cond:
+        with lend(), self.cond:
             self.parked = True
             self.cond.notify_all()
             while still_alive() and (self.enters == self.consumed or self.holders > 0):

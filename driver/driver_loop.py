@@ -58,7 +58,7 @@ class DriverLoop:
                 self._drain_inbox(self._until_heartbeat() if wait else 0.0)
                 if m.gate.requested:
                     self._send(Command.PAUSE)
-                    m.gate.park(m.barrier, lambda: True)
+                    m.gate.park(m.barrier, lambda: True, m.groups.lent)
                     self.last_plan = time.monotonic()  # the barriers were plans' worth of contact
                     # the holders may have changed the weights: cached prefixes no longer match them
                     engine.blocks.forget_cached_prefixes()

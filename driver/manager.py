@@ -268,10 +268,11 @@ class ContinuousBatchingManager:
         """The loop thread: the driver's step loop, or a worker's plan loop. Whatever ends it, callers
         waiting on it are woken and new requests are refused."""
         try:
-            if self.is_driver:
-                DriverLoop(self).run()
-            else:
-                run_worker_side(self)
+            with self.groups.owned_by_this_thread():
+                if self.is_driver:
+                    DriverLoop(self).run()
+                else:
+                    run_worker_side(self)
         finally:
             with self._lock:
                 self.closed = True

@@ -34,6 +34,6 @@ def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate, barrier: C
             faults.hit("worker_execute", rank=groups.rank, step=plan.step)
             runner.execute(plan)
         elif plan.command == Command.PAUSE:
-            gate.park(barrier, lambda: True)
+            gate.park(barrier, lambda: True, groups.lent)
         elif plan.command == Command.STOP:
             return
