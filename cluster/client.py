@@ -248,9 +248,8 @@ class AsyncClient:
         params["streaming"] = True
         req, fut = self.client.submit_future(input_ids, **params)
         await self._await(fut)
-        loop = asyncio.get_running_loop()
         try:
-            while not (item := await loop.run_in_executor(None, req.next_item, self.client.timeout)).is_finished():
+            while not (item := await req.next_item_async(self.client.timeout)).is_finished():
                 yield item
             yield item
         finally:

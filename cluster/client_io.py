@@ -11,6 +11,7 @@ Only torch-free modules are imported here.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -80,16 +81,50 @@ class PendingRequest:
         self.tokens: list[int] = []
         self.final: Future = Future()
         self.stream: queue.Queue = queue.Queue()
+        self._arrivals: list[Future] = []  # resolved at the next put (asyncio waiters await them)
+        self._arrivals_lock = threading.Lock()
+
+    def put(self, item: GenerationOutput | Exception) -> None:
+        with self._arrivals_lock:
+            self.stream.put(item)
+            waiting, self._arrivals = self._arrivals, []
+        for fut in waiting:
+            settle(fut)
+
+    def arrival(self) -> Future:
+        """A future resolved once the stream holds an item (at once if it already does)."""
+        fut: Future = Future()
+        with self._arrivals_lock:
+            if self.stream.empty():
+                self._arrivals.append(fut)
+                return fut
+        settle(fut)
+        return fut
+
+    @staticmethod
+    def _checked(item: GenerationOutput | Exception) -> GenerationOutput:
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     def next_item(self, timeout: float | None) -> GenerationOutput:
         """The next streamed output; the error that ended the request is raised."""
         try:
-            item = self.stream.get(timeout=timeout)
+            return self._checked(self.stream.get(timeout=timeout))
         except queue.Empty:
             raise TimeoutError(f"no output for request {self.request_id!r} within {timeout} s") from None
-        if isinstance(item, Exception):
-            raise item
-        return item
+
+    async def next_item_async(self, timeout: float | None) -> GenerationOutput:
+        """`next_item` for asyncio: waits without holding a thread."""
+        while True:
+            try:
+                return self._checked(self.stream.get_nowait())
+            except queue.Empty:
+                pass
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(self.arrival()), timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no output for request {self.request_id!r} within {timeout} s") from None
 
 
 class IOThread:
@@ -110,7 +145,7 @@ class IOThread:
         self.requests: dict[str, PendingRequest] = {}  # tracked until the caller collects them
         self.open: set[str] = set()  # ids of tracked requests whose final output has not come
         self.pause_held = False  # this client holds the server's pause
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a finalizer may close the client on this thread while it holds it
         self.mids = itertools.count(1)
         self.heard = time.monotonic()  # when the last frame from the server arrived
         self.busy_since = time.monotonic()  # when something last became outstanding after nothing was
@@ -165,7 +200,7 @@ class IOThread:
                 self.open.discard(req.request_id)
         if req.final.done():
             return
-        req.stream.put(output if error is None else error)
+        req.put(output if error is None else error)
         settle(req.final, output, error)
 
     def forget(self, req: PendingRequest) -> None:
@@ -295,7 +330,7 @@ class IOThread:
             return
         if kind == P.TOKENS:
             req.tokens.extend(msg["tokens"])
-            req.stream.put(GenerationOutput(request_id=rid, prompt_ids=req.prompt_ids,
+            req.put(GenerationOutput(request_id=rid, prompt_ids=req.prompt_ids,
                                             generated_tokens=list(req.tokens), status=RequestStatus.DECODING))
         elif kind == P.FINAL:  # the request stays tracked until `result` or `stream` collects it
             self.finish(req, GenerationOutput.from_dict(msg["output"]))
