@@ -353,10 +353,16 @@ class IOThread:
             self.finish(req, error=error)
         for fut in replies:
             settle(fut, error=error)
+        linger = CLOSE_LINGER_MS if failure is None else FAILED_LINGER_MS
         try:
-            for f in frames:
-                self._send(f)
-            self.sock.close(linger=CLOSE_LINGER_MS if failure is None else FAILED_LINGER_MS)
+            deadline = time.monotonic() + linger / 1000
+            for f in frames:  # blocking sends (bounded by the linger): a full pipe must not drop the bye
+                self.sock.setsockopt(zmq.SNDTIMEO, max(1, int((deadline - time.monotonic()) * 1000)))
+                try:
+                    self.sock.send(f)
+                except zmq.Again:
+                    break
+            self.sock.close(linger=linger)
             self.ctx.term()
         finally:
             with self.lock:
