@@ -123,7 +123,7 @@ class PendingRequest:
                 pass
             try:
                 await asyncio.wait_for(asyncio.wrap_future(self.arrival()), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:  # asyncio's, since 3.11 the builtin
                 raise TimeoutError(f"no output for request {self.request_id!r} within {timeout} s") from None
 
 
@@ -138,14 +138,15 @@ class IOThread:
         self.sock.setsockopt(zmq.LINGER, 0)
         if server_key:
             public, secret = client_keys or zmq.curve_keypair()
-            self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = server_key, public, secret
+            self.sock.curve_serverkey = server_key
+            self.sock.curve_publickey, self.sock.curve_secretkey = public, secret
         self.sock.connect(address)
         self.outbox: deque[bytes] = deque()
         self.replies: dict[Any, Future] = {}
         self.requests: dict[str, PendingRequest] = {}  # tracked until the caller collects them
         self.open: set[str] = set()  # ids of tracked requests whose final output has not come
         self.pause_held = False  # this client holds the server's pause
-        self.lock = threading.RLock()  # a finalizer may close the client on this thread while it holds it
+        self.lock = threading.RLock()  # a finalizer may close the client on this thread while holding it
         self.mids = itertools.count(1)
         self.heard = time.monotonic()  # when the last frame from the server arrived
         self.busy_since = time.monotonic()  # when something last became outstanding after nothing was
@@ -249,7 +250,7 @@ class IOThread:
         try:
             failure = self._serve()
         except Exception as e:  # a bug or a broken socket must not leave every caller waiting
-            log.error("lockstep client: the I/O thread failed", exc_info=True)
+            log.exception("lockstep client: the I/O thread failed")
             failure = ClientError(Code.CLIENT_FAILED, f"the client's I/O thread failed: {type(e).__name__}: {e}")
         self._end(failure)
 
