@@ -1,7 +1,7 @@
 """CLI verbs that talk to a running cluster: `submit`, `stats`, `health`, `update-weights`.
 
 A refused call prints `{"error": code, "message": ...}` on stderr and exits 2; a refused weight update
-(WeightUpdateError) adds its `rank` and `reason` and exits 1. A server that stops answering ends the call
+(WeightUpdateError) prints the cluster's result on stdout, adds its `rank` and `reason` and exits 1. A server that stops answering ends the call
 with `server_gone` after `--server-timeout` seconds of silence."""
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def update_weights(args: argparse.Namespace) -> int:
     with _client(args) as c:
         try:
             result = c.update_weights(args.path, kv_policy=args.kv_policy)
-        except WeightUpdateError as e:
+        except WeightUpdateError as e:  # the cluster's result still goes to stdout, as for an accepted one
+            print(json.dumps(e.result, indent=2))
             _refused(e, rank=e.rank, reason=e.reason)
             return 1
         except ClientError as e:
