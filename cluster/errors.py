@@ -37,6 +37,7 @@ class Code:
     WEIGHT_UPDATE_FAILED = "weight_update_failed"
     SERVER_GONE = "server_gone"  # client side: the server stopped answering
     CLIENT_FAILED = "client_failed"  # client side: the client's own I/O thread failed
+    CLIENT_CLOSED = "client_closed"  # client side: the client was closed while the call was outstanding
     INTERNAL = "internal"
 
 

@@ -1,4 +1,8 @@
-"""CLI verbs that talk to a running cluster: `submit`, `stats`, `health`, `update-weights`."""
+"""CLI verbs that talk to a running cluster: `submit`, `stats`, `health`, `update-weights`.
+
+A refused call prints `{"error": code, "message": ...}` on stderr and exits 2; a refused weight update
+(WeightUpdateError) prints the cluster's result on stdout, adds its `rank` and `reason` and exits 1. A server that stops answering ends the call
+with `server_gone` after `--server-timeout` seconds of silence."""
 
 from __future__ import annotations
 
@@ -12,7 +16,11 @@ from cluster.protocol import DEFAULT_ADDRESS
 def _client(args: argparse.Namespace):
     from cluster.client import Client
 
-    return Client(args.address, timeout=args.timeout)
+    return Client(args.address, timeout=args.timeout, server_timeout_s=args.server_timeout)
+
+
+def _refused(e: Exception, **extra: object) -> None:
+    print(json.dumps({"error": e.code, "message": e.message, **extra}), file=sys.stderr)
 
 
 def submit(args: argparse.Namespace) -> int:
@@ -33,34 +41,46 @@ def submit(args: argparse.Namespace) -> int:
                 out = c.generate(source.get("input_ids"), text=source.get("text"), **params)
                 print(json.dumps(out.to_dict()))
         except ClientError as e:
-            print(json.dumps({"error": e.code, "message": e.message}), file=sys.stderr)
+            _refused(e)
             return 2
     return 0
 
 
 def stats(args: argparse.Namespace) -> int:
-    with _client(args) as c:
-        print(json.dumps(c.stats() if args.verb == "stats" else c.health(), indent=2))
-    return 0
-
-
-def update_weights(args: argparse.Namespace) -> int:
     from cluster.client import ClientError
 
     with _client(args) as c:
         try:
-            result = c.update_weights(args.path, kv_policy=args.kv_policy)
+            print(json.dumps(c.stats() if args.verb == "stats" else c.health(), indent=2))
         except ClientError as e:
-            print(json.dumps({"error": e.code, "message": e.message}), file=sys.stderr)
+            _refused(e)
+            return 2
+    return 0
+
+
+def update_weights(args: argparse.Namespace) -> int:
+    from cluster.client import ClientError, WeightUpdateError
+
+    with _client(args) as c:
+        try:
+            result = c.update_weights(args.path, kv_policy=args.kv_policy)
+        except WeightUpdateError as e:  # the cluster's result still goes to stdout, as for an accepted one
+            print(json.dumps(e.result, indent=2))
+            _refused(e, rank=e.rank, reason=e.reason)
+            return 1
+        except ClientError as e:
+            _refused(e)
             return 2
     print(json.dumps(result, indent=2))
-    return 0 if result.get("ok") else 1
+    return 0
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--address", default=DEFAULT_ADDRESS)
         p.add_argument("--timeout", type=float, default=600.0)
+        p.add_argument("--server-timeout", type=float, default=5.0,
+                       help="seconds a silent server is waited for before the call fails with server_gone")
 
     p = sub.add_parser("submit", help="send one request to a running cluster and print its output")
     common(p)

@@ -13,6 +13,7 @@ import pytest
 
 from cluster.client import AsyncClient, Client, ClientError
 from cluster.outputs import RequestStatus
+from tests.clients import run_clients
 from tests.conftest import REPO, hf_greedy
 from tests.serving import rank_pid, serve
 from tests.workloads import mixed_prompts
@@ -29,13 +30,11 @@ client_timeout_s = 2.0
 """
 
 
-def hammer(address: str, client_no: int, n: int, results: "mp.Queue") -> None:
-    """One client process: n concurrent requests, then report how many finished."""
-    c = Client(address, timeout=300)
-    rids = [c.submit([1, 3 + client_no, 5 + i % 50], max_new_tokens=4) for i in range(n)]
-    done = sum(c.result(r).status == RequestStatus.FINISHED for r in rids)
-    c.close()
-    results.put(done)
+def hammer(address: str, client_no: int, n: int) -> int:
+    """One client process: n concurrent requests; how many finished."""
+    with Client(address, timeout=300) as c:
+        rids = [c.submit([1, 3 + client_no, 5 + i % 50], max_new_tokens=4) for i in range(n)]
+        return sum(c.result(r).status == RequestStatus.FINISHED for r in rids)
 
 
 def abandon(address: str) -> None:
@@ -73,18 +72,23 @@ def test_streaming_and_cancel(server, make_checkpoint):
         assert out.status == RequestStatus.CANCELLED and len(out.generated_tokens) < 900
 
 
-def test_async_client(server):
+def test_async_client(server, make_checkpoint):
     import asyncio
 
+    prompts, streamed_prompt, n = [[1, 9, k] for k in range(20)], [1, 2], 3
+
     async def go():
-        c = AsyncClient(server.address)
-        outs = await asyncio.gather(*[c.generate([1, 9, k], max_new_tokens=3) for k in range(20)])
-        streamed = [o async for o in c.stream([1, 2], max_new_tokens=3)]
+        c = AsyncClient(server.address, timeout=120)
+        outs = await asyncio.gather(*[c.generate(p, max_new_tokens=n) for p in prompts])
+        streamed = [o async for o in c.stream(streamed_prompt, max_new_tokens=n)]
         await c.close()
         return outs, streamed
 
     outs, streamed = asyncio.run(go())
-    assert all(len(o.generated_tokens) == 3 for o in outs) and len(streamed) == 3
+    want = hf_greedy(make_checkpoint("llama"), prompts + [streamed_prompt], n)
+    assert [o.generated_tokens for o in outs] == want[:-1]
+    assert [o.generated_tokens for o in streamed] == [want[-1][:k] for k in range(1, n + 1)]
+    assert streamed[-1].status == RequestStatus.FINISHED
 
 
 def test_disconnected_client_is_cancelled(server):
@@ -103,15 +107,8 @@ def test_disconnected_client_is_cancelled(server):
 
 
 def test_thousand_requests_from_eight_clients(server):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=hammer, args=(server.address, k, 125, results)) for k in range(8)]
-    for p in procs:
-        p.start()
-    done = [results.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(30)
-    assert sum(done) == 1000
+    done = run_clients(hammer, [(server.address, k, 125) for k in range(8)], timeout=600)
+    assert done == [125] * 8
 
 
 @pytest.mark.parametrize("payload,code", [
