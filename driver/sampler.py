@@ -79,7 +79,8 @@ class Sampler:
             if req.generator is None:
                 req.generator = torch.Generator().manual_seed(request_seed(
                     req.sampling.seed if req.sampling.seed is not None else self.seed, req.request_id))
-            tok = int(torch.multinomial(processed.softmax(-1), 1, generator=req.generator))
+            # drawn on the host with the request's CPU generator: the same stream whatever device ran the step
+            tok = int(torch.multinomial(processed.softmax(-1).cpu(), 1, generator=req.generator))
         else:
             tok = int(processed.argmax())
         return Draw(tok, float(processed.log_softmax(-1)[tok]) if req.return_logprobs else None)
