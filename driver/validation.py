@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from cluster.config import DEFAULT_MAX_NEW_TOKENS
 from cluster.errors import Code, RequestRejected
@@ -79,6 +80,11 @@ def _top_k(v: Any) -> int | None:
     return None if k is None or k < -1 else (0 if k == -1 else k)  # 0 and -1 both mean no top-k
 
 
+def _seed(v: Any) -> int | None:
+    s = _integer(v)
+    return s if s is not None and INT64_MIN <= s <= INT64_MAX else None
+
+
 def _in(test: Callable[[float], bool]) -> Callable[[Any], float | None]:
     def check(v: Any) -> float | None:
         x = _real(v)
@@ -93,8 +99,7 @@ SAMPLING_RANGES: dict[str, tuple[Callable[[Any], Any], str]] = {
     "top_k": (_top_k, "an integer >= 1, or 0 or -1 for no top-k"),
     "top_p": (_in(lambda x: 0 < x <= 1), "a number in (0, 1]"),
     "repetition_penalty": (_in(lambda x: math.isfinite(x) and x > 0), "a finite number > 0"),
-    "seed": (lambda v: v if (v := _integer(v)) is not None and INT64_MIN <= v <= INT64_MAX else None,
-             "an integer in [-2**63, 2**63 - 1]"),
+    "seed": (_seed, "an integer in [-2**63, 2**63 - 1]"),
 }
 
 
