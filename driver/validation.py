@@ -152,8 +152,12 @@ def check_request_id(request_id: Any) -> str:
     return request_id
 
 
+NO_EOS = -1  # transformers' placeholder for "no EOS token" (the benchmarks send it): accepted, matches nothing
+
+
 def check_eos(eos: Any, request_id: str, vocab_size: int) -> frozenset[int]:
-    """A request's eos_token_id (an id or a list of at most MAX_EOS_TOKEN_IDS ids in the vocabulary) as a set."""
+    """A request's eos_token_id (an id or a list of at most MAX_EOS_TOKEN_IDS ids in the vocabulary, or NO_EOS)
+    as a set."""
     ids = [eos] if _integer(eos) is not None else eos
     if not isinstance(ids, (list, tuple)) or any(_integer(e) is None for e in ids):
         raise RequestRejected(f"request {request_id}: eos_token_id must be a token id or a list of token ids",
@@ -161,11 +165,12 @@ def check_eos(eos: Any, request_id: str, vocab_size: int) -> frozenset[int]:
     if len(ids) > MAX_EOS_TOKEN_IDS:
         raise RequestRejected(f"request {request_id}: eos_token_id lists {len(ids)} ids; at most "
                               f"{MAX_EOS_TOKEN_IDS} are allowed", Code.BAD_FIELD, request_id)
-    bad = [int(e) for e in ids if not 0 <= int(e) < vocab_size]
+    ids = [int(e) for e in ids if int(e) != NO_EOS]
+    bad = [e for e in ids if not 0 <= e < vocab_size]
     if bad:
         raise RequestRejected(f"request {request_id}: eos_token_id {bad[0]} is not a token id: eos_token_id must "
-                              f"be in [0, {vocab_size})", Code.BAD_FIELD, request_id)
-    return frozenset(int(e) for e in ids)
+                              f"be in [0, {vocab_size}) (or {NO_EOS} for none)", Code.BAD_FIELD, request_id)
+    return frozenset(ids)
 
 
 def default_eos(generation_config: Any) -> frozenset[int]:

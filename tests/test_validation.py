@@ -123,7 +123,7 @@ def test_top_k_minus_one_means_no_top_k(model):
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(eos_token_id=list(range(65))), "eos_token_id"),
     (dict(eos_token_id=[1, 2048]), "eos_token_id"),
-    (dict(eos_token_id=-1), "eos_token_id"),
+    (dict(eos_token_id=-2), "eos_token_id"),
     (dict(eos_token_id=[1, "a"]), "eos_token_id"),
     (dict(request_id="x" * 257), "request_id"),
 ])
@@ -136,6 +136,9 @@ def test_caps_on_eos_lists_and_request_ids(manager, monkeypatch, kwargs, needle)
 def test_caps_at_their_limits_are_accepted(manager):
     req = manager.build_request([5, 6, 7], request_id="r" * 256, max_new_tokens=2, eos_token_id=list(range(64)))
     assert req.request_id == "r" * 256 and len(req.eos_token_ids) == 64
+    # -1 is transformers' "no EOS" placeholder (the serving benchmark sends it): accepted, and it matches nothing
+    assert manager.build_request([5, 6, 7], max_new_tokens=2, eos_token_id=-1).eos_token_ids == frozenset()
+    assert manager.build_request([5], max_new_tokens=2, eos_token_id=[-1, 2047]).eos_token_ids == {2047}
 
 
 def test_request_that_can_never_fit_the_cache_is_refused_at_add_time(manager, monkeypatch):
