@@ -27,8 +27,12 @@ CLIENT_KINDS = (SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PI
 ACCEPTED, REJECTED, TOKENS, FINAL, REPLY, ERROR, PONG = (
     "accepted", "rejected", "tokens", "final", "reply", "error", "pong")
 
+# a submit's `sampling` map: parameter -> wire type (the values' ranges are checked where requests are built,
+# driver/validation.py, for the wire and the manager API alike; docs/protocol.md "Sampling parameters")
 SAMPLING_FIELDS = {"do_sample": bool, "temperature": (int, float), "top_k": int, "top_p": (int, float),
                    "repetition_penalty": (int, float), "seed": int}
+MAX_EOS_TOKEN_IDS = 64  # ids in one request's eos_token_id list
+MAX_REQUEST_ID_CHARS = 256
 
 
 class ProtocolError(Exception):
@@ -107,13 +111,17 @@ def _names(types: Any) -> str:
     return " or ".join(t.__name__ for t in types) if isinstance(types, tuple) else types.__name__
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def parse_submit(msg: dict) -> Submit:
     mid = msg.get("mid")
     ids = field(msg, "input_ids", list)
     text = field(msg, "text", str)
     if (ids is None) == (text is None):
         raise ProtocolError(Code.BAD_FIELD, "a submit carries exactly one of input_ids and text", mid)
-    if ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if ids is not None and not all(_is_int(t) for t in ids):
         raise ProtocolError(Code.BAD_FIELD, "input_ids must be a list of integers", mid)
     sampling = field(msg, "sampling", dict, default={})
     for k, v in sampling.items():
@@ -121,9 +129,15 @@ def parse_submit(msg: dict) -> Submit:
             raise ProtocolError(Code.BAD_FIELD, f"unknown sampling parameter {k!r}", mid)
         field(sampling | {"mid": mid}, k, SAMPLING_FIELDS[k])
     eos = msg.get("eos_token_id")
-    if eos is not None and not (isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(e, int)
-                                                                                       for e in eos))):
+    if isinstance(eos, list) and len(eos) > MAX_EOS_TOKEN_IDS:
+        raise ProtocolError(Code.BAD_FIELD, f"eos_token_id lists {len(eos)} ids; at most {MAX_EOS_TOKEN_IDS} are "
+                                            f"allowed", mid)
+    if eos is not None and not (_is_int(eos) or (isinstance(eos, list) and all(_is_int(e) for e in eos))):
         raise ProtocolError(Code.BAD_FIELD, "eos_token_id must be an integer or a list of integers", mid)
-    return Submit(mid=mid, request_id=field(msg, "request_id", str), input_ids=ids, text=text,
+    rid = field(msg, "request_id", str)
+    if rid is not None and len(rid) > MAX_REQUEST_ID_CHARS:
+        raise ProtocolError(Code.BAD_FIELD, f"request_id has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS} "
+                                            f"are allowed", mid)
+    return Submit(mid=mid, request_id=rid, input_ids=ids, text=text,
                   max_new_tokens=field(msg, "max_new_tokens", int), streaming=field(msg, "streaming", bool, False),
                   sampling=sampling, eos_token_id=eos)

@@ -12,6 +12,7 @@ import numpy as np
 
 from cluster.config import ResolvedConfig
 from cluster.dist import Groups, send_plan
+from cluster.errors import Code
 from cluster.outputs import RequestStatus
 from cluster.plan import Command, S, StepPlan
 from driver.block_manager import BlockManager
@@ -40,11 +41,13 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def end(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
-        """Finish, fail or cancel a request: its pages are freed at once."""
+    def end(self, req: Request, status: RequestStatus, error: str | None = None, code: str | None = None) -> None:
+        """Finish, fail or cancel a request: its pages are freed at once. `code` (cluster.errors.Code) says why
+        it failed."""
         self.scheduler.finish(req)
         req.status = status
         req.error = error
+        req.error_code = code
         req.end_time = time.perf_counter()
 
     def send(self, command: Command, data: bytes = b"") -> None:
@@ -57,15 +60,19 @@ class Engine:
         return s is not None and bool(s[1:, S.WANTS_RESULTS].any())
 
     def step(self, data: bytes = b"") -> list[Request]:
-        """Run one step; returns the requests that got a token or ended during it. `data` rides along."""
+        """Run one step; returns the requests that got a token or ended during it. `data` (outputs owed to the
+        workers) rides along with the plan, or with a PUBLISH plan when nothing can run."""
         batch, impossible = self.scheduler.schedule()
         events = []
-        for req in impossible:
+        for req in impossible:  # validation refuses these at add time; a request built by hand can still get here
             self.end(req, RequestStatus.FAILED,
                      f"request {req.request_id} needs {self.blocks.blocks_for(req.num_computed + 1)} or more KV "
-                     f"pages of {self.rc.page_size} tokens; the cache holds {self.rc.num_blocks}")
+                     f"pages of {self.rc.page_size} tokens; the cache holds {self.rc.num_blocks}",
+                     Code.EXCEEDS_KV_CACHE)
             events.append(req)
         if not batch:
+            if data:
+                self.send(Command.PUBLISH, data)
             return events
         batch.sort(key=lambda s: s.num_tokens != 1)  # the decode group goes first
         plan = self._plan(batch)
@@ -76,15 +83,21 @@ class Engine:
         for s in batch:
             s.req.num_computed += s.num_tokens
             self.blocks.register_full_blocks(s.req)
-        tokens, logprobs = self.sampler(logits, sampled)
+        draws = self.sampler(logits, sampled)
         now = time.perf_counter()
-        for req, tok, lp in zip(sampled, tokens, logprobs):
+        for req, draw in zip(sampled, draws):
+            if draw.error is not None:  # this request alone fails; the rest of the batch gets its tokens
+                self.end(req, RequestStatus.FAILED, f"request {req.request_id}: sampling failed: {draw.error!r}",
+                         Code.SAMPLING_FAILED)
+                events.append(req)
+                continue
+            tok = draw.token
             if req.start_time < 0:
                 req.start_time = now
             req.note_version(self.weight_version)
             req.generated.append(tok)
-            if lp is not None:
-                req.logprobs.append(lp)
+            if draw.logprob is not None:
+                req.logprobs.append(draw.logprob)
             if req.record_timestamps:
                 req.timestamps.append(now)
             req.status = RequestStatus.DECODING
@@ -92,7 +105,7 @@ class Engine:
                     or req.num_tokens >= self.rc.max_model_len):
                 self.end(req, RequestStatus.FINISHED)
             events.append(req)
-        self.num_tokens_generated += len(sampled)
+            self.num_tokens_generated += 1
         self.step_no += 1
         return events
 

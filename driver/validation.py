@@ -3,13 +3,18 @@ the request, with the wire code that says what is wrong."""
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable
 from typing import Any
 
 from cluster.config import DEFAULT_MAX_NEW_TOKENS
 from cluster.errors import Code, RequestRejected
+from cluster.protocol import MAX_EOS_TOKEN_IDS, MAX_REQUEST_ID_CHARS, SAMPLING_FIELDS
 from driver.request import Request, SamplingParams
 
-SAMPLING_KWARGS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
+SAMPLING_KWARGS = tuple(SAMPLING_FIELDS)
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # GenerationConfig fields that would need a logits processor Lockstep does not have
 UNSUPPORTED_PROCESSORS = ("min_length", "min_new_tokens", "no_repeat_ngram_size", "bad_words_ids", "force_words_ids",
                           "typical_p", "epsilon_cutoff", "eta_cutoff", "min_p", "diversity_penalty",
@@ -56,18 +61,137 @@ def default_max_new_tokens(generation_config: Any) -> int:
     return value if value is not None else DEFAULT_MAX_NEW_TOKENS
 
 
-def eos_set(eos: Any) -> frozenset[int]:
+def _integer(v: Any) -> int | None:
+    return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else None
+
+
+def _real(v: Any) -> float | None:
+    """v as a float (None when it is not a real number, a bool, or too large for a float)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    try:
+        return float(v)
+    except OverflowError:
+        return None
+
+
+def _top_k(v: Any) -> int | None:
+    k = _integer(v)
+    return None if k is None or k < -1 else (0 if k == -1 else k)  # 0 and -1 both mean no top-k
+
+
+def _seed(v: Any) -> int | None:
+    s = _integer(v)
+    return s if s is not None and INT64_MIN <= s <= INT64_MAX else None
+
+
+def _in(test: Callable[[float], bool]) -> Callable[[Any], float | None]:
+    def check(v: Any) -> float | None:
+        x = _real(v)
+        return x if x is not None and test(x) else None
+    return check
+
+
+# parameter -> (normaliser returning the value to use, or None when the value is refused; the allowed range)
+SAMPLING_RANGES: dict[str, tuple[Callable[[Any], Any], str]] = {
+    "do_sample": (lambda v: v if isinstance(v, bool) else None, "true or false"),
+    "temperature": (_in(lambda x: math.isfinite(x) and x >= 0), "a finite number >= 0 (> 0 when sampling)"),
+    "top_k": (_top_k, "an integer >= 1, or 0 or -1 for no top-k"),
+    "top_p": (_in(lambda x: 0 < x <= 1), "a number in (0, 1]"),
+    "repetition_penalty": (_in(lambda x: math.isfinite(x) and x > 0), "a finite number > 0"),
+    "seed": (_seed, "an integer in [-2**63, 2**63 - 1]"),
+}
+
+
+def _where(request_id: str | None) -> str:
+    return f"request {request_id}" if request_id is not None else "generation_config"
+
+
+def check_sampling_value(name: str, value: Any, request_id: str | None) -> Any:
+    """The value to use for sampling parameter `name`, or RequestRejected (bad_field) naming it and its range.
+    `request_id` None: the value comes from the generation config."""
+    normalise, allowed = SAMPLING_RANGES[name]
+    checked = normalise(value)
+    if checked is None:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise RequestRejected(f"{_where(request_id)}: {name}={shown} is out of range; {name} must be {allowed}",
+                              Code.BAD_FIELD, request_id)
+    return checked
+
+
+def check_sampling_kwargs(kwargs: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """Per-request sampling parameters, checked and normalised (no rank state needed: any rank may call it)."""
+    unknown = set(kwargs) - set(SAMPLING_KWARGS)
+    if unknown:
+        raise RequestRejected(f"request {request_id}: unknown generation parameter(s) {sorted(unknown)}",
+                              Code.BAD_FIELD, request_id)
+    return {k: check_sampling_value(k, v, request_id) for k, v in kwargs.items() if v is not None}
+
+
+def check_temperature_for_sampling(sampling: SamplingParams, request_id: str | None) -> None:
+    if sampling.do_sample and sampling.temperature <= 0:
+        raise RequestRejected(f"{_where(request_id)}: temperature={sampling.temperature!r} with do_sample=True; "
+                              f"temperature must be {SAMPLING_RANGES['temperature'][1]}", Code.BAD_FIELD, request_id)
+
+
+def sampling_from(generation_config: Any) -> SamplingParams:
+    """The sampling defaults a GenerationConfig sets (unset fields take transformers' meaning), checked."""
+    values = {name: getattr(generation_config, name, None) for name in SAMPLING_RANGES if name != "seed"}
+    checked = {k: check_sampling_value(k, v, None) for k, v in values.items() if v is not None}
+    sampling = SamplingParams(**checked)
+    check_temperature_for_sampling(sampling, None)
+    return sampling
+
+
+def check_request_id(request_id: Any) -> str:
+    if not isinstance(request_id, str):
+        raise RequestRejected(f"request_id must be a string, got {type(request_id).__name__}", Code.BAD_FIELD)
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise RequestRejected(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are "
+                              f"allowed", Code.BAD_FIELD)
+    return request_id
+
+
+NO_EOS = -1  # transformers' placeholder for "no EOS token" (the benchmarks send it): accepted, matches nothing
+
+
+def check_eos(eos: Any, request_id: str, vocab_size: int) -> frozenset[int]:
+    """A request's eos_token_id (an id or a list of at most MAX_EOS_TOKEN_IDS ids in the vocabulary, or NO_EOS)
+    as a set."""
+    ids = [eos] if _integer(eos) is not None else eos
+    if not isinstance(ids, (list, tuple)) or any(_integer(e) is None for e in ids):
+        raise RequestRejected(f"request {request_id}: eos_token_id must be a token id or a list of token ids",
+                              Code.BAD_FIELD, request_id)
+    if len(ids) > MAX_EOS_TOKEN_IDS:
+        raise RequestRejected(f"request {request_id}: eos_token_id lists {len(ids)} ids; at most "
+                              f"{MAX_EOS_TOKEN_IDS} are allowed", Code.BAD_FIELD, request_id)
+    ids = [int(e) for e in ids if int(e) != NO_EOS]
+    bad = [e for e in ids if not 0 <= e < vocab_size]
+    if bad:
+        raise RequestRejected(f"request {request_id}: eos_token_id {bad[0]} is not a token id: eos_token_id must "
+                              f"be in [0, {vocab_size}) (or {NO_EOS} for none)", Code.BAD_FIELD, request_id)
+    return frozenset(ids)
+
+
+def default_eos(generation_config: Any) -> frozenset[int]:
+    eos = getattr(generation_config, "eos_token_id", None)
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def sampling_from(generation_config: Any) -> SamplingParams:
-    g = generation_config
-    return SamplingParams(do_sample=bool(getattr(g, "do_sample", False)),
-                          temperature=float(getattr(g, "temperature", None) or 1.0),
-                          top_k=int(getattr(g, "top_k", None) or 0), top_p=float(getattr(g, "top_p", None) or 1.0),
-                          repetition_penalty=float(getattr(g, "repetition_penalty", None) or 1.0))
+def kv_pages_needed(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
+    """Pages a request holds at its longest: the last sampled token is never fed back, so its K/V never exists."""
+    return -(-(prompt_len + max_new_tokens - 1) // page_size)
+
+
+def check_fits_cache(prompt_len: int, max_new_tokens: int, request_id: str, rc: Any) -> None:
+    """RequestRejected (exceeds_kv_cache) for a request that could not finish even alone in the whole cache."""
+    need = kv_pages_needed(prompt_len, max_new_tokens, rc.page_size)
+    if need > rc.num_blocks:
+        raise RequestRejected(f"request {request_id}: a prompt of {prompt_len} tokens and up to {max_new_tokens} new "
+                              f"ones need {need} KV pages of {rc.page_size} tokens; the whole cache holds "
+                              f"{rc.num_blocks}", Code.EXCEEDS_KV_CACHE, request_id)
 
 
 def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens: int | None, streaming: bool,
@@ -75,21 +199,21 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
                   strict_processors: bool = False) -> Request:
     """A validated Request from add_request's arguments and the manager's generation config."""
     rc, gen = manager.effective_config, manager.generation_config
-    prompt = check_prompt(input_ids, request_id, manager.model.config.vocab_size, rc.max_model_len)
+    request_id = check_request_id(request_id)
+    vocab = manager.model.config.vocab_size
+    prompt = check_prompt(input_ids, request_id, vocab, rc.max_model_len)
     mnt = check_max_new_tokens(default_max_new_tokens(gen) if max_new_tokens is None else max_new_tokens,
                                request_id)
     if len(prompt) + mnt > rc.max_model_len:
         raise RequestRejected(f"request {request_id}: max_new_tokens={mnt} with a prompt of {len(prompt)} tokens "
                               f"goes beyond the model's context of {rc.max_model_len}", Code.BAD_MAX_NEW_TOKENS,
                               request_id)
-    unknown = set(kwargs) - set(SAMPLING_KWARGS)
-    if unknown:
-        raise RequestRejected(f"request {request_id}: unknown generation parameter(s) {sorted(unknown)}",
-                              Code.BAD_FIELD, request_id)
+    check_fits_cache(len(prompt), mnt, request_id, rc)
+    params = check_sampling_kwargs(kwargs, request_id)
     sampling = sampling_from(gen)
-    if kwargs.get("seed") is not None:
-        sampling.seed = kwargs["seed"]
-    processors = {k: v for k, v in kwargs.items() if k != "seed"}
+    if "seed" in params:
+        sampling.seed = params["seed"]
+    processors = {k: v for k, v in params.items() if k != "seed"}
     if processors and manager.config.per_request_processors:
         for k, v in processors.items():
             setattr(sampling, k, v)
@@ -101,10 +225,8 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
         import warnings
         warnings.warn(f"request {request_id}: {sorted(processors)} ignored: per-request processor parameters "
                       f"need ContinuousBatchingConfig(per_request_processors=True)", stacklevel=3)
-    if sampling.temperature <= 0 and sampling.do_sample:
-        raise RequestRejected(f"request {request_id}: temperature must be > 0 when sampling", Code.BAD_FIELD,
-                              request_id)
-    eos = eos_set(eos_token_id if eos_token_id is not None else getattr(gen, "eos_token_id", None))
+    check_temperature_for_sampling(sampling, request_id)
+    eos = check_eos(eos_token_id, request_id, vocab) if eos_token_id is not None else default_eos(gen)
     return Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=mnt, eos_token_ids=eos,
                    sampling=sampling, streaming=streaming, record_timestamps=record_timestamps,
                    return_logprobs=manager.config.return_logprobs)
@@ -120,12 +242,14 @@ def unsupported_processors(generation_config: Any) -> list[str]:
 
 
 def supported_generation_config(generation_config: Any, drop: bool) -> Any:
-    """`generation_config` without unsupported processors (drop=True, with a warning), or ValueError."""
+    """`generation_config` without unsupported processors (drop=True, with a warning), or ValueError (also for a
+    sampling value out of range)."""
     import copy
     import warnings
 
     from transformers import GenerationConfig
 
+    sampling_from(generation_config)  # its sampling values are checked once, on every rank, before anything runs
     names = unsupported_processors(generation_config)
     if not names:
         return generation_config

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
 from transformers import GenerationConfig
 
 import cluster
-from tests.conftest import REPO
+from tests.conftest import REPO, hf_greedy, read_json, run_ranks
 from tests.workloads import mixed_prompts
 
 SAMPLED = GenerationConfig(do_sample=True, temperature=0.8, top_k=50, top_p=0.95, max_new_tokens=16,
@@ -43,12 +42,98 @@ def test_seeded_sampling_repeats_across_processes(make_checkpoint):
     assert runs[0].stdout.strip().splitlines()[-1] == runs[1].stdout.strip().splitlines()[-1]
 
 
-def test_logprobs_are_returned_and_consistent(make_checkpoint):
-    model = cluster.load(make_checkpoint("llama"))
+def hf_scores(model_dir, prompts, new_tokens):
+    """transformers' greedy tokens and the log-probability of each under its own logits (float32, CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 eos_token_id=None)
+            gen = out.sequences[0, len(p):]
+            steps = torch.stack(out.logits, 1)[0].float().log_softmax(-1)  # [new_tokens, vocab]
+            tokens.append(gen.tolist())
+            logprobs.append(steps.gather(-1, gen[:, None])[:, 0].tolist())
+    return tokens, logprobs
+
+
+def assert_logprobs_match(tokens, logprobs, prompts, model_dir):
+    want_tokens, want = hf_scores(model_dir, prompts, len(tokens[0]))
+    assert tokens == want_tokens
+    for got, ref in zip(logprobs, want):
+        assert len(got) == len(ref)
+        assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4, (got, ref)
+
+
+def test_logprobs_match_transformers_scores_tp1(make_checkpoint):
+    model_dir = make_checkpoint("llama")
+    model = cluster.load(model_dir)
+    prompts = mixed_prompts(model.config.vocab_size)[:6]
+    out = model.generate_batch(prompts, max_new_tokens=8, continuous_batching_config=cluster.ContinuousBatchingConfig(
+        page_size=16, return_logprobs=True))
+    assert_logprobs_match([o.generated_tokens for o in out.values()], [o.logprobs for o in out.values()], prompts,
+                          model_dir)
+
+
+def test_logprobs_match_transformers_scores_tp2(make_checkpoint, tmp_path):
+    model_dir = make_checkpoint("llama")
+    proc = run_ranks("sampling_rank.py", ["logprobs", str(model_dir), str(tmp_path / "rec")], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    rec = read_json(f"{tmp_path / 'rec'}.rank0")
+    assert_logprobs_match(rec["tokens"], rec["logprobs"], rec["prompts"], model_dir)
+
+
+# ---------------------------------------------------------------- a sampling error fails its own request only
+def test_a_row_that_fails_to_sample_fails_only_its_request(make_checkpoint, monkeypatch):
+    import driver.sampler
+
+    real = driver.sampler.process_logits
+
+    def broken(logits, req):
+        if req.request_id == "req_1":
+            raise RuntimeError("boom in row req_1")
+        return real(logits, req)
+
+    monkeypatch.setattr(driver.sampler, "process_logits", broken)
+    model_dir = make_checkpoint("llama")
+    model = cluster.load(model_dir)
     prompts = mixed_prompts(model.config.vocab_size)[:4]
-    out = model.generate_batch(prompts, max_new_tokens=8,
+    gen = GenerationConfig(do_sample=False, repetition_penalty=1.0, max_new_tokens=6, eos_token_id=None)
+    # return_logprobs sends every row through the per-row path
+    out = model.generate_batch(prompts, generation_config=gen,
                                continuous_batching_config=cluster.ContinuousBatchingConfig(return_logprobs=True))
-    for o in out.values():
-        assert len(o.logprobs) == len(o.generated_tokens) == 8
-        # greedy picks the most likely token: its probability is at least 1/vocab
-        assert all(math.log(1 / model.config.vocab_size) <= lp <= 0 for lp in o.logprobs)
+    assert out["req_1"].status == cluster.RequestStatus.FAILED
+    assert out["req_1"].error_code == "sampling_failed" and "boom in row req_1" in out["req_1"].error
+    reference = hf_greedy(model_dir, prompts, 6)
+    for i in (0, 2, 3):
+        assert out[f"req_{i}"].status == cluster.RequestStatus.FINISHED
+        assert out[f"req_{i}"].generated_tokens == reference[i]
+
+
+def test_sampler_returns_each_rows_failure():
+    import torch
+
+    from driver.request import Request, SamplingParams
+    from driver.sampler import Sampler
+
+    reqs = [Request(f"r{i}", [1, 2], 4, sampling=SamplingParams(do_sample=True)) for i in range(3)]
+    logits = torch.randn(3, 32)
+    logits[1] = float("nan")  # multinomial refuses a NaN distribution
+    draws = Sampler(seed=1)(logits, reqs)
+    assert draws[1].token is None and isinstance(draws[1].error, RuntimeError)
+    assert all(d.error is None and 0 <= d.token < 32 for d in (draws[0], draws[2]))
+
+
+# ---------------------------------------------------------------- outputs owed to workers on a no-forward step
+def test_results_owed_to_a_worker_survive_a_step_with_only_impossible_requests(make_checkpoint, tmp_path):
+    proc = run_ranks("sampling_rank.py", ["publish", str(make_checkpoint("llama")), str(tmp_path / "rec")],
+                     timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    driver_finals = read_json(f"{tmp_path / 'rec'}.rank0")["finals"]
+    worker_finals = read_json(f"{tmp_path / 'rec'}.rank1")["finals"]
+    assert driver_finals == {"short": int(cluster.RequestStatus.FINISHED), "too_big": int(cluster.RequestStatus.FAILED)}
+    assert worker_finals == driver_finals  # on base rank 1 never hears of "short"

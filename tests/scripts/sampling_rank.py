@@ -1,0 +1,60 @@
+"""One rank of the sampling tests at TP=2. Every rank runs the same mode; rank 0 (and rank 1 where it reads
+results) writes a JSON record next to `out`.
+
+- `logprobs DIR OUT`: greedy generate_batch with return_logprobs; rank 0 records tokens and logprobs.
+- `publish DIR OUT`: outputs owed to a worker that reads results must reach it even when a step's batch holds
+  only a request that can never fit the cache (that step runs no forward). Rank 0 queues a short request and,
+  straight after it, a request larger than the whole cache (put in the inbox by hand, past the add-time check
+  that would refuse it); rank 1 records every final output it receives.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import cluster
+from driver.request import Request
+from tests.workloads import mixed_prompts
+
+CFG = dict(page_size=16, max_batch_tokens=64, num_blocks=8)
+
+
+def logprobs(model) -> dict:
+    prompts = mixed_prompts(model.config.vocab_size)[:6]
+    out = model.generate_batch(prompts, max_new_tokens=8, continuous_batching_config=cluster.ContinuousBatchingConfig(
+        page_size=16, return_logprobs=True))
+    return {"prompts": prompts, "tokens": [o.generated_tokens for o in out.values()],
+            "logprobs": [o.logprobs for o in out.values()]}
+
+
+def publish(model) -> dict:
+    m = model.init_continuous_batching(continuous_batching_config=cluster.ContinuousBatchingConfig(**CFG))
+    m.wants_results = True  # before start: every final reaches every rank
+    m.warmup()
+    m.start()
+    finals: dict[str, int] = {}
+    if m.is_driver:
+        m.add_request([5, 6, 7, 8], request_id="short", max_new_tokens=3)
+        big = Request(request_id="too_big", prompt_ids=list(range(3, 203)), max_new_tokens=4)  # 13 pages > 8
+        m.requests[big.request_id] = big
+        m.inbox.put(("add", big))
+    deadline = time.monotonic() + 30
+    while len(finals) < 2 and time.monotonic() < deadline:
+        out = m.get_result(timeout=0.5)
+        if out is None and not m.is_running():
+            break
+        if out is not None and out.is_finished():
+            finals[out.request_id] = int(out.status)
+    m.stop()
+    m.destroy()
+    return {"finals": finals}
+
+
+if __name__ == "__main__":
+    mode, model_dir, out_path = sys.argv[1:4]
+    model = cluster.load(model_dir)
+    record = {"logprobs": logprobs, "publish": publish}[mode](model)
+    with open(f"{out_path}.rank{model.groups.rank}", "w") as f:
+        json.dump(record, f)
