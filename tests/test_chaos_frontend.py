@@ -220,7 +220,7 @@ def test_backlog_flushes_to_a_slow_but_live_reader(server):
         sock = dealer(ctx, server.address, RCVHWM=1, RCVBUF=1024)
         n = 150
         for i in range(n):
-            sock.send(P.encode(P.PING, mid=i))
+            sock.send(P.encode(P.STATS, mid=i))
         got = []
         deadline = time.monotonic() + 30
         while len(got) < n and time.monotonic() < deadline:
