@@ -121,31 +121,38 @@ class Frontend:
         poller.register(self.wake_r, zmq.POLLIN)
         next_sweep = time.monotonic() + 1.0
         while not self.stop_event.is_set():
-            events = dict(poller.poll(20 if self.outbox.backlogs else 500))
-            if self.wake_r in events:
-                os.read(self.wake_r, 65536)
-            if self.sock in events:
-                for _ in range(1000):  # drain, bounded so outputs are never starved
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_frames(frames)
-            self._drain_outputs()
-            self.desk.admit()
-            self.outbox.flush()
-            if time.monotonic() > next_sweep:
-                for ident in self.desk.silent_clients(self.config.client_timeout_s, self.pause.owner):
-                    log.info("frontend: client %s went quiet; cancelling its requests", ident.hex())
-                    self._drop_client(ident, "disconnect_cancels")
-                self.desk.check_loop()
-                next_sweep = time.monotonic() + 1.0
+            try:
+                self._turn(poller)
+                if time.monotonic() > next_sweep:
+                    next_sweep = time.monotonic() + 1.0
+                    for ident in self.desk.silent_clients(self.config.client_timeout_s, self.pause.owner):
+                        log.info("frontend: client %s went quiet; cancelling its requests", ident.hex())
+                        self._drop_client(ident, "disconnect_cancels")
+                    self.desk.check_loop()
+            except Exception:  # the front door must outlive anything; the next turn goes on
+                log.exception("frontend: unexpected error")
         self._drain_outputs()  # what the loop produced before it stopped still goes out
         deadline = time.monotonic() + 2.0
         while self.outbox.backlogs and time.monotonic() < deadline:
             self.outbox.flush()
             time.sleep(0.01)
         self.sock.close(linger=2000)
+
+    def _turn(self, poller: zmq.Poller) -> None:
+        """Read what clients sent, deliver what the loop produced, admit, and flush backlogs."""
+        events = dict(poller.poll(20 if self.outbox.backlogs else 500))
+        if self.wake_r in events:
+            os.read(self.wake_r, 65536)
+        if self.sock in events:
+            for _ in range(1000):  # drain, bounded so outputs are never starved
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_frames(frames)
+        self._drain_outputs()
+        self.desk.admit()
+        self.outbox.flush()
 
     def _send(self, ident: bytes, kind: str, **fields: Any) -> None:
         self.outbox.send(ident, P.encode(kind, **fields))
