@@ -147,10 +147,18 @@ class RequestDesk:
         self._settle(ticket)
         self.counters["finished"] += 1
         if out.status == RequestStatus.FAILED:
-            self.send(ticket.ident, P.ERROR, request_id=ticket.rid, code=out.error_code or Code.INTERNAL,
+            self.send(ticket.ident, P.ERROR, request_id=ticket.rid, code=out.error_code or self._uncoded_failure(),
                       message=out.error or "")
         else:
             self.send(ticket.ident, P.FINAL, output=out.to_dict())
+
+    def _uncoded_failure(self) -> str:
+        """The code of a FAILED output that carries none: the loop's failure if it died (the manager's own code
+        when it gives one, else rank_failed as before codes travelled with outputs), else internal."""
+        m = self.manager
+        if m.failure:
+            return getattr(m, "failure_code", None) or Code.RANK_FAILED
+        return Code.INTERNAL
 
     def _settle(self, ticket: Ticket) -> None:
         """The ticket is answered: its owner no longer counts it."""

@@ -148,7 +148,11 @@ def test_pause_resume_and_health(server, make_checkpoint):
 
     prompt = [1, 2, 3]
     with Client(server.address, timeout=60) as c:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and c.stats()["running"] + c.stats()["waiting"]:
+            time.sleep(0.1)  # earlier tests' cancelled requests are gone
         c.pause()
+        time.sleep(0.3)  # a step already under way when the pause came ends
         before = c.stats()
         items: list[tuple[float, object]] = []  # (arrival time, streamed output)
         streaming = threading.Thread(target=lambda: items.extend(
