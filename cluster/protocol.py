@@ -8,6 +8,8 @@ must be strings) and never runs code: nothing is pickled.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ DEFAULT_MAX_FRAME_BYTES = 4 << 20
 SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PING, BYE = (
     "submit", "cancel", "pause", "resume", "update_weights", "stats", "health", "ping", "bye")
 CLIENT_KINDS = (SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PING, BYE)
+ADMIN_KINDS = (PAUSE, RESUME, UPDATE_WEIGHTS)  # reserved to admin clients (docs/protocol.md, "Admin")
 # server -> client
 ACCEPTED, REJECTED, TOKENS, FINAL, REPLY, ERROR, PONG = (
     "accepted", "rejected", "tokens", "final", "reply", "error", "pong")
@@ -141,3 +144,55 @@ def parse_submit(msg: dict) -> Submit:
     return Submit(mid=mid, request_id=rid, input_ids=ids, text=text,
                   max_new_tokens=field(msg, "max_new_tokens", int), streaming=field(msg, "streaming", bool, False),
                   sampling=sampling, eos_token_id=eos)
+
+
+# ---------------------------------------------------------------- update_weights (push source)
+PUSH_DTYPES = ("float32", "float16", "bfloat16")
+_HOST_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+
+
+def _is_host(host: str) -> bool:
+    """A hostname (RFC 1123 labels) or an IP literal (IPv6 in brackets)."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return ipaddress.ip_address(host[1:-1]).version == 6
+        except ValueError:
+            return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return 0 < len(host) <= 253 and all(_HOST_LABEL.match(label) for label in host.split("."))
+
+
+def check_store(value: Any, mid: Any = None) -> str:
+    """`host:port` of a trainer's store, every rank dials it: a hostname or IP literal and a port in 1..65535."""
+    if not isinstance(value, str) or value.count(":") < 1:
+        raise ProtocolError(Code.BAD_FIELD, "store must be 'host:port'", mid)
+    host, port = value.rsplit(":", 1)
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535 and len(port) <= 5):
+        raise ProtocolError(Code.BAD_FIELD, "store: the port must be a number in 1..65535", mid)
+    if not _is_host(host):
+        raise ProtocolError(Code.BAD_FIELD, "store: the host must be a hostname or an IP literal", mid)
+    return value
+
+
+def check_buckets(value: Any, mid: Any = None) -> list[list[list[Any]]]:
+    """Buckets of a push: a list of non-empty lists of [name (str), shape (list of ints >= 0), dtype], one dtype a
+    bucket, dtype one of PUSH_DTYPES."""
+    if not isinstance(value, list) or not value:
+        raise ProtocolError(Code.BAD_FIELD, "buckets must be a non-empty list of buckets", mid)
+    for b, bucket in enumerate(value):
+        if not isinstance(bucket, list) or not bucket:
+            raise ProtocolError(Code.BAD_FIELD, f"bucket {b} must be a non-empty list of [name, shape, dtype]", mid)
+        for entry in bucket:
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[0]
+                    and isinstance(entry[1], list) and isinstance(entry[2], str)):
+                raise ProtocolError(Code.BAD_FIELD, f"bucket {b}: every entry is [name, shape, dtype]", mid)
+            if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in entry[1]):
+                raise ProtocolError(Code.BAD_FIELD, f"bucket {b}: a shape is a list of non-negative integers", mid)
+            if entry[2] not in PUSH_DTYPES or entry[2] != bucket[0][2]:
+                raise ProtocolError(Code.BAD_FIELD, f"bucket {b}: dtype must be one of {PUSH_DTYPES}, one per "
+                                                    f"bucket", mid)
+    return value

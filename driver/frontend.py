@@ -1,10 +1,12 @@
-"""The front door on the driver: a ZeroMQ ROUTER socket feeding the manager's request queue.
+"""The front door on the driver: a ZeroMQ ROUTER socket in front of the manager.
 
-One thread owns the socket. Client messages are decoded strictly (cluster/protocol.py); every bad one gets
-a `rejected` reply with a specific code, and nothing a client sends reaches the step loop unchecked. Outputs
-come back from the manager's loop through a queue and a wake-up pipe, so the socket never leaves this
-thread. A client that goes quiet (no message or ping within `client_timeout_s`) or says `bye` has its
-requests cancelled.
+One thread owns the socket. Client messages are decoded strictly (cluster/protocol.py); every bad one gets a
+`rejected` reply with a specific code, and nothing a client sends reaches the step loop unchecked. Requests
+are the desk's (driver/request_desk.py: tickets, round-robin admission, deliveries, a loop that stops
+answering). Sends never block (driver/client_outbox.py): a client that stops reading has its requests
+cancelled (`slow_client`). A client that goes quiet (no message or ping within `client_timeout_s`), says `bye`
+or disconnects has its requests cancelled and its pause released. Who may run admin operations:
+driver/admin.py.
 """
 
 from __future__ import annotations
@@ -21,15 +23,12 @@ from typing import Any
 import zmq
 
 from cluster import protocol as P
-from cluster.outputs import GenerationOutput, RequestStatus
+from cluster.errors import Code
+from driver.admin import AdminPolicy, CurveKeys, PauseOwner
+from driver.client_outbox import ClientOutbox
+from driver.request_desk import ClientState, RequestDesk
 
 log = logging.getLogger("lockstep")
-
-# the engine's ValueError messages -> wire codes (first match wins)
-VALUE_ERROR_CODES = (("the prompt is empty", P.Code.EMPTY_PROMPT), ("outside the vocabulary", P.Code.TOKEN_OUT_OF_VOCAB),
-                     ("max_new_tokens", P.Code.BAD_MAX_NEW_TOKENS), ("the model's context", P.Code.PROMPT_TOO_LONG),
-                     ("already in flight", P.Code.DUPLICATE_REQUEST_ID))
-
 
 @dataclass
 class FrontendConfig:
@@ -37,16 +36,14 @@ class FrontendConfig:
     max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
     client_timeout_s: float = 30.0
     # CURVE: on when server_secret_file is set (a zmq certificate with the secret key, made by
-    # zmq.auth.create_certificates); only clients whose public certificates lie in allowed_clients_dir get in
+    # zmq.auth.create_certificates); only clients whose public certificates lie in allowed_clients_dir or
+    # admin_clients_dir get in, and only the latter may pause, resume and update weights
     curve_server_secret_file: str | None = None
     curve_allowed_clients_dir: str | None = None
-
-
-@dataclass
-class Owner:
-    ident: bytes
-    streaming: bool
-    sent: int = 0  # tokens already streamed
+    curve_admin_clients_dir: str | None = None
+    admin: bool = True  # false: pause/resume/update_weights are refused to everyone (admin_disabled)
+    max_client_backlog: int = 4096  # messages waiting for a client that does not read; beyond: slow_client
+    max_inflight_per_client: int = 4096  # accepted and unfinished requests of one client; beyond: client_limit
 
 
 class Frontend:
@@ -54,14 +51,12 @@ class Frontend:
         self.manager = manager
         self.config = config
         self.tokenizer = tokenizer
-        self.owners: dict[str, Owner] = {}
-        self.last_seen: dict[bytes, float] = {}
-        self.outputs: deque[GenerationOutput] = deque()
+        self.replies: deque[_Reply] = deque()  # computed on other threads, sent from this one
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.stop_event = threading.Event()
-        self.paused_by_client = False
-        self.counters = {"received": 0, "rejected": 0, "accepted": 0, "finished": 0, "disconnect_cancels": 0}
+        self.counters = {"received": 0, "rejected": 0, "accepted": 0, "finished": 0, "disconnect_cancels": 0,
+                         "slow_client_cancels": 0, "slow_client_overflows": 0, "loop_deadline_fails": 0}
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -69,13 +64,17 @@ class Frontend:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_frame_bytes)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.auth = None
-        if config.curve_server_secret_file:
-            self._enable_curve()
+        curve_keys = self._enable_curve() if config.curve_server_secret_file else None
         self.sock.bind(config.address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.admin = AdminPolicy(config.admin, self.address, curve_keys)
+        self.pause = PauseOwner(manager.hold_scheduling)
+        self.outbox = ClientOutbox(self.sock, config.max_client_backlog, self._on_overflow, self._on_gone)
+        self.desk = RequestDesk(manager, config.max_inflight_per_client, self._send, self.outbox.send_if_possible,
+                                self._wake, self.counters)
         self.thread = threading.Thread(target=self._run, name="lockstep-frontend", daemon=True)
 
-    def _enable_curve(self) -> None:
+    def _enable_curve(self) -> CurveKeys:
         from zmq.auth import load_certificate
         from zmq.auth.thread import ThreadAuthenticator
 
@@ -84,11 +83,13 @@ class Frontend:
         public, secret = load_certificate(self.config.curve_server_secret_file)
         if secret is None:
             raise ValueError(f"{self.config.curve_server_secret_file} holds no secret key")
+        keys = CurveKeys(self.config.curve_allowed_clients_dir, self.config.curve_admin_clients_dir)
         self.auth = ThreadAuthenticator(self.ctx)
         self.auth.start()
-        self.auth.configure_curve(domain="*", location=self.config.curve_allowed_clients_dir)
+        self.auth.configure_curve_callback(domain="*", credentials_provider=keys)
         self.sock.curve_secretkey, self.sock.curve_publickey = secret, public
         self.sock.curve_server = True
+        return keys
 
     def start(self) -> "Frontend":
         self.thread.start()
@@ -96,18 +97,21 @@ class Frontend:
 
     def stop(self) -> None:
         self.stop_event.set()
-        os.write(self.wake_w, b"x")
+        self._wake()
         self.thread.join(10)
         if self.auth is not None:
             self.auth.stop()
 
-    # -------------------------------------------------------------- outputs from the manager's loop
-    def deliver(self, out: GenerationOutput) -> None:
-        """Called by the manager's loop thread for every output of a request this frontend owns."""
-        self.outputs.append(out)
+    # -------------------------------------------------------------- from other threads
+    def _reply_later(self, ident: bytes, mid: Any, result: dict) -> None:
+        """A reply computed on another thread (weight updates): sent from this thread."""
+        self.replies.append(_Reply(ident, mid, result))
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             os.write(self.wake_w, b"x")
-        except BlockingIOError:  # the pipe is full: the frontend is already awake
+        except BlockingIOError:  # the pipe is full: the front door is already awake
             pass
 
     # -------------------------------------------------------------- the thread
@@ -117,162 +121,151 @@ class Frontend:
         poller.register(self.wake_r, zmq.POLLIN)
         next_sweep = time.monotonic() + 1.0
         while not self.stop_event.is_set():
-            events = dict(poller.poll(500))
-            if self.wake_r in events:
-                os.read(self.wake_r, 65536)
-            if self.sock in events:
-                for _ in range(1000):  # drain, bounded so outputs are never starved
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_frames(frames)
-            while self.outputs:
-                self._send_output(self.outputs.popleft())
-            if time.monotonic() > next_sweep:
-                self._cancel_silent_clients()
-                next_sweep = time.monotonic() + 1.0
-        while self.outputs:  # what the loop produced before it stopped still goes out
-            self._send_output(self.outputs.popleft())
+            try:
+                self._turn(poller)
+                if time.monotonic() > next_sweep:
+                    next_sweep = time.monotonic() + 1.0
+                    for ident in self.desk.silent_clients(self.config.client_timeout_s, self.pause.owner):
+                        log.info("frontend: client %s went quiet; cancelling its requests", ident.hex())
+                        self._drop_client(ident, "disconnect_cancels")
+                    self.desk.check_loop()
+            except Exception:  # the front door must outlive anything; the next turn goes on
+                log.exception("frontend: unexpected error")
+        self._drain_outputs()  # what the loop produced before it stopped still goes out
+        deadline = time.monotonic() + 2.0
+        while self.outbox.backlogs and time.monotonic() < deadline:
+            self.outbox.flush()
+            time.sleep(0.01)
         self.sock.close(linger=2000)
 
-    def _send(self, ident: bytes, kind: str, **fields: Any) -> bool:
-        try:
-            self.sock.send_multipart([ident, P.encode(kind, **fields)])
-            return True
-        except zmq.ZMQError:  # the client is gone (ROUTER_MANDATORY): cancel what it asked for
-            self._cancel_client(ident)
-            return False
+    def _turn(self, poller: zmq.Poller) -> None:
+        """Read what clients sent, deliver what the loop produced, admit, and flush backlogs."""
+        events = dict(poller.poll(20 if self.outbox.backlogs else 500))
+        if self.wake_r in events:
+            os.read(self.wake_r, 65536)
+        if self.sock in events:
+            for _ in range(1000):  # drain, bounded so outputs are never starved
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_frames(frames)
+        self._drain_outputs()
+        self.desk.admit()
+        self.outbox.flush()
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _send(self, ident: bytes, kind: str, **fields: Any) -> None:
+        self.outbox.send(ident, P.encode(kind, **fields))
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.counters["received"] += 1
-        ident = frames[0]
-        self.last_seen[ident] = time.monotonic()
+        ident = frames[0].bytes
+        client = self.desk.client(ident)
         if len(frames) != 2:
-            self._reject(ident, P.ProtocolError(P.Code.BAD_FRAME, f"expected one frame, got {len(frames) - 1}"))
+            self._reject(ident, P.ProtocolError(Code.BAD_FRAME, f"expected one frame, got {len(frames) - 1}"))
             return
         try:
-            msg = P.decode(frames[1], self.config.max_frame_bytes)
-            self._handle(ident, msg)
+            msg = P.decode(frames[1].bytes, self.config.max_frame_bytes)
+            self._handle(ident, client, msg, frames[1])
         except P.ProtocolError as e:
             self._reject(ident, e)
         except Exception as e:  # the front door must outlive any message
             log.exception("frontend: unexpected error")
-            self._reject(ident, P.ProtocolError(P.Code.INTERNAL, f"{type(e).__name__}: {e}"))
+            self._reject(ident, P.ProtocolError(Code.INTERNAL, f"{type(e).__name__}: {e}"))
 
     def _reject(self, ident: bytes, e: P.ProtocolError) -> None:
         self.counters["rejected"] += 1
         self._send(ident, P.REJECTED, mid=e.mid, code=e.code, message=e.message, request_id=e.request_id)
 
-    def _handle(self, ident: bytes, msg: dict) -> None:
+    def _handle(self, ident: bytes, client: ClientState, msg: dict, frame: zmq.Frame) -> None:
         kind, mid = msg["kind"], msg.get("mid")
+        if kind in P.ADMIN_KINDS:
+            self.admin.check(lambda: _user_id(frame), mid)
         if kind == P.SUBMIT:
-            self._submit(ident, P.parse_submit(msg))
+            self._submit(ident, client, P.parse_submit(msg))
         elif kind == P.CANCEL:
-            rid = P.field(msg, "request_id", str, required=True)
-            owner = self.owners.get(rid)
-            if owner is None or owner.ident != ident:
-                raise P.ProtocolError(P.Code.UNKNOWN_REQUEST, f"no request {rid!r} of yours is in flight", mid, rid)
-            self.manager.cancel_request(rid)
-            self._send(ident, P.REPLY, mid=mid, data={"cancelled": rid})
-        elif kind in (P.PAUSE, P.RESUME):
-            self.manager.hold_scheduling(kind == P.PAUSE)
-            self._send(ident, P.REPLY, mid=mid, data={"paused": kind == P.PAUSE})
+            self.desk.cancel(ident, client, P.field(msg, "request_id", str, required=True), mid)
+        elif kind == P.PAUSE:
+            self.pause.pause(ident, mid)
+            self._send(ident, P.REPLY, mid=mid, data={"paused": True})
+        elif kind == P.RESUME:
+            self.pause.resume(ident, mid)
+            self._send(ident, P.REPLY, mid=mid, data={"paused": False})
         elif kind == P.STATS:
             self._send(ident, P.REPLY, mid=mid, data=self.manager.stats() | {
-                "frontend": dict(self.counters), "restart_count": getattr(self.manager, "restart_count", 0)})
+                "frontend": self._frontend_stats(), "restart_count": getattr(self.manager, "restart_count", 0)})
         elif kind == P.HEALTH:
             self._send(ident, P.REPLY, mid=mid, data={
-                "ok": self.manager.is_running(), "world_size": self.manager.groups.world_size,
+                "ok": self.desk.loop_answers(), "world_size": self.manager.groups.world_size,
                 "restart_count": getattr(self.manager, "restart_count", 0), "failure": self.manager.failure})
         elif kind == P.UPDATE_WEIGHTS:
-            from worker.weights import UpdateCall
-
-            source = P.field(msg, "source", str, "checkpoint")
-            kv_policy = P.field(msg, "kv_policy", str, "keep")
-            if kv_policy not in ("keep", "recompute"):
-                raise P.ProtocolError(P.Code.BAD_FIELD, "kv_policy must be 'keep' or 'recompute'", mid)
-            if source == "checkpoint":
-                call = UpdateCall(source, path=P.field(msg, "path", str, required=True), kv_policy=kv_policy)
-            elif source == "push":
-                call = UpdateCall(source, kv_policy=kv_policy, store=P.field(msg, "store", str, required=True),
-                                  buckets=P.field(msg, "buckets", list, required=True))
-            else:
-                raise P.ProtocolError(P.Code.BAD_FIELD, f"unknown weight source {source!r}", mid)
-            self.manager.update_weights_async(call, lambda r: self._reply_later(ident, mid, r))
+            self._update_weights(ident, msg, mid)
         elif kind == P.BYE:
-            self._cancel_client(ident)
+            self._drop_client(ident, "disconnect_cancels")
         elif kind == P.PING:  # refreshes last_seen (above); the pong tells the client the server lives
             self._send(ident, P.PONG, mid=mid)
 
-    def _reply_later(self, ident: bytes, mid: Any, result: dict) -> None:
-        """A reply computed on another thread (weight updates): sent from this thread."""
-        self.outputs.append(_Reply(ident, mid, result))  # type: ignore[arg-type]
-        os.write(self.wake_w, b"x")
+    def _frontend_stats(self) -> dict[str, Any]:
+        return dict(self.counters, **self.desk.stats(), backlog=self.outbox.pending(),
+                    paused=self.pause.owner is not None)
 
-    def _submit(self, ident: bytes, s: P.Submit) -> None:
-        rid = s.request_id or uuid.uuid4().hex
+    def _update_weights(self, ident: bytes, msg: dict, mid: Any) -> None:
+        from worker.weights import UpdateCall
+
+        source = P.field(msg, "source", str, "checkpoint")
+        kv_policy = P.field(msg, "kv_policy", str, "keep")
+        if kv_policy not in ("keep", "recompute"):
+            raise P.ProtocolError(Code.BAD_FIELD, "kv_policy must be 'keep' or 'recompute'", mid)
+        if source == "checkpoint":
+            call = UpdateCall(source, path=P.field(msg, "path", str, required=True), kv_policy=kv_policy)
+        elif source == "push":  # every rank dials `store`: checked here, admins only (checked above)
+            call = UpdateCall(source, kv_policy=kv_policy, store=P.check_store(msg.get("store"), mid),
+                              buckets=P.check_buckets(msg.get("buckets"), mid))
+        else:
+            raise P.ProtocolError(Code.BAD_FIELD, f"unknown weight source {source!r}", mid)
+        self.manager.update_weights_async(call, lambda r: self._reply_later(ident, mid, r))
+
+    # -------------------------------------------------------------- requests
+    def _submit(self, ident: bytes, client: ClientState, s: P.Submit) -> None:
+        s.request_id = s.request_id or uuid.uuid4().hex
         ids = s.input_ids
         if ids is None:
             if self.tokenizer is None:
-                raise P.ProtocolError(P.Code.NO_TOKENIZER, "this checkpoint has no tokenizer: send input_ids",
-                                      s.mid, rid)
+                raise P.ProtocolError(Code.NO_TOKENIZER, "this checkpoint has no tokenizer: send input_ids",
+                                      s.mid, s.request_id)
             ids = self.tokenizer(s.text)["input_ids"]
-        if rid in self.owners:
-            raise P.ProtocolError(P.Code.DUPLICATE_REQUEST_ID, f"request id {rid!r} is already in flight", s.mid, rid)
-        self.owners[rid] = Owner(ident, s.streaming)
-        self.manager.results.register(rid, self.deliver, None)
-        try:
-            self.manager.add_request(ids, request_id=rid, max_new_tokens=s.max_new_tokens, streaming=s.streaming,
-                                     eos_token_id=s.eos_token_id, **s.sampling)
-        except (ValueError, RuntimeError) as e:
-            self.owners.pop(rid, None)
-            self.manager.results.unregister(rid)
-            text = str(e)
-            code = next((c for needle, c in VALUE_ERROR_CODES if needle in text),
-                        P.Code.QUEUE_FULL if "queue is full" in text else P.Code.BAD_FIELD)
-            raise P.ProtocolError(code, text, s.mid, rid) from None
-        self.counters["accepted"] += 1
-        self._send(ident, P.ACCEPTED, mid=s.mid, request_id=rid)
+        self.desk.submit(ident, client, s, ids)
 
-    def _send_output(self, out: Any) -> None:
-        if isinstance(out, _Reply):
-            self._send(out.ident, P.REPLY, mid=out.mid, data=out.data)
-            return
-        owner = self.owners.get(out.request_id)
-        if owner is None:
-            return
-        if out.is_finished():
-            del self.owners[out.request_id]
-            self.counters["finished"] += 1
-            if out.status == RequestStatus.FAILED:
-                code = P.Code.RANK_FAILED if self.manager.failure else P.Code.INTERNAL
-                self._send(owner.ident, P.ERROR, request_id=out.request_id, code=code, message=out.error or "")
-            else:
-                self._send(owner.ident, P.FINAL, output=out.to_dict())
-        elif owner.streaming:
-            new = out.generated_tokens[owner.sent:]
-            owner.sent = len(out.generated_tokens)
-            self._send(owner.ident, P.TOKENS, request_id=out.request_id, tokens=new, index=owner.sent - len(new))
+    def _drain_outputs(self) -> None:
+        while self.replies:
+            r = self.replies.popleft()
+            self._send(r.ident, P.REPLY, mid=r.mid, data=r.data)
+        self.desk.drain_outputs()
 
-    def _cancel_client(self, ident: bytes) -> None:
-        for rid, owner in list(self.owners.items()):
-            if owner.ident == ident:
-                self.manager.cancel_request(rid)
-                del self.owners[rid]
-                self.counters["disconnect_cancels"] += 1
-        self.last_seen.pop(ident, None)
+    # -------------------------------------------------------------- clients that leave
+    def _drop_client(self, ident: bytes, counter: str, last_code: str | None = None) -> int:
+        """A client is gone (bye, silent, disconnected, or not reading): its requests are cancelled, what waits
+        for it is dropped and its pause released."""
+        self.outbox.drop(ident)
+        self.pause.release(ident)
+        return self.desk.drop_client(ident, counter, last_code)
 
-    def _cancel_silent_clients(self) -> None:
-        limit = time.monotonic() - self.config.client_timeout_s
-        busy = {o.ident for o in self.owners.values()}
-        for ident, seen in list(self.last_seen.items()):
-            if seen < limit:
-                if ident in busy:
-                    log.info("frontend: client %s went quiet; cancelling its requests", ident.hex())
-                    self._cancel_client(ident)
-                else:
-                    del self.last_seen[ident]
+    def _on_gone(self, ident: bytes) -> None:
+        self._drop_client(ident, "disconnect_cancels")
+
+    def _on_overflow(self, ident: bytes) -> None:
+        self.counters["slow_client_overflows"] += 1
+        n = self._drop_client(ident, "slow_client_cancels", last_code=Code.SLOW_CLIENT)
+        log.warning("frontend: client %s stopped reading (%d messages waiting); cancelled its %d request(s)",
+                    ident.hex(), self.config.max_client_backlog, n)
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The CURVE key (z85) ZeroMQ's authenticator attached to a message."""
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
 
 
 @dataclass

@@ -66,7 +66,10 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
 
     preset = load_preset(preset)
     stop = stop_event if stop_event is not None else threading.Event()
-    cb = ContinuousBatchingConfig.from_any(preset.get("continuous_batching", {}))
+    cb_table = dict(preset.get("continuous_batching", {}))
+    # a serving API honours per-request sampling unless the preset says otherwise (docs/protocol.md)
+    cb_table.setdefault("per_request_processors", True)
+    cb = ContinuousBatchingConfig.from_any(cb_table)
     fe_cfg = frontend_config(preset, address)
     model = cluster.load(model_dir, cpu_group_timeout=cb.cpu_group_timeout)
     manager = model.init_continuous_batching(continuous_batching_config=cb)

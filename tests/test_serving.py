@@ -139,14 +139,37 @@ def test_duplicate_request_id(server):
         c.cancel("dup")
 
 
-def test_pause_resume_and_health(server):
-    with Client(server.address) as c:
+def test_pause_resume_and_health(server, make_checkpoint):
+    """A held request waits without producing a token; its tokens all come after resume."""
+    import threading
+
+    prompt = [1, 2, 3]
+    with Client(server.address, timeout=60) as c:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and c.stats()["running"] + c.stats()["waiting"]:
+            time.sleep(0.1)  # earlier tests' cancelled requests are gone
         c.pause()
-        rid = c.submit([1, 2, 3], max_new_tokens=3)
-        time.sleep(0.5)
-        assert c.stats()["waiting"] + c.stats()["running"] == 1  # queued, not stepped
+        time.sleep(0.3)  # a step already under way when the pause came ends
+        before = c.stats()
+        items: list[tuple[float, object]] = []  # (arrival time, streamed output)
+        streaming = threading.Thread(target=lambda: items.extend(
+            (time.monotonic(), o) for o in c.stream(prompt, max_new_tokens=5)), daemon=True)
+        streaming.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and c.stats()["waiting"] != 1:
+            time.sleep(0.1)
+        time.sleep(1.0)  # a running request would have streamed tokens by now
+        held = c.stats()
+        assert held["waiting"] == 1 and held["running"] == 0, held
+        assert held["tokens_generated"] == before["tokens_generated"] and held["step"] == before["step"], held
+        assert items == []  # no `tokens` message while held
+        resumed_at = time.monotonic()
         c.resume()
-        assert c.result(rid, timeout=30).status == RequestStatus.FINISHED
+        streaming.join(30)
+        assert [len(o.generated_tokens) for _, o in items] == [1, 2, 3, 4, 5]  # the last is the final
+        assert all(t >= resumed_at for t, _ in items)
+        assert items[-1][1].status == RequestStatus.FINISHED
+        assert items[-1][1].generated_tokens == hf_greedy(make_checkpoint("llama"), [prompt], 5)[0]
         h = c.health()
         assert h["ok"] and h["world_size"] == 2 and h["restart_count"] == 0
 

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from cluster import protocol as P
-from cluster.client import Client
+from cluster.client import Client, ClientError
 from launch.torchrun import free_port
 from tests.conftest import REPO, hf_greedy
 from tests.serving import rank_pid, serve
@@ -36,6 +36,15 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
+
+
+BAD_STORES = ["", "host", "host:", ":80", "host:0", "host:65536", "host:http", "host:-1", "a b:80", "host:+80",
+              "evil.com:80/path", "[::1:80", "-bad-.com:80", "a..b:80", "x" * 300 + ":80", "host:٣", 5, None,
+              ["h", 1], "host:99999999999999999999"]
+BAD_BUCKETS = [None, "x", [], [[]], [["w", [2], "float32"]], [[["w", [-1], "float32"]]], [[["w", [2], "int8"]]],
+               [[["w", [2.5], "float32"]]], [[["w", [True], "float32"]]], [[["", [2], "float32"]]],
+               [[["w", [2], "float32", "extra"]]], [[["w", [2], "float32"], ["v", [2], "float16"]]],
+               [[[1, [2], "float32"]]], [[["w", "2", "float32"]]], [[["w", [1 << 62], "float32"]]]]
 
 
 def hostile_frames(rng: random.Random, n: int):
@@ -58,6 +67,16 @@ def hostile_frames(rng: random.Random, n: int):
         lambda: b"\xdd\xff\xff\xff\xff",  # array header claiming 4G items
         lambda: msgpack.packb({"v": 1, "kind": "submit", "text": 5}),
         lambda: msgpack.packb({"v": 1, "kind": "update_weights", "path": 3}),
+        # admin kinds (this loopback server makes the fuzzer an admin: they must be checked, never crash)
+        lambda: msgpack.packb({"v": 1, "kind": rng.choice(["pause", "resume"]), "mid": rng.choice([1, "x", None])}),
+        lambda: msgpack.packb({"v": 1, "kind": "update_weights", "source": rng.choice(["push", "ftp", 7, None]),
+                               "kv_policy": rng.choice(["keep", "drop", 1])}),
+        lambda: msgpack.packb({"v": 1, "kind": "update_weights", "source": "push",
+                               "store": rng.choice(BAD_STORES), "buckets": [[["w", [2, 2], "float32"]]]}),
+        lambda: msgpack.packb({"v": 1, "kind": "update_weights", "source": "push", "store": "127.0.0.1:1",
+                               "buckets": rng.choice(BAD_BUCKETS)}),
+        lambda: msgpack.packb({"v": 1, "kind": "cancel", "request_id": rng.choice([None, 5, [], "x" * 300])}),
+        lambda: msgpack.packb({"v": 1, "kind": rng.choice(["stats", "health", "ping"]), "mid": {"a": 1}}),
     ]
     for _ in range(n):
         yield rng.choice(makers)()
@@ -65,7 +84,7 @@ def hostile_frames(rng: random.Random, n: int):
 
 def test_fuzz_then_serve_correctly(make_checkpoint, tmp_path):
     model = make_checkpoint("llama")
-    with serve(model, tp=1, config=SMALL_FRAMES, tmp_path=tmp_path) as s:
+    with serve(model, tp=2, config=SMALL_FRAMES, tmp_path=tmp_path) as s:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -73,9 +92,18 @@ def test_fuzz_then_serve_correctly(make_checkpoint, tmp_path):
         driver = rank_pid(s, 0)
         rng = random.Random(1234)
         sent = replies = 0
-        codes = set()
+        codes: dict[str, int] = {}
+        internal = []
+        warmup, total = 2000, 10_000
         rss_after_warmup = None
-        for i, frame in enumerate(hostile_frames(rng, 10_000)):
+
+        def take(frame: bytes) -> None:
+            msg = P.decode_reply(frame)
+            codes[msg.get("code")] = codes.get(msg.get("code"), 0) + 1
+            if msg.get("code") == "internal":
+                internal.append(msg)
+
+        for i, frame in enumerate(hostile_frames(rng, total)):
             if i % 7 == 0:
                 sock.send_multipart([frame, b"extra frame"])  # multi-frame messages too
             else:
@@ -84,46 +112,83 @@ def test_fuzz_then_serve_correctly(make_checkpoint, tmp_path):
             if i % 50 == 0:
                 sock.poll(2000)  # let the server keep up
             while sock.poll(0):
-                codes.add(P.decode_reply(sock.recv()).get("code"))
+                take(sock.recv())
                 replies += 1
-            if i == 2000:
+            if i == warmup:
                 rss_after_warmup = rss_kib(driver)
+        sock.send(P.encode(P.RESUME, mid="last"))  # the fuzzer may hold the pause: it lets go
+        sent += 1
         deadline = time.monotonic() + 30
         while replies < sent and time.monotonic() < deadline:
             if sock.poll(1000):
-                codes.add(P.decode_reply(sock.recv()).get("code"))
+                take(sock.recv())
                 replies += 1
-        assert replies == sent  # every hostile frame got its rejection
+        assert replies == sent  # every hostile frame got its answer
+        assert not internal, internal[:3]  # nothing a client sends is an internal error
         for code in ("bad_frame", "bad_version", "unknown_kind", "bad_field", "empty_prompt", "token_out_of_vocab",
                      "bad_max_new_tokens", "unknown_request", "frame_too_large"):
             assert code in codes, (code, codes)
         growth = rss_kib(driver) - rss_after_warmup
-        assert growth < 64 * 1024, f"driver grew by {growth} KiB over 8,000 hostile frames"
+        assert growth / (total - warmup) < 2, f"driver grew by {growth} KiB over {total - warmup} hostile frames"
         prompt = [5, 6, 7, 8, 9]
         with Client(s.address) as c:
             assert c.generate(prompt, max_new_tokens=16).generated_tokens == hf_greedy(model, [prompt], 16)[0]
+            assert c.stats()["frontend"]["requests"] == 0
         ctx.destroy(0)
 
 
-def test_curve_admits_only_allowed_clients(make_checkpoint, tmp_path):
+def test_curve_admits_only_allowed_clients_and_admins_alone_pause(make_checkpoint, tmp_path):
     from zmq.auth import create_certificates, load_certificate
 
-    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
-    keys.mkdir()
-    allowed.mkdir()
+    keys, allowed, admins = tmp_path / "keys", tmp_path / "allowed", tmp_path / "admins"
+    for d in (keys, allowed, admins):
+        d.mkdir()
     server_pub, server_secret = create_certificates(keys, "server")
     client_pub, client_secret = create_certificates(keys, "client")
+    admin_pub, admin_secret = create_certificates(keys, "admin")
     create_certificates(keys, "stranger")
     os.replace(client_pub, allowed / "client.key")
-    config = (f"[serve]\ncurve_server_secret_file = '{server_secret}'\n"
-              f"curve_allowed_clients_dir = '{allowed}'\n")
-    with serve(make_checkpoint("llama"), tp=1, config=config, tmp_path=tmp_path) as s:
+    os.replace(admin_pub, admins / "admin.key")  # admins are admitted without being in the allowed folder
+    config = (f"[continuous_batching]\npage_size = 16\ncpu_group_timeout = 5.0\n\n"
+              f"[serve]\ncurve_server_secret_file = '{server_secret}'\n"
+              f"curve_allowed_clients_dir = '{allowed}'\ncurve_admin_clients_dir = '{admins}'\n")
+    with serve(make_checkpoint("llama"), tp=2, config=config, tmp_path=tmp_path) as s:
         server_key = load_certificate(server_pub)[0]
-        good = Client(s.address, server_key=server_key, client_keys=load_certificate(client_secret), timeout=30)
+
+        def client(secret, timeout=30):
+            return Client(s.address, server_key=server_key, client_keys=load_certificate(secret), timeout=timeout)
+
+        good, admin, admin2 = client(client_secret), client(admin_secret), client(admin_secret)
         assert good.generate([1, 2, 3], max_new_tokens=3).status == 3
+        for call in (good.pause, good.resume, lambda: good.update_weights("/nonexistent")):
+            with pytest.raises(ClientError) as e:
+                call()
+            assert e.value.code == "admin_required"
+        with pytest.raises(ClientError) as e:  # the push source is admin-only, checked before its fields
+            good._wait(good.io.call(P.UPDATE_WEIGHTS, source="push", store="10.0.0.1:80", buckets=[]))
+        assert e.value.code == "admin_required"
+        with pytest.raises(ClientError) as e:  # and validated for admins
+            admin._wait(admin.io.call(P.UPDATE_WEIGHTS, source="push", store="evil host:80",
+                                      buckets=[[["w", [2], "float32"]]]))
+        assert e.value.code == "bad_field"
+
+        admin.pause()
+        admin.pause()  # the owner may pause again
+        for call in (admin2.resume, admin2.pause):  # another admin may not take it over
+            with pytest.raises(ClientError) as e:
+                call()
+            assert e.value.code == "not_pause_owner"
+        rid = good.submit([1, 2, 3], max_new_tokens=3)
+        with pytest.raises(TimeoutError):
+            good.result(rid, timeout=1.5)  # held
+        admin.close()  # its bye releases the pause
+        assert good.result(rid, timeout=30).status == 3
+        admin2.pause()
+        admin2.resume()
         good.close()
-        stranger = Client(s.address, server_key=server_key,
-                          client_keys=load_certificate(keys / "stranger.key_secret"), timeout=3)
+        admin2.close()
+
+        stranger = client(keys / "stranger.key_secret", timeout=3)
         with pytest.raises(TimeoutError):
             stranger.health(timeout=3)
         stranger.close()
@@ -131,6 +196,17 @@ def test_curve_admits_only_allowed_clients(make_checkpoint, tmp_path):
         with pytest.raises(TimeoutError):
             plain.health(timeout=3)
         plain.close()
+
+
+def test_admin_needs_a_local_bind_without_curve():
+    from driver.admin import binds_locally
+
+    for address in ("tcp://127.0.0.1:5555", "tcp://127.3.2.1:1", "tcp://localhost:80", "tcp://[::1]:5555",
+                    "ipc:///tmp/lockstep.sock"):
+        assert binds_locally(address), address
+    for address in ("tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.1.2.3:5555", "tcp://eth0:5555",
+                    "tcp://[::]:5555", "tcp://example.com:5555", "inproc://x"):
+        assert not binds_locally(address), address
 
 
 def test_two_launcher_agents_serve(make_checkpoint, tmp_path):
