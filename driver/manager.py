@@ -90,6 +90,12 @@ class ContinuousBatchingManager:
     def is_running(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
+    def loop_answers(self, deadline_s: float) -> bool:
+        """The loop runs and came round within `deadline_s`, or a pause parks it (a pause may last any time)."""
+        if not self.is_running():
+            return False
+        return self.gate.parked or time.monotonic() - self.loop_beat < deadline_s
+
     def warmup(self) -> None:
         """Run one padded step on the scratch block, so the first request pays no one-time costs.
         Every rank calls it, before `start` (it is a no-op while the loop runs)."""

@@ -210,8 +210,7 @@ class RequestDesk:
 
     # -------------------------------------------------------------- a loop that does not answer
     def loop_answers(self) -> bool:
-        m = self.manager
-        return m.is_running() and time.monotonic() - m.loop_beat < self.loop_deadline_s
+        return self.manager.loop_answers(self.loop_deadline_s)
 
     def failure_code(self) -> str:
         m = self.manager
