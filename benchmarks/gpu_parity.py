@@ -66,7 +66,7 @@ def lockstep_run(model_dir: str, device: str, dtype: str, prompts, new_tokens: i
     tokens = [list(o.generated_tokens) for o in out.values()]
     lps = [list(o.logprobs or []) for o in out.values()]
     effective = str(resolved[-1].use_cuda_graph) if resolved else "?"
-    del model, out, resolved, build
+    del model, out
     free_device(device)
     return tokens, lps, effective
 
