@@ -240,8 +240,10 @@ def run_transformers(args, prompts, warm, arrivals) -> dict:
     say(f"transformers: loading {args.model} in this process (torch threads {torch.get_num_threads()})")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=args.new_tokens)
-    cb = transformers.ContinuousBatchingConfig(page_size=PAGE, num_blocks=args.num_blocks,
-                                               max_batch_tokens=args.max_batch_tokens)
+    from benchmarks.hf_compat import make_cb_config, page_size_of
+
+    cb = make_cb_config(transformers.ContinuousBatchingConfig, page_size=PAGE, num_blocks=args.num_blocks,
+                        max_batch_tokens=args.max_batch_tokens)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.warmup()
     manager.start()
@@ -307,7 +309,7 @@ def run_transformers(args, prompts, warm, arrivals) -> dict:
         c = manager.continuous_batching_config
         note = (f"steps in the timed run {steps}; max_batch_tokens={c.max_batch_tokens} "
                 f"max_requests_per_batch={c.max_requests_per_batch} num_blocks={c.num_blocks} "
-                f"page_size={c.page_size} attn={model.config._attn_implementation}")
+                f"page_size={page_size_of(c)} attn={model.config._attn_implementation}")
     finally:
         manager.stop(block=True, timeout=30)
         manager.destroy()

@@ -13,6 +13,11 @@ Lockstep's forward-only figures: every ModelRunner.execute(plan) of the timed ca
 on every rank. "execute() in the run" sums rank 0's (plan -> static buffers, sharded forward, logits gather; no
 scheduling, sampling or plan broadcast); "replay" runs the kept plans through execute() again back to back on
 every rank. Thread settings are only printed (torchrun sets OMP_NUM_THREADS=1). See docs/benchmarks.md.
+
+On a GPU: --device cuda (the default where CUDA is available), --dtype bfloat16|float32 (both engines get it),
+--cuda-graph on|off|auto (both engines' use_cuda_graph). --json PATH writes the results for scripts
+(benchmarks/gpu_proof.sh reads it). transformers' config is built through benchmarks/hf_compat.py, so
+releases that call the page size `block_size` work too.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from benchmarks.hf_compat import make_cb_config, page_size_of  # noqa: E402
 
 PAGE = 256  # page_size: both engines' default
 RANK = int(os.environ.get("RANK", "0"))
@@ -101,7 +108,7 @@ def run_lockstep(args, prompts, warm) -> dict:
     import cluster
     from worker.runner import ModelRunner
 
-    model = cluster.load(args.model)
+    model = cluster.load(args.model, dtype=args.dtype, device=args.device)
     rec = {"on": False, "plans": [], "times": [], "runner": None}
     first_forward: list[float] = []
     original = ModelRunner.execute
@@ -118,7 +125,8 @@ def run_lockstep(args, prompts, warm) -> dict:
         return out
 
     cb = lambda: cluster.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens,  # noqa: E731
-                                                  num_blocks=args.num_blocks)
+                                                  num_blocks=args.num_blocks, page_size=PAGE,
+                                                  use_cuda_graph=args.use_cuda_graph)
 
     ModelRunner.execute = recording_execute
     try:
@@ -139,6 +147,7 @@ def run_lockstep(args, prompts, warm) -> dict:
     barrier()
     rc = runner.rc
     result = dict(engine="lockstep", counts=[len(o.generated_tokens) for o in out.values()], wall=wall, setup=setup,
+                  tokens=[list(o.generated_tokens) for o in out.values()], notes=list(rc.notes),
                   threads=torch.get_num_threads(), steps=len(plans), exec_s=sum(rec["times"]), replay_s=replay,
                   query_tokens=sum(int(p.q_lens.sum()) for p in plans),
                   config=f"max_batch_tokens={rc.max_batch_tokens} max_requests_per_batch={rc.max_requests_per_batch} "
@@ -157,16 +166,19 @@ def run_transformers(args, prompts, warm) -> dict:
     # its INFO lines (cache sizing, chosen paths) with BENCH_DEBUG=1; otherwise errors only
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.INFO if os.environ.get("BENCH_DEBUG")
                                                            else logging.ERROR)
-    kwargs = {"dtype": torch.float32}
+    kwargs = {"dtype": getattr(torch, args.dtype)}
     if WORLD > 1:  # tp_plan="auto", in the spelling that does not warn about deprecation
         kwargs["distributed_config"] = transformers.DistributedConfig(tp_plan="auto")
     model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+    if WORLD == 1:
+        model = model.to(args.device)
     first_forward: list[float] = []
     hook = model.register_forward_pre_hook(
         lambda *_: first_forward.append(time.perf_counter()) if not first_forward else None)
 
-    cb = lambda: transformers.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens,  # noqa: E731
-                                                       num_blocks=args.num_blocks)
+    cb = lambda: make_cb_config(transformers.ContinuousBatchingConfig, page_size=PAGE,  # noqa: E731
+                                max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
+                                use_cuda_graph=args.use_cuda_graph)
 
     managers = []  # to report the config the manager resolved (its defaults filled in)
     init = model.init_continuous_batching
@@ -176,8 +188,9 @@ def run_transformers(args, prompts, warm) -> dict:
     hook.remove()
     c = managers[-1].continuous_batching_config
     note = (f"max_batch_tokens={c.max_batch_tokens} max_requests_per_batch={c.max_requests_per_batch} "
-            f"num_blocks={c.num_blocks} page_size={c.page_size} attn={model.config._attn_implementation}")
+            f"num_blocks={c.num_blocks} page_size={page_size_of(c)} attn={model.config._attn_implementation}")
     result = dict(engine="transformers", counts=[len(o.generated_tokens) for o in out.values()], wall=wall, setup=setup,
+                  tokens=[list(o.generated_tokens) for o in out.values()],
                   threads=torch.get_num_threads(), config=note)
     del out, model, managers, init, c
     gc.collect()
@@ -229,6 +242,12 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda:LOCAL_RANK where CUDA is available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="both engines' dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--cuda-graph", default="auto", choices=["on", "off", "auto"],
+                   help="both engines' use_cuda_graph (auto: None, each engine decides)")
+    p.add_argument("--json", default=None, help="write the results (rates, token counts, tokens) to this file")
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="passed to both engines' ContinuousBatchingConfig (default: each engine's own)")
     p.add_argument("--num-blocks", type=int, default=None,
@@ -238,6 +257,11 @@ def main() -> int:
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")
 
+    if args.device is None:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        args.device = f"cuda:{local % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args.use_cuda_graph = {"on": True, "off": False, "auto": None}[args.cuda_graph]
     args.load_before = os.getloadavg()[0]  # other busy processes distort CPU timings badly; shown with them
     if args.num_blocks is None:
         args.num_blocks = args.num_prompts * math.ceil((args.max_len + args.new_tokens) / PAGE)
@@ -247,12 +271,16 @@ def main() -> int:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(args, vocab)
     warm = [x[:args.min_len] for x in prompts[:4]]
-    say(f"rank 0 of {WORLD}: torch {torch.__version__}, torch threads {torch.get_num_threads()}")
+    say(f"rank 0 of {WORLD}: torch {torch.__version__}, torch threads {torch.get_num_threads()}, device {args.device}, "
+        f"dtype {args.dtype}, cuda graphs {args.cuda_graph}")
 
     results = [run_lockstep(args, prompts, warm)]
     if not args.skip_transformers:
         results.append(run_transformers(args, prompts, warm))
     ok = report(args, results)
+    if args.json and RANK == 0:
+        Path(args.json).write_text(json.dumps({"tp": WORLD, "device": args.device, "dtype": args.dtype,
+                                               "cuda_graph": args.cuda_graph, "all_exact": ok, "results": results}))
     barrier()
     return 0 if ok else 1
 

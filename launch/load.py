@@ -12,6 +12,7 @@ from cluster.dist import init_groups
 from driver.api import ClusterModel
 from worker.layers import Shard
 from worker.loader import load_weights
+from worker.memory import use_device
 from worker.model import CausalLM, check_supported
 
 log = logging.getLogger("lockstep")
@@ -33,6 +34,7 @@ def load(model_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
     config = AutoConfig.from_pretrained(model_dir)
     check_supported(config)
     groups = init_groups(cpu_group_timeout, device)
+    use_device(groups.device)  # this thread's current CUDA device (also at TP=1, and in a launcher's rank thread)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or default_dtype(groups.device)

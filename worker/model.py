@@ -138,6 +138,10 @@ class CausalLM(nn.Module):
         check_supported(config)
         self.config = config
         self.shard = shard
+        with torch.device(device):  # every parameter and buffer is made on `device`, whatever the caller's default
+            self._build(config, shard, dtype, device)
+
+    def _build(self, config, shard: Shard, dtype: torch.dtype, device: torch.device) -> None:
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard, dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, shard, w, dtype) for w in layer_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

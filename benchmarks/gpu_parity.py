@@ -1,0 +1,173 @@
+"""Correctness on one device, against transformers on the same device: what benchmarks/gpu_proof.sh checks.
+
+    python benchmarks/gpu_parity.py --model DIR --device cuda --json OUT.json [--prompts 16 --new-tokens 32]
+
+1. float32 greedy parity: Lockstep's generate_batch and transformers' generate (one prompt at a time, no
+   padding) give identical tokens, EOS disabled so every request runs to --new-tokens.
+2. bfloat16 closeness: Lockstep in bfloat16 (greedy, with logprobs) against transformers in float32 fed the
+   same tokens (teacher forcing): Lockstep's logprob error must stay within twice transformers' own bfloat16
+   error on the same tokens (plus 0.02), i.e. Lockstep loses no more precision than transformers does.
+3. CUDA graphs on and off (ContinuousBatchingConfig(use_cuda_graph=...)) give the same bfloat16 tokens; the
+   effective setting the runner resolved is reported beside.
+
+Every check is one row of the JSON file (check, result, ok); gpu_summary.py prints them. Exit 1 if any fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+PAGE = 256
+BF16_SLACK = 0.02  # nats: the absolute floor of the closeness bound
+
+
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 64))] for _ in range(n)]
+
+
+def free_device(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def lockstep_run(model_dir: str, device: str, dtype: str, prompts, new_tokens: int, graphs: bool | None = None,
+                 logprobs: bool = False) -> tuple[list[list[int]], list[list[float]], str]:
+    """(tokens, logprobs, effective use_cuda_graph) of one generate_batch call on a freshly loaded model."""
+    import cluster
+    from transformers import GenerationConfig
+
+    model = cluster.load(model_dir, dtype=dtype, device=device)
+    resolved = []
+    build = model.build_runner
+
+    def recording_build(cb):  # the runner's resolved config says which graphs really run
+        out = build(cb)
+        resolved.append(out[1])
+        return out
+
+    model.build_runner = recording_build
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=new_tokens)
+    cb = cluster.ContinuousBatchingConfig(page_size=PAGE, use_cuda_graph=graphs, return_logprobs=logprobs)
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
+                               max_new_tokens=new_tokens)
+    tokens = [list(o.generated_tokens) for o in out.values()]
+    lps = [list(o.logprobs or []) for o in out.values()]
+    effective = str(resolved[-1].use_cuda_graph) if resolved else "?"
+    del model, out
+    free_device(device)
+    return tokens, lps, effective
+
+
+def hf_model(model_dir: str, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None  # run every request to max_new_tokens, as Lockstep does here
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompts, new_tokens: int, device: str) -> list[list[int]]:
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0)
+        outs.append(seq[0, len(p):].tolist())
+    return outs
+
+
+@torch.no_grad()
+def teacher_logprobs(model, prompt: list[int], tokens: list[int], device: str) -> list[float]:
+    """log p(tokens[i] | prompt + tokens[:i]) under `model`, in float32."""
+    ids = torch.tensor([prompt + tokens], device=device)
+    logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    lp = logits.log_softmax(-1)
+    return lp.gather(-1, torch.tensor(tokens, device=device)[:, None])[:, 0].tolist()
+
+
+def row(check: str, result: str, ok: bool | None) -> dict:
+    mark = {True: "PASS", False: "FAIL", None: "info"}[ok]
+    print(f"[{mark}] {check}: {result}", flush=True)
+    return {"check": check, "result": result, "ok": ok}
+
+
+def check_fp32(args, prompts) -> dict:
+    ours, _, _ = lockstep_run(args.model, args.device, "float32", prompts, args.new_tokens)
+    hf = hf_model(args.model, args.device, torch.float32)
+    ref = hf_greedy(hf, prompts, args.new_tokens, args.device)
+    del hf
+    free_device(args.device)
+    same = sum(a == b for a, b in zip(ours, ref))
+    first = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    detail = "" if first is None else f"; first mismatch prompt {first}: {ours[first][:8]} vs {ref[first][:8]}"
+    return row("float32 greedy parity vs transformers", f"{same}/{len(prompts)} prompts identical{detail}",
+               same == len(prompts) and len(ours) == len(prompts))
+
+
+def check_bf16(args, prompts) -> tuple[dict, list[list[int]]]:
+    ours, ours_lp, _ = lockstep_run(args.model, args.device, "bfloat16", prompts, args.new_tokens, graphs=False,
+                                    logprobs=True)
+    ref32 = hf_model(args.model, args.device, torch.float32)
+    exact = [teacher_logprobs(ref32, p, t, args.device) for p, t in zip(prompts, ours)]
+    del ref32
+    free_device(args.device)
+    ref16 = hf_model(args.model, args.device, torch.bfloat16)
+    theirs = [teacher_logprobs(ref16, p, t, args.device) for p, t in zip(prompts, ours)]
+    del ref16
+    free_device(args.device)
+    err_ours = max((abs(a - b) for lp, ex in zip(ours_lp, exact) for a, b in zip(lp, ex)), default=float("inf"))
+    err_hf = max(abs(a - b) for th, ex in zip(theirs, exact) for a, b in zip(th, ex))
+    bound = 2 * err_hf + BF16_SLACK
+    complete = all(len(lp) == args.new_tokens for lp in ours_lp)
+    return row("bfloat16 closeness (max |logprob - fp32|)",
+               f"lockstep {err_ours:.4f}, transformers bf16 {err_hf:.4f}, bound {bound:.4f}"
+               + ("" if complete else "; logprobs missing"), complete and err_ours <= bound), ours
+
+
+def check_graphs(args, prompts, eager_tokens: list[list[int]]) -> dict:
+    graphed, _, effective = lockstep_run(args.model, args.device, "bfloat16", prompts, args.new_tokens, graphs=True)
+    same = sum(a == b for a, b in zip(graphed, eager_tokens))
+    return row("CUDA graphs on == off (bfloat16 tokens)",
+               f"{same}/{len(prompts)} identical; use_cuda_graph=True resolved to {effective}",
+               same == len(prompts))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.device.startswith("cuda"):  # the same arithmetic for both engines: no TF32 in float32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(args.prompts, vocab)
+    t0 = time.perf_counter()
+    rows = [check_fp32(args, prompts)]
+    bf16_row, eager = check_bf16(args, prompts)
+    rows += [bf16_row, check_graphs(args, prompts, eager)]
+    rows.append(row("parity checks time", f"{time.perf_counter() - t0:.1f} s on {args.device}", None))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows))
+    return 0 if all(r["ok"] is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The one GPU command: install without replacing the machine's torch and transformers, make a small model,
+# check float32 parity / bfloat16 closeness / CUDA graphs on == off against transformers on the same GPU,
+# measure throughput beside transformers' continuous batching, TP=2 and a weight push where two GPUs are
+# visible, and print one summary table. Meant to finish within 8 minutes on one GPU.
+#
+#   benchmarks/gpu_proof.sh [--out DIR]               on a GPU machine
+#   benchmarks/gpu_proof.sh --cpu-dry-run [--out DIR] the same entry points on the CPU, tiny and quick
+#
+# Exit status 0 when every check passes. Every step's log is in DIR (default: a new temporary folder).
+set -uo pipefail
+
+DRY=0
+OUT=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu-dry-run) DRY=1 ;;
+    --out) OUT="$2"; shift ;;
+    *) echo "usage: $0 [--cpu-dry-run] [--out DIR]" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$(mktemp -d /tmp/gpu_proof.XXXXXX)}"
+mkdir -p "$OUT"
+: >"$OUT/steps.tsv"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python}"
+LIMIT_S=480
+
+now() { date +%s.%N; }
+# step NAME TIMEOUT_S CMD...: run CMD with a bounded time, log to OUT/NAME.log, record it in steps.tsv
+step() {
+  local name="$1" limit="$2"; shift 2
+  local t0 rc note="" secs
+  echo "== $name (at most ${limit}s): $*"
+  t0=$(now)
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  secs=$(awk -v a="$t0" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }')
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && note="timed out after ${limit}s"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$note" >>"$OUT/steps.tsv"
+  grep -E '^\[(PASS|FAIL|info)\]|ratio|Traceback|Error' "$OUT/$name.log" | tail -n 6
+  echo "   exit $rc in ${secs}s (log: $OUT/$name.log)"
+  return "$rc"
+}
+skip() { printf '%s\t200\t0\t%s\n' "$1" "skipped: $2" >>"$OUT/steps.tsv"; echo "== $1 skipped: $2"; }
+
+if [ "$DRY" -eq 1 ]; then
+  DEVICE=cpu; SIZE=tiny; NGPU=0
+  PARITY_ARGS=(--prompts 2 --new-tokens 4)
+  BENCH_ARGS=(--num-prompts 4 --min-len 8 --max-len 16 --new-tokens 4 --dtype float32)
+else
+  NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+  if [ "${NGPU:-0}" -lt 1 ]; then
+    echo "no CUDA device visible: run with --cpu-dry-run to check the plumbing on a CPU" >&2
+    exit 2
+  fi
+  DEVICE=cuda:0; SIZE=small
+  PARITY_ARGS=(--prompts 16 --new-tokens 32)
+  BENCH_ARGS=(--num-prompts 256 --min-len 16 --max-len 128 --new-tokens 128 --dtype bfloat16)
+fi
+echo "gpu_proof: device $DEVICE, $NGPU GPU(s), out $OUT"
+
+# 1. install: only lockstep itself (no deps), plus the light deps that are missing, never torch/transformers
+step install 300 "$PY" benchmarks/gpu_install.py --out "$OUT/install.json" $([ "$DRY" -eq 1 ] && echo --dry-run)
+
+# 2. a small model, made here (no network)
+MODEL="$OUT/model-$SIZE"
+step make-model 120 "$PY" -m launch.cli make-model "$MODEL" --arch llama --size "$SIZE" --seed 0
+
+# 3. correctness on this device: float32 parity, bfloat16 closeness, graphs on == off
+step parity 200 "$PY" benchmarks/gpu_parity.py --model "$MODEL" --device "$DEVICE" --json "$OUT/parity.json" \
+  "${PARITY_ARGS[@]}"
+
+# 4. throughput beside transformers' continuous batching, same device and dtype
+step throughput-tp1 200 "$PY" benchmarks/throughput.py --model "$MODEL" --device "$DEVICE" --json "$OUT/tp1.json" \
+  "${BENCH_ARGS[@]}"
+
+# 5. TP=2 and a weight push, where two GPUs are visible
+if [ "$NGPU" -ge 2 ]; then
+  step throughput-tp2 150 "$PY" -m torch.distributed.run --nproc-per-node 2 benchmarks/throughput.py \
+    --model "$MODEL" --json "$OUT/tp2.json" --skip-transformers "${BENCH_ARGS[@]}"
+  step weight-push-tp2 150 "$PY" benchmarks/weight_update.py --model "$MODEL" --tp 2 --repeats 1
+else
+  why="$([ "$DRY" -eq 1 ] && echo "CPU dry run" || echo "only $NGPU GPU visible"): TP=2 needs two GPUs"
+  skip throughput-tp2 "$why"
+  skip weight-push-tp2 "$why"
+fi
+
+"$PY" benchmarks/gpu_summary.py "$OUT" --limit-s "$LIMIT_S" $([ "$DRY" -eq 1 ] && echo --dry-run)

@@ -1,0 +1,173 @@
+"""The GPU path, reached from the CPU: every tensor the model code makes follows the parameters' device (the
+meta device stands in for a GPU: a tensor made on the CPU by default shows up as 'cpu'), every device thread
+sets its CUDA device, pyproject's ranges keep a GPU machine's torch and transformers, transformers'
+ContinuousBatchingConfig is built whichever page field it has, and benchmarks/gpu_proof.sh runs end to end
+in its CPU dry-run mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+import tomllib
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from cluster.config import ContinuousBatchingConfig, resolve_config
+from cluster.plan import StepPlan
+from worker.layers import Shard, VocabParallelEmbedding
+from worker.model import CausalLM
+from worker.runner import ModelRunner
+
+REPO = Path(__file__).resolve().parents[1]
+META = torch.device("meta")
+
+
+def tiny_config() -> Qwen3Config:
+    return Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+
+
+def test_every_model_tensor_is_made_on_the_parameters_device():
+    model = CausalLM(tiny_config(), Shard(), torch.float32, META)  # no ambient torch.device(...) around it
+    devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
+    assert devices == {META}
+    rc = resolve_config(ContinuousBatchingConfig(page_size=16, num_blocks=8, max_batch_tokens=64,
+                                                 max_requests_per_batch=4), device_kind="cpu", max_model_len=128,
+                        kv_bytes_per_token=1, free_bytes=None, flash_available=False)
+    runner = ModelRunner(model, rc, 2, 8, torch.float32, META)
+    plan = StepPlan(input_ids=np.array([5, 6, 7, 8, 9], np.int32), q_lens=np.array([1, 4], np.int32),
+                    kv_lens=np.array([3, 4], np.int32), sample=np.array([1, 1], np.int32),
+                    block_tables=np.array([[0, 1], [2, 3]], np.int32))
+    logits = runner.execute(plan)  # a mixed decode + prefill step: any CPU-made tensor would meet meta ones
+    assert logits.device == META and tuple(logits.shape) == (2, 100)
+
+
+def test_vocab_padding_rows_are_made_where_the_data_is():
+    # vocab 10 over 4 ranks: 3 rows a rank, the last rank owns row 9 and two padding rows
+    emb = VocabParallelEmbedding(10, 4, Shard(rank=3, size=4), torch.float32)
+    src = torch.ones(10, 4, device=META)  # a pushed bucket on the device
+    dst, values = emb.shard_of("", "weight", src)
+    assert values.device == META and tuple(values.shape) == (3, 4) == tuple(dst.shape)
+    cpu_values = emb.shard_of("", "weight", torch.ones(10, 4))[1]
+    assert cpu_values.tolist() == [[1.0] * 4] + [[0.0] * 4] * 2
+
+
+def test_use_device_sets_cuda_devices_only(monkeypatch):
+    from worker.memory import use_device
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(torch.device(d)))
+    use_device(None)
+    use_device("cpu")
+    use_device(torch.device("meta"))
+    assert calls == []
+    use_device("cuda:1")
+    assert calls == [torch.device("cuda", 1)]
+
+
+def test_load_sets_the_calling_threads_device(make_checkpoint, monkeypatch):
+    import launch.load
+
+    seen = []
+    monkeypatch.setattr(launch.load, "use_device", lambda d: seen.append((threading.current_thread().name, d)))
+    result = {}
+    th = threading.Thread(target=lambda: result.update(model=launch.load.load(make_checkpoint("llama"))),
+                          name="rank-thread")
+    th.start()
+    th.join(timeout=120)
+    assert not th.is_alive() and "model" in result
+    assert seen == [("rank-thread", torch.device("cpu"))]
+
+
+def dependency_ranges() -> dict[str, object]:
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return {(r := Requirement(d)).name: r.specifier for d in deps}
+
+
+@pytest.mark.parametrize("torch_v,transformers_v", [("2.11.0+cu128", "5.17.0"), ("2.13.0", "5.24.0"),
+                                                    ("2.16.1+cu130", "5.40.2")])
+def test_pyproject_keeps_what_gpu_machines_ship(torch_v, transformers_v):
+    ranges = dependency_ranges()
+    assert ranges["torch"].contains(torch_v, prereleases=True), ranges["torch"]
+    assert ranges["transformers"].contains(transformers_v, prereleases=True), ranges["transformers"]
+
+
+def test_pyproject_ranges_start_at_the_supported_versions():
+    ranges = dependency_ranges()
+    assert not ranges["torch"].contains("2.10.0") and not ranges["transformers"].contains("5.16.0")
+    from importlib.metadata import version
+    assert ranges["torch"].contains(version("torch"), prereleases=True)
+    assert ranges["transformers"].contains(version("transformers"), prereleases=True)
+
+
+def test_pip_would_install_lockstep_alone():
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
+                        "-e", str(REPO)], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = [x for x in r.stdout.splitlines() if x.startswith("Would install")]
+    assert line and line[0].split()[2:] == ["lockstep-serve-0.1.0"], r.stdout[-2000:]
+
+
+@dataclasses.dataclass
+class OldConfig:  # a release that only knows `block_size`
+    block_size: int = 256
+    num_blocks: int | None = None
+    use_cuda_graph: bool | None = None
+
+
+def test_transformers_config_built_through_the_field_it_has():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.hf_compat import make_cb_config, page_size_of
+    from transformers import ContinuousBatchingConfig as HFConfig
+
+    old = make_cb_config(OldConfig, page_size=16, num_blocks=4, use_cuda_graph=False)
+    assert (old.block_size, old.num_blocks, page_size_of(old)) == (16, 4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the current class must not be given its deprecated block_size
+        new = make_cb_config(HFConfig, page_size=16, use_cuda_graph=True)
+    assert page_size_of(new) == new.page_size == 16 and new.use_cuda_graph is True
+    with pytest.raises(TypeError, match="max_batch_tokens"):
+        make_cb_config(OldConfig, page_size=16, max_batch_tokens=8)
+
+
+def test_summary_fails_on_a_failed_check_or_a_slow_ratio(tmp_path):
+    (tmp_path / "steps.tsv").write_text("parity\t0\t10.0\t\nthroughput-tp2\t200\t0\tskipped: one GPU\n")
+    (tmp_path / "parity.json").write_text(json.dumps([{"check": "float32 greedy parity", "result": "ok",
+                                                       "ok": True}]))
+    run = [{"engine": "lockstep", "counts": [10] * 10, "wall": 1.0, "notes": []},
+           {"engine": "transformers", "counts": [10] * 10, "wall": 1.2}]
+    (tmp_path / "tp1.json").write_text(json.dumps({"results": run, "dtype": "bfloat16", "device": "cuda:0",
+                                                   "all_exact": True}))
+    summary = [sys.executable, str(REPO / "benchmarks" / "gpu_summary.py"), str(tmp_path)]
+    slow = subprocess.run(summary, capture_output=True, text=True, timeout=60)
+    assert slow.returncode == 1 and "ratio 1.20x" in slow.stdout, slow.stdout + slow.stderr
+    assert "skipped: one GPU" in slow.stdout
+    assert subprocess.run(summary + ["--dry-run"], capture_output=True, text=True, timeout=60).returncode == 0
+    (tmp_path / "parity.json").write_text(json.dumps([{"check": "float32 greedy parity", "result": "1/2",
+                                                       "ok": False}]))
+    assert subprocess.run(summary + ["--dry-run"], capture_output=True, text=True, timeout=60).returncode == 1
+
+
+def test_gpu_proof_cpu_dry_run(tmp_path):
+    out = tmp_path / "proof"
+    r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), "--cpu-dry-run", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    table = r.stdout.split("gpu_proof summary", 1)[1]
+    for check in ("install keeps torch and transformers", "float32 greedy parity vs transformers",
+                  "bfloat16 closeness", "CUDA graphs on == off", "throughput TP=1 vs transformers", "total time"):
+        line = next((x for x in table.splitlines() if x.startswith(check)), "")
+        assert " PASS " in line, (check, table)
+    assert "skipped: CPU dry run" in table
+    rows = json.loads((out / "parity.json").read_text())
+    assert [r["ok"] for r in rows[:3]] == [True, True, True]

@@ -1,0 +1,246 @@
+"""Device memory: which device a thread works on, and how many KV pages fit beside everything else.
+
+`plan_kv_blocks` is pure arithmetic (numbers in, `num_blocks` and a breakdown out), so CPU tests reach every
+branch. What it needs from the device is measured by `measure_free_bytes`: on CUDA it first hands the
+allocator's cached blocks back to the driver (`torch.cuda.empty_cache()`), then asks `mem_get_info`.
+
+A second manager in the same process must get the same cache as the first, not what the first left over:
+every KV cache this process allocates is entered in `CACHE_LEDGER`, and a new sizing adds back what the
+ledger holds on that device (those caches are released before the new one is allocated; see
+`CacheLedger.release_all`). Each rank proposes a size; the group takes the MIN (`cluster.dist.agree_min`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+DEFAULT_MAX_MEMORY_PERCENT = 0.9  # of the memory free for the cache, as transformers' default
+ACTIVATION_FACTOR = 8  # hidden-sized tensors live at once at a step's peak (residual, norm, q/k/v, MLP halves ...)
+MLP_FACTOR = 3  # gate, up and their product: intermediate-sized tensors at the MLP peak
+MiB = 1 << 20
+
+
+def use_device(device: torch.device | str | None) -> None:
+    """Make `device` the calling thread's current CUDA device. A no-op on CPU (or any non-CUDA device).
+
+    The current CUDA device is per thread: every thread that runs device work (the loop thread, a launcher's
+    rank thread, the thread that loads the model) calls it first, or its kernels and NCCL calls go to GPU 0.
+    """
+    if device is None:
+        return
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes held by these tensors (a meta tensor counts what it would hold)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def static_buffer_bytes(rc: Any) -> int:
+    """What the runner's static input buffers for `rc` take: built on the meta device, so nothing is allocated."""
+    from worker.runner import StaticBuffers
+
+    return tensor_bytes(StaticBuffers(rc, torch.device("meta")).buffers.values())
+
+
+def activation_peak_bytes(max_batch_tokens: int, hidden: int, intermediate_local: int, vocab: int,
+                          max_logit_rows: int, itemsize: int) -> int:
+    """The largest step's transient memory: max_batch_tokens x hidden x a small factor (plus the MLP's
+    intermediate tensors of this rank's shard), and the float32 logits of the sampled rows on the driver."""
+    hidden_peak = max_batch_tokens * (ACTIVATION_FACTOR * hidden + MLP_FACTOR * intermediate_local) * itemsize
+    logits = max_logit_rows * vocab * 4 * 2  # the gathered logits and their float32 copy
+    return hidden_peak + logits
+
+
+def graph_pool_estimate(max_decode_batch: int, hidden: int, intermediate_local: int, itemsize: int) -> int:
+    """A CUDA graph pool shared by every decode bucket holds about one activation peak of the largest bucket."""
+    return max_decode_batch * (ACTIVATION_FACTOR * hidden + MLP_FACTOR * intermediate_local) * itemsize
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """Everything the sizing needs, as plain numbers (bytes unless said otherwise)."""
+
+    free_bytes: int  # measured free device memory, after the allocator released its cached blocks
+    kv_bytes_per_token: int  # this rank's K+V of one token, all layers
+    page_size: int  # tokens per page
+    static_bytes: int = 0  # the runner's static input buffers
+    graph_pool_bytes: int = 0  # CUDA graph pool estimate (0 when graphs are off)
+    activation_bytes: int = 0  # the largest step's activation peak
+    attention_workspace_bytes: int = 0  # the attention backend's largest workspace
+    reclaimable_bytes: int = 0  # this process's earlier KV caches on this device, released before allocating
+    max_memory_percent: float | None = None  # share of the free memory the cache side may use (None: 0.9)
+    safety_margin: float = 0.0  # share of the budget kept free on top of everything counted
+    max_blocks: int | None = None  # never more than every request at full length could use
+
+
+def plan_kv_blocks(m: MemoryInputs) -> tuple[int, dict[str, int | float]]:
+    """(num_blocks, breakdown) for one rank. Pure: no device is touched.
+
+    available = (free + reclaimable) x max_memory_percent; the static buffers, graph pool, activation peak and
+    attention workspace come off it; safety_margin of what is left stays free; the rest becomes whole pages.
+    Raises MemoryError naming the numbers when not even one page fits.
+    """
+    frac = m.max_memory_percent if m.max_memory_percent is not None else DEFAULT_MAX_MEMORY_PERCENT
+    if not 0 < frac <= 1:
+        raise ValueError(f"max_memory_percent={frac!r}: must be in (0, 1]")
+    if not 0 <= m.safety_margin < 1:
+        raise ValueError(f"safety_margin={m.safety_margin!r}: must be in [0, 1)")
+    available = int((m.free_bytes + m.reclaimable_bytes) * frac)
+    overhead = m.static_bytes + m.graph_pool_bytes + m.activation_bytes + m.attention_workspace_bytes
+    after_overhead = available - overhead
+    margin = int(max(after_overhead, 0) * m.safety_margin)
+    budget = after_overhead - margin
+    page_bytes = m.kv_bytes_per_token * m.page_size
+    blocks = budget // page_bytes if budget > 0 else 0
+    breakdown: dict[str, int | float] = {
+        "free": m.free_bytes, "reclaimable": m.reclaimable_bytes, "max_memory_percent": frac,
+        "available": available, "static": m.static_bytes, "graph_pool": m.graph_pool_bytes,
+        "activations": m.activation_bytes, "attention_workspace": m.attention_workspace_bytes,
+        "safety_margin": margin, "kv_budget": max(budget, 0), "page_bytes": page_bytes}
+    if blocks < 1:
+        raise MemoryError("no KV page fits: " + describe(breakdown))
+    if m.max_blocks is not None and blocks > m.max_blocks:
+        blocks = m.max_blocks
+    breakdown["num_blocks"] = blocks
+    breakdown["kv_cache"] = blocks * page_bytes
+    return blocks, breakdown
+
+
+def describe(breakdown: dict[str, int | float]) -> str:
+    """One line for the manager's notes, sizes in MiB."""
+    parts = []
+    for k, v in breakdown.items():
+        if isinstance(v, float) or k == "num_blocks":
+            parts.append(f"{k}={v}")
+        else:
+            parts.append(f"{k}={v / MiB:.1f}MiB")
+    return "KV sizing: " + " ".join(parts)
+
+
+def measure_free_bytes(device: torch.device | str) -> tuple[int, int]:
+    """(free, total) device memory after the caching allocator gave its unused blocks back.
+
+    On CUDA: `empty_cache()` (which acts on the current device, so the thread's device is set first), then
+    `mem_get_info(device)`. Elsewhere: MemAvailable and MemTotal of the host.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        use_device(device)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    return host_memory()
+
+
+def host_memory() -> tuple[int, int]:
+    """(MemAvailable, MemTotal) from /proc/meminfo, in bytes; (0, 0) where there is no such file."""
+    found = {"MemAvailable:": 0, "MemTotal:": 0}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key = line.split(" ", 1)[0]
+                if key in found:
+                    found[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return found["MemAvailable:"], found["MemTotal:"]
+
+
+class ReleasedCache:
+    """Stands in for the layer list of a KV cache that was handed to a newer manager: any use fails loudly."""
+
+    def __iter__(self):
+        raise RuntimeError("this KV cache was released to a newer manager of the same model; make a new manager")
+
+    def __len__(self) -> int:
+        return 0
+
+
+def release_kv(cache: Any) -> None:
+    """Drop a KV cache's tensors (a `worker.kv_cache.KVCache`), leaving a stand-in that refuses to be used."""
+    cache.k = cache.v = ReleasedCache()
+
+
+class CacheLedger:
+    """The KV caches this process holds, per (device, owner): what a new sizing for that owner may count.
+
+    The owner is the model the cache serves (one manager at a time per model). `hold` enters a cache, weakly:
+    its entry leaves when the cache is garbage-collected. `held(device, owner)` is what a new sizing adds back
+    to the measured free memory; `release_all(device, owner)` then calls `release(cache)` on each (by default
+    `release_kv`, which drops its tensors) so the new cache reuses that memory. Caches of other models stay.
+    Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, tuple[str, int, int, weakref.ref, Callable[[Any], None]]] = {}
+
+    def hold(self, cache: object, device: torch.device | str, owner: object, nbytes: int,
+             release: Callable[[Any], None] = release_kv) -> None:
+        key = id(cache)
+        with self._lock:
+            self._entries[key] = (str(torch.device(device)), id(owner), int(nbytes), weakref.ref(cache), release)
+        weakref.finalize(cache, self._forget, key)
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
+    def _mine(self, device: torch.device | str, owner: object) -> dict[int, tuple]:
+        dev = str(torch.device(device))
+        return {k: e for k, e in self._entries.items() if e[0] == dev and e[1] == id(owner)}
+
+    def held(self, device: torch.device | str, owner: object) -> int:
+        with self._lock:
+            return sum(e[2] for e in self._mine(device, owner).values())
+
+    def release_all(self, device: torch.device | str, owner: object) -> int:
+        """Release every cache `owner` holds on `device` (its managers must be done with them); returns the
+        bytes released."""
+        with self._lock:
+            mine = self._mine(device, owner)
+            for k in mine:
+                del self._entries[k]
+        for _, _, _, ref, release in mine.values():
+            cache = ref()
+            if cache is not None:
+                release(cache)
+        return sum(e[2] for e in mine.values())
+
+
+CACHE_LEDGER = CacheLedger()
+
+
+def propose_num_blocks(rc: Any, model_config: Any, tp: int, dtype: torch.dtype, device: torch.device | str,
+                       kv_bytes_per_token: int, owner: object, *, max_memory_percent: float | None = None,
+                       attention_workspace_bytes: int = 0, ledger: CacheLedger = CACHE_LEDGER,
+                       measure: Callable[[Any], tuple[int, int]] = measure_free_bytes
+                       ) -> tuple[int, dict[str, int | float]]:
+    """This rank's proposal for `num_blocks` on a CUDA device (the group then takes the MIN with
+    `cluster.dist.agree_min`), and its breakdown. `rc` is the resolved config (its num_blocks is ignored),
+    `owner` the model the cache is for; `measure` and `ledger` are parameters so tests can feed numbers."""
+    from cluster.config import next_pow2
+
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    hidden, inter = model_config.hidden_size, model_config.intermediate_size // tp
+    rows = next_pow2(rc.max_requests_per_batch)
+    free, _ = measure(device)
+    m = MemoryInputs(
+        free_bytes=free, kv_bytes_per_token=kv_bytes_per_token, page_size=rc.page_size,
+        static_bytes=static_buffer_bytes(rc),
+        graph_pool_bytes=graph_pool_estimate(rows, hidden, inter, itemsize) if any(rc.use_cuda_graph) else 0,
+        activation_bytes=activation_peak_bytes(rc.max_tokens_padded, hidden, inter, model_config.vocab_size,
+                                               rows, itemsize),
+        attention_workspace_bytes=attention_workspace_bytes, reclaimable_bytes=ledger.held(device, owner),
+        max_memory_percent=max_memory_percent, safety_margin=rc.safety_margin,
+        max_blocks=rc.max_requests_per_batch * rc.max_blocks_per_request)
+    return plan_kv_blocks(m)
