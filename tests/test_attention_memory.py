@@ -4,6 +4,8 @@ batch's contexts at once, with outputs unchanged; and flash-attn's varlen metada
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -104,3 +106,124 @@ def test_model_outputs_unchanged_by_chunking(setup):
         logits[budget] = runner.execute(plan)
     torch.testing.assert_close(logits[BUDGET], logits[1 << 40], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits[1], logits[1 << 40], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the flash-attn path, reached on the CPU
+def _reference_attention(q, k_pages, v_pages, table, q_len, k_len, scale, causal, window_size):
+    """flash-attn's documented semantics for one sequence: causal mask aligned bottom-right, window
+    (left, right) around the aligned diagonal, GQA by head groups, keys read through the block table."""
+    hq, d = q.shape[1], q.shape[2]
+    k = k_pages[table.long()].reshape(-1, k_pages.shape[2], d)[:k_len]
+    v = v_pages[table.long()].reshape(-1, v_pages.shape[2], d)[:k_len]
+    g = hq // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    i = torch.arange(q_len)[:, None] + (k_len - q_len)
+    j = torch.arange(k_len)[None, :]
+    left, right = window_size
+    visible = torch.ones(q_len, k_len, dtype=torch.bool)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if right >= 0:
+        visible &= j <= i + right
+    if left >= 0:
+        visible &= j >= i - left
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
+
+
+def fake_flash_attn():
+    """A stand-in `flash_attn` module with the real functions' signatures and argument checks."""
+    import types
+
+    mod = types.ModuleType("flash_attn")
+    calls = {"varlen": 0, "kvcache": 0}
+
+    def check_paged(k, v, block_table):
+        assert k.dim() == 4 and k.shape == v.shape and k.shape[1] % 256 == 0, "paged KV needs page % 256 == 0"
+        assert block_table.dtype == torch.int32 and block_table.is_contiguous()
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        check_paged(k, v, block_table)
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+        assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        assert len(cq) == len(ck) == block_table.shape[0] + 1 and cq[-1] == q.shape[0]
+        assert max_seqlen_q == max(b - a for a, b in zip(cq, cq[1:]))
+        assert max_seqlen_k == max(b - a for a, b in zip(ck, ck[1:]))
+        calls["varlen"] += 1
+        return torch.cat([_reference_attention(q[cq[s]:cq[s + 1]], k, v, block_table[s], cq[s + 1] - cq[s],
+                                               ck[s + 1] - ck[s], softmax_scale, causal, window_size)
+                          for s in range(len(cq) - 1)])
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                                return_softmax_lse=False):
+        check_paged(k_cache, v_cache, block_table)
+        assert cache_seqlens.dtype == torch.int32 and q.dim() == 4 and q.shape[1] == 1
+        calls["kvcache"] += 1
+        lens = cache_seqlens.tolist()
+        return torch.stack([_reference_attention(q[s], k_cache, v_cache, block_table[s], 1, lens[s],
+                                                 softmax_scale, causal, window_size) for s in range(q.shape[0])])
+
+    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    mod.flash_attn_with_kvcache = flash_attn_with_kvcache
+    mod.calls = calls
+    return mod
+
+
+def flash_plans() -> list[StepPlan]:
+    """Whole prompts; then a mixed step (three decodes and a new prompt); then four decodes. Page 256."""
+    t = lambda *rows: np.array(rows, np.int32)  # noqa: E731
+    tables = t([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15])
+    lens = [300, 40, 520]
+    ids = np.concatenate([np.arange(n) % 97 + 3 for n in lens]).astype(np.int32)
+    prefill = StepPlan(input_ids=ids, q_lens=t(*lens), kv_lens=t(*lens), sample=t(1, 1, 1), block_tables=tables[:3])
+    mixed = StepPlan(input_ids=np.concatenate([[7, 8, 9], np.arange(100) % 50 + 4]).astype(np.int32),
+                     q_lens=t(1, 1, 1, 100), kv_lens=t(301, 41, 521, 100), sample=t(1, 1, 1, 1), block_tables=tables)
+    decode = StepPlan(input_ids=t(10, 11, 12, 13), q_lens=t(1, 1, 1, 1), kv_lens=t(302, 42, 522, 101),
+                      sample=t(1, 1, 1, 1), block_tables=tables)
+    return [prefill, mixed, decode]
+
+
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("mistral", {"sliding_window": 64})])
+def test_flash_path_matches_sdpa(make_checkpoint, monkeypatch, arch, overrides):
+    model = cluster.load(make_checkpoint(arch, **overrides))
+    cfg = ContinuousBatchingConfig(page_size=256, num_blocks=16, max_batch_tokens=1024)
+    sdpa, _, _ = model.build_runner(cfg)
+    flash, rc, _ = model.build_runner(cfg)
+    rc.use_flash_attn = True  # what resolve_config decides on CUDA for float16/bfloat16
+    fake = fake_flash_attn()  # installed after transformers' imports, which probe for the real package
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    for plan in flash_plans():
+        torch.testing.assert_close(flash.execute(plan), sdpa.execute(plan), rtol=1e-4, atol=1e-4)
+    layers = model.config.num_hidden_layers
+    assert fake.calls == {"varlen": 2 * layers, "kvcache": 2 * layers}
+
+
+def test_flash_metadata_built_on_the_host(make_checkpoint):
+    model = cluster.load(make_checkpoint("qwen3"))
+    runner, rc, _ = model.build_runner(ContinuousBatchingConfig(page_size=256, num_blocks=16, max_batch_tokens=1024))
+    rc.use_flash_attn = True
+    ids, meta, n = runner.prepare(flash_plans()[1])
+    scratch = runner.cache.scratch_block
+    pre = meta.pre_flash
+    assert pre.cu_seqlens_q.tolist() == [0, 100] and pre.cu_seqlens_k.tolist() == [0, 100]
+    assert (pre.max_seqlen_q, pre.max_seqlen_k, pre.num_tokens) == (100, 100, 100)
+    assert pre.block_table.tolist() == [[12, 13, 14, 15]] and pre.block_table.dtype == torch.int32
+    # the decode group: 3 sequences padded to 4 rows; the padding row reads one token of the scratch block
+    assert meta.dec_block_table.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [scratch] * 4]
+    assert meta.dec_kv_lens.tolist() == [301, 41, 521, 1]
+    # a prefill group of several sequences, with tables narrower than max_blocks_per_request
+    ids, meta, n = runner.prepare(flash_plans()[0])
+    pre = meta.pre_flash
+    assert pre.cu_seqlens_q.tolist() == [0, 300, 340, 860] and pre.cu_seqlens_k.tolist() == [0, 300, 340, 860]
+    assert (pre.max_seqlen_q, pre.max_seqlen_k, pre.num_tokens) == (520, 520, 860)
+    assert meta.dec_block_table is None
+    # the tables' storage is the static buffers', whatever the step
+    assert pre.block_table.data_ptr() == runner.buffers.buffers["pre_block_table"].data_ptr()
+    assert pre.cu_seqlens_q.data_ptr() == runner.buffers.buffers["pre_cu_q"].data_ptr()
