@@ -249,8 +249,9 @@ def graph_decision(asked: bool | tuple[bool, bool] | None, device_kind: str) -> 
     resolved = (False, bool(pair[1]))
     if not any(pair):
         return resolved, []
-    return resolved, [f"use_cuda_graph -> {resolved}: only the decode step is captured (one graph a batch bucket, "
-                      "powers of two); prefill and mixed steps run eagerly"]
+    note = (f"use_cuda_graph -> {resolved}: only the decode step is captured (one graph a batch bucket, "
+            "powers of two); prefill and mixed steps run eagerly")
+    return resolved, [note]
 
 
 FLASH_DTYPES = ("float16", "bfloat16")

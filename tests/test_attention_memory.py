@@ -4,6 +4,7 @@ batch's contexts at once, with outputs unchanged; and flash-attn's varlen metada
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import numpy as np
@@ -46,7 +47,7 @@ def long_context_plan(n_decode: int, n_prefill: int) -> StepPlan:
 @pytest.fixture(scope="module")
 def setup(make_checkpoint):
     model = cluster.load(make_checkpoint("qwen3"))
-    runner, rc, _ = model.build_runner(ContinuousBatchingConfig(
+    runner, _, _ = model.build_runner(ContinuousBatchingConfig(
         page_size=PAGE, num_blocks=16 * BLOCKS_EACH, max_requests_per_batch=16, max_blocks_per_request=BLOCKS_EACH))
     gen = torch.Generator().manual_seed(0)
     for t in runner.cache.k + runner.cache.v:
@@ -97,7 +98,7 @@ def test_bound_holds_whatever_the_batch(setup):
 
 
 def test_model_outputs_unchanged_by_chunking(setup):
-    model, runner = setup
+    _, runner = setup
     plan = long_context_plan(4, 4)
     logits = {}
     for budget in (1 << 40, BUDGET, 1):
@@ -150,8 +151,8 @@ def fake_flash_attn():
         assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         assert len(cq) == len(ck) == block_table.shape[0] + 1 and cq[-1] == q.shape[0]
-        assert max_seqlen_q == max(b - a for a, b in zip(cq, cq[1:]))
-        assert max_seqlen_k == max(b - a for a, b in zip(ck, ck[1:]))
+        assert max_seqlen_q == max(b - a for a, b in itertools.pairwise(cq))
+        assert max_seqlen_k == max(b - a for a, b in itertools.pairwise(ck))
         calls["varlen"] += 1
         return torch.cat([_reference_attention(q[cq[s]:cq[s + 1]], k, v, block_table[s], cq[s + 1] - cq[s],
                                                ck[s + 1] - ck[s], softmax_scale, causal, window_size)
@@ -177,7 +178,7 @@ def fake_flash_attn():
 
 def flash_plans() -> list[StepPlan]:
     """Whole prompts; then a mixed step (three decodes and a new prompt); then four decodes. Page 256."""
-    t = lambda *rows: np.array(rows, np.int32)  # noqa: E731
+    t = lambda *rows: np.array(rows, np.int32)
     tables = t([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15])
     lens = [300, 40, 520]
     ids = np.concatenate([np.arange(n) % 97 + 3 for n in lens]).astype(np.int32)
@@ -208,7 +209,7 @@ def test_flash_metadata_built_on_the_host(make_checkpoint):
     model = cluster.load(make_checkpoint("qwen3"))
     runner, rc, _ = model.build_runner(ContinuousBatchingConfig(page_size=256, num_blocks=16, max_batch_tokens=1024))
     rc.use_flash_attn = True
-    ids, meta, n = runner.prepare(flash_plans()[1])
+    _, meta, _ = runner.prepare(flash_plans()[1])
     scratch = runner.cache.scratch_block
     pre = meta.pre_flash
     assert pre.cu_seqlens_q.tolist() == [0, 100] and pre.cu_seqlens_k.tolist() == [0, 100]
@@ -218,7 +219,7 @@ def test_flash_metadata_built_on_the_host(make_checkpoint):
     assert meta.dec_block_table.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [scratch] * 4]
     assert meta.dec_kv_lens.tolist() == [301, 41, 521, 1]
     # a prefill group of several sequences, with tables narrower than max_blocks_per_request
-    ids, meta, n = runner.prepare(flash_plans()[0])
+    _, meta, _ = runner.prepare(flash_plans()[0])
     pre = meta.pre_flash
     assert pre.cu_seqlens_q.tolist() == [0, 300, 340, 860] and pre.cu_seqlens_k.tolist() == [0, 300, 340, 860]
     assert (pre.max_seqlen_q, pre.max_seqlen_k, pre.num_tokens) == (520, 520, 860)

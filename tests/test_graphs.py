@@ -16,7 +16,7 @@ from worker.loader import apply, stage_checkpoint
 from worker.model import KVHeads, head_dim_of
 from worker.runner import ModelRunner, static_inputs
 
-CFG = dict(page_size=16, num_blocks=64, max_requests_per_batch=8, max_blocks_per_request=8)
+CFG = {"page_size": 16, "num_blocks": 64, "max_requests_per_batch": 8, "max_blocks_per_request": 8}
 
 
 def graph_runner(model, factory=None):

@@ -21,7 +21,13 @@ from cluster.config import ResolvedConfig, next_pow2, round_up
 from cluster.plan import StepPlan
 from worker import flash
 from worker.attention import AttnMeta
-from worker.graphs import CudaGraphFactory, DecodeGraphs, GraphFactory, decode_buckets, tensor_addresses
+from worker.graphs import (
+    CudaGraphFactory,
+    DecodeGraphs,
+    GraphFactory,
+    decode_buckets,
+    tensor_addresses,
+)
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
 
