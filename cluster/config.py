@@ -24,8 +24,8 @@ DEFAULT_Q_PADDING = {"cpu": 32, "cuda": 64}  # tokens; used when q_padding_inter
 DEFAULT_KV_PADDING = {"cpu": 64, "cuda": 256}  # tokens; used when kv_padding_interval_size == 0
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' max_length default, when nothing else says
 SCHEDULERS = ("fifo", "prefill_first")
-IDLE_HEARTBEAT_S = 0.5
-ATTN_CHUNK_ELEMENTS = 1 << 22  # default work size of one paged SDPA chunk (see ResolvedConfig.attn_chunk_elements)  # the driver sends an IDLE plan this often when it has nothing to run
+IDLE_HEARTBEAT_S = 0.5  # the driver sends an IDLE plan this often when it has nothing to run
+ATTN_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}  # work of one paged SDPA chunk, in elements
 
 
 @dataclass
@@ -160,7 +160,7 @@ class ResolvedConfig:
     notes: list[str] = field(default_factory=list)
     # elements one chunk of the paged SDPA attention may gather (keys, values and scores together); the
     # attention workspace bound (worker.attention.attention_workspace_bytes) follows from it
-    attn_chunk_elements: int = ATTN_CHUNK_ELEMENTS
+    attn_chunk_elements: int = ATTN_CHUNK_ELEMENTS["cpu"]
 
     @property
     def max_tokens_padded(self) -> int:
@@ -230,7 +230,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         use_cuda_graph=graphs, use_flash_attn=use_flash, scheduler_type=cfg.scheduler_type,
         allow_block_sharing=cfg.allow_block_sharing,
         safety_margin=cfg.safety_margin if cfg.safety_margin is not None else 0.0,
-        cpu_group_timeout=cfg.cpu_group_timeout, notes=notes)
+        cpu_group_timeout=cfg.cpu_group_timeout, notes=notes, attn_chunk_elements=ATTN_CHUNK_ELEMENTS[device_kind])
 
 
 def graph_decision(asked: bool | tuple[bool, bool] | None, device_kind: str) -> tuple[tuple[bool, bool], list[str]]:
