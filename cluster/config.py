@@ -25,6 +25,7 @@ DEFAULT_KV_PADDING = {"cpu": 64, "cuda": 256}  # tokens; used when kv_padding_in
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' max_length default, when nothing else says
 SCHEDULERS = ("fifo", "prefill_first")
 IDLE_HEARTBEAT_S = 0.5  # the driver sends an IDLE plan this often when it has nothing to run
+ATTN_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}  # work of one paged SDPA chunk, in elements
 
 
 @dataclass
@@ -157,6 +158,9 @@ class ResolvedConfig:
     safety_margin: float
     cpu_group_timeout: float | None
     notes: list[str] = field(default_factory=list)
+    # elements one chunk of the paged SDPA attention may gather (keys, values and scores together); the
+    # attention workspace bound (worker.attention.attention_workspace_bytes) follows from it
+    attn_chunk_elements: int = ATTN_CHUNK_ELEMENTS["cpu"]
 
     @property
     def max_tokens_padded(self) -> int:
@@ -177,11 +181,13 @@ def next_pow2(x: int) -> int:
 
 
 def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model_len: int,
-                   kv_bytes_per_token: int, free_bytes: int | None, flash_available: bool) -> ResolvedConfig:
+                   kv_bytes_per_token: int, free_bytes: int | None, flash_available: bool,
+                   dtype: Any = None, head_dim: int | None = None) -> ResolvedConfig:
     """Fill in what the user left to us. `kv_bytes_per_token` is this rank's K+V bytes per token, all layers.
 
-    `num_blocks` computed here is only this rank's proposal: the group takes the minimum (see
-    `cluster.dist.agree_min`).
+    `dtype` (a torch dtype or its name) and `head_dim` decide whether flash-attn can run (see
+    `flash_decision`); left out, flash-attn stays off. `num_blocks` computed here is only this rank's
+    proposal: the group takes the minimum (see `cluster.dist.agree_min`).
     """
     notes: list[str] = []
     page = cfg.page_size
@@ -203,20 +209,13 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         num_blocks = max(1, budget // (kv_bytes_per_token * page))
         # never more than every request at full length could use
         num_blocks = min(num_blocks, max_requests * max_blocks)
-    graphs = cfg.use_cuda_graph
-    graphs = (graphs, graphs) if isinstance(graphs, bool) else tuple(graphs) if graphs is not None else None
-    if graphs and any(graphs):
-        # the forward is capture-safe (static buffers, padded shapes, no host syncs) but capture and replay
-        # are not built yet, so say so rather than claim graphs that do not run
-        notes.append("use_cuda_graph -> (False, False): " + ("no CUDA device" if device_kind != "cuda"
-                                                             else "graph capture is not implemented yet"))
-    graphs = (False, False)
-    use_flash = device_kind == "cuda" and flash_available and cfg.auto_switch_to_flash
-    if use_flash and page % 256:
-        use_flash = False
-        notes.append(f"flash-attn off: its paged kernels need page_size % 256 == 0, got {page}")
-    if device_kind == "cuda" and cfg.auto_switch_to_flash and not flash_available:
-        notes.append("flash-attn not importable: paged SDPA attention")
+    graphs, graph_notes = graph_decision(cfg.use_cuda_graph, device_kind)
+    notes += graph_notes
+    use_flash, flash_note = flash_decision(device_kind=device_kind, flash_available=flash_available,
+                                           wanted=cfg.auto_switch_to_flash, dtype=dtype, head_dim=head_dim,
+                                           page_size=page)
+    if flash_note:
+        notes.append(flash_note)
     if cfg.use_async_batching:
         notes.append("use_async_batching -> False: the step loop is synchronous")
     if cfg.cpu_offload_space:
@@ -231,7 +230,54 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         use_cuda_graph=graphs, use_flash_attn=use_flash, scheduler_type=cfg.scheduler_type,
         allow_block_sharing=cfg.allow_block_sharing,
         safety_margin=cfg.safety_margin if cfg.safety_margin is not None else 0.0,
-        cpu_group_timeout=cfg.cpu_group_timeout, notes=notes)
+        cpu_group_timeout=cfg.cpu_group_timeout, notes=notes, attn_chunk_elements=ATTN_CHUNK_ELEMENTS[device_kind])
+
+
+def graph_decision(asked: bool | tuple[bool, bool] | None, device_kind: str) -> tuple[tuple[bool, bool], list[str]]:
+    """(varlen, decode) CUDA graphs that will run, and why any asked for will not.
+
+    None means "where it can": decode graphs on CUDA. Only the decode step (one token a sequence, batch
+    buckets of powers of two) is captured; varlen (prefill and mixed) steps always run eagerly.
+    """
+    pair = (asked, asked) if isinstance(asked, bool) else tuple(asked) if asked is not None else None
+    if device_kind != "cuda":
+        if pair and any(pair):
+            return (False, False), ["use_cuda_graph -> (False, False): no CUDA device"]
+        return (False, False), []
+    if pair is None:
+        pair = (False, True)
+    resolved = (False, bool(pair[1]))
+    if not any(pair):
+        return resolved, []
+    note = (f"use_cuda_graph -> {resolved}: only the decode step is captured (one graph a batch bucket, "
+            "powers of two); prefill and mixed steps run eagerly")
+    return resolved, [note]
+
+
+FLASH_DTYPES = ("float16", "bfloat16")
+FLASH_MAX_HEAD_DIM = 256
+FLASH_PAGE_MULTIPLE = 256
+
+
+def flash_decision(*, device_kind: str, flash_available: bool, wanted: bool, dtype: Any, head_dim: int | None,
+                   page_size: int) -> tuple[bool, str | None]:
+    """Whether attention runs through flash-attn, and the note saying why not when it could be expected.
+
+    flash-attn runs only on CUDA, for float16/bfloat16 (it rejects float32), head_dim <= 256, and (for its
+    paged kernels) page_size % 256 == 0; otherwise the paged SDPA attention runs.
+    """
+    if device_kind != "cuda" or not wanted:
+        return False, None
+    if not flash_available:
+        return False, "flash-attn not importable: paged SDPA attention"
+    name = None if dtype is None else str(dtype).removeprefix("torch.")
+    if name not in FLASH_DTYPES:
+        return False, f"flash-attn off: it runs float16/bfloat16 only, the model is {name or 'of unknown dtype'}"
+    if head_dim is None or head_dim > FLASH_MAX_HEAD_DIM:
+        return False, f"flash-attn off: it needs head_dim <= {FLASH_MAX_HEAD_DIM}, got {head_dim}"
+    if page_size % FLASH_PAGE_MULTIPLE:
+        return False, f"flash-attn off: its paged kernels need page_size % {FLASH_PAGE_MULTIPLE} == 0, got {page_size}"
+    return True, None
 
 
 def load_preset(path: str | os.PathLike) -> ContinuousBatchingConfig:

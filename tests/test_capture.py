@@ -33,10 +33,12 @@ def runner(make_checkpoint):
     return r
 
 
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "mixed", "decode_bucket", "mixed_in_chunks"])
 def test_forward_compiles_with_fullgraph(runner, kind):
-    plan = decode_plan(4, 37, 16) if kind == "decode" else mixed_plan(16)
-    ids, meta, n = runner.prepare(plan)
+    plan = decode_plan(4, 37, 16) if kind.startswith("decode") else mixed_plan(16)
+    # the graph bucket's layout (full KV width) and the SDPA fallback split into many chunks must compile too
+    runner.rc.attn_chunk_elements = 4096 if kind == "mixed_in_chunks" else 1 << 22
+    ids, meta, n = runner.prepare(plan, bucket=4 if kind == "decode_bucket" else None)
     with torch.inference_mode():
         eager = runner.model(ids, meta, runner.cache.k, runner.cache.v)
         torch._dynamo.reset()
@@ -44,6 +46,7 @@ def test_forward_compiles_with_fullgraph(runner, kind):
         out = compiled(ids, meta, runner.cache.k, runner.cache.v)
     assert out.shape == eager.shape and out.shape[0] >= n
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    runner.rc.attn_chunk_elements = 1 << 22
 
 
 def test_static_buffers_keep_storage(runner):

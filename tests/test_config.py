@@ -83,6 +83,47 @@ def test_hardware_fields_resolve_with_notes():
         assert word in text
 
 
+def on_cuda(flash_available=True, dtype="bfloat16", head_dim=128, **fields):
+    return resolve_config(ContinuousBatchingConfig(**fields), device_kind="cuda", max_model_len=4096,
+                          kv_bytes_per_token=4096, free_bytes=8 << 30, flash_available=flash_available,
+                          dtype=dtype, head_dim=head_dim)
+
+
+def test_flash_only_for_half_precision_small_heads_and_256_pages():
+    import torch
+
+    for dtype in ("float16", "bfloat16", torch.float16, torch.bfloat16):
+        assert on_cuda(dtype=dtype, page_size=256).use_flash_attn
+    assert on_cuda(page_size=512, head_dim=256).use_flash_attn
+    refused = {"float32": on_cuda(dtype=torch.float32, page_size=256),
+               "head_dim": on_cuda(head_dim=512, page_size=256),
+               "page_size": on_cuda(page_size=128),
+               "importable": on_cuda(flash_available=False, page_size=256),
+               "unknown": on_cuda(dtype=None, page_size=256)}
+    for why, rc in refused.items():
+        assert not rc.use_flash_attn, why
+        assert any("flash-attn" in n for n in rc.notes), why
+    assert "float32" in " ".join(refused["float32"].notes)
+    assert "head_dim" in " ".join(refused["head_dim"].notes)
+    assert not on_cuda(page_size=256, auto_switch_to_flash=False).use_flash_attn
+    # the CPU never runs flash-attn, and says nothing about it
+    cpu = resolve_config(ContinuousBatchingConfig(page_size=256), device_kind="cpu", max_model_len=1024,
+                         kv_bytes_per_token=4096, free_bytes=None, flash_available=True, dtype="bfloat16",
+                         head_dim=64)
+    assert not cpu.use_flash_attn and not any("flash" in n for n in cpu.notes)
+
+
+def test_cuda_graphs_resolve_to_decode_only_with_a_note():
+    assert on_cuda().use_cuda_graph == (False, True)  # None: decode graphs where there is a GPU
+    assert on_cuda(use_cuda_graph=True).use_cuda_graph == (False, True)
+    assert on_cuda(use_cuda_graph=(True, False)).use_cuda_graph == (False, False)
+    assert on_cuda(use_cuda_graph=False).use_cuda_graph == (False, False)
+    assert not any("use_cuda_graph" in n for n in on_cuda(use_cuda_graph=False).notes)
+    text = " ".join(on_cuda(use_cuda_graph=True).notes)
+    assert "use_cuda_graph" in text and "decode" in text
+    assert resolved().use_cuda_graph == (False, False)
+
+
 def test_manager_reports_effective_config(make_checkpoint):
     model = cluster.load(make_checkpoint("llama"))
     m = model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(

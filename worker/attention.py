@@ -2,11 +2,17 @@
 
 The token batch is laid out as [decode group | prefill group]. The decode group holds one query token per
 sequence (padded to a power of two); the prefill group holds the other sequences' query tokens back to back.
-Attention gathers each sequence's keys and values from the cache through precomputed slot indices (built on
-the host from the block tables, so the forward itself has static shapes and no host syncs), and masks by
-position: key j is visible to a query at position p when j <= p (and p - j < window, for sliding layers).
-GQA is handled without repeating keys: the query heads that share a KV head are folded into the query axis.
-On CUDA with flash-attn, the decode group instead reads the pages in place (`flash_attn_with_kvcache`).
+
+Without flash-attn (the CPU, float32, or a page size its kernels refuse) attention gathers each sequence's
+keys and values from the cache through precomputed slot indices (built on the host from the block tables, so
+the forward itself has static shapes and no host syncs), and masks by position: key j is visible to a query
+at position p when j <= p (and p - j < window, for sliding layers). GQA is handled without repeating keys:
+the query heads that share a KV head are folded into the query axis. The gather runs in chunks of
+sequences and queries sized from the shapes alone (so they are static per bucket) under an element budget,
+so its workspace is bounded by `attention_workspace_bytes` whatever the contexts in the batch.
+
+With flash-attn (worker/flash.py) both groups read the pages in place: decode through
+`flash_attn_with_kvcache`, prefill and mixed steps through `flash_attn_varlen_func` with a block table.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from cluster.config import ResolvedConfig
+from worker import flash
 
 
 @dataclass
@@ -26,13 +35,15 @@ class AttnMeta:
     dec_kv_slots: torch.Tensor  # [Bd, Ld] slots of each decode sequence's keys, in position order
     dec_q_pos: torch.Tensor  # [Bd] position of each decode query
     pre_q_gather: torch.Tensor  # [Bp * Qp] index of each padded prefill query among the prefill tokens
-    pre_out_gather: torch.Tensor  # [Tp] where each prefill token's output sits in the padded result
+    pre_q_scatter: torch.Tensor  # [Bp * Qp] where each padded query's output goes (padding: row Tp, dropped)
     pre_kv_slots: torch.Tensor  # [Bp, Lp]
     pre_q_pos: torch.Tensor  # [Bp, Qp]
     logits_idx: torch.Tensor  # [N] tokens whose logits are returned
     dec_block_table: torch.Tensor | None = None  # [Bd, NB] int32, flash-attn decode path only
     dec_kv_lens: torch.Tensor | None = None  # [Bd] int32, flash-attn decode path only
+    pre_flash: flash.VarlenMeta | None = None  # flash-attn prefill path only
     page_size: int = 0  # tokens a page, for viewing the cache as pages (flash-attn path)
+    chunk_elements: int = 1 << 22  # work budget of one SDPA chunk (ResolvedConfig.attn_chunk_elements)
 
     @property
     def num_decode(self) -> int:
@@ -46,9 +57,51 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.index_copy_(0, meta.slot_mapping, v)
 
 
+# ---------------------------------------------------------------- the bounded SDPA fallback
+def _row_cost(length: int, hkv: int, d: int) -> int:
+    """Elements one sequence costs in a chunk whatever its query count: its keys and values, its slots."""
+    return 2 * length * hkv * d + 2 * length
+
+
+def _query_cost(length: int, hq: int, hkv: int, d: int) -> int:
+    """Elements one query row costs: scores and softmax of every head (counted twice), masks, q and out."""
+    return 2 * hq * length + (1 + hq // hkv) * length + 3 * hq * d
+
+
+def chunk_shape(b: int, nq: int, length: int, hq: int, hkv: int, d: int, budget: int) -> tuple[int, int]:
+    """(sequences, queries) a chunk takes so its elements stay within `budget` (at least one of each)."""
+    row, per_q = _row_cost(length, hkv, d), _query_cost(length, hq, hkv, d)
+    qc = max(1, min(nq, (budget - row) // per_q))
+    rb = max(1, min(b, budget // (row + qc * per_q)))
+    return rb, qc
+
+
+def chunk_elements(b: int, nq: int, length: int, hq: int, hkv: int, d: int, budget: int) -> int:
+    rb, qc = chunk_shape(b, nq, length, hq, hkv, d, budget)
+    return rb * (_row_cost(length, hkv, d) + qc * _query_cost(length, hq, hkv, d))
+
+
+def attention_workspace_bytes(rc: ResolvedConfig, num_heads: int, num_kv_heads: int, head_dim: int,
+                              dtype: torch.dtype) -> int:
+    """Upper bound of the extra memory one layer's attention allocates in a step (this rank's heads).
+
+    One chunk at the longest context the config allows (chunks shrink to one sequence and one query, so a
+    chunk costs at most max(budget, one row and one query)), at 8 bytes an element (covers int64 slots,
+    float32 scores and any model dtype), plus the step's attention output and its scatter buffer.
+    Zero-cost on the flash-attn path, which reads pages in place; counted anyway as the safe bound.
+    """
+    elem = 8
+    length = rc.max_kv_padded
+    one = _row_cost(length, num_kv_heads, head_dim) + _query_cost(length, num_heads, num_kv_heads, head_dim)
+    chunk = max(rc.attn_chunk_elements, one)
+    size = torch.empty(0, dtype=dtype).element_size()
+    outputs = 2 * (rc.max_tokens_padded + 1) * num_heads * head_dim * size
+    return chunk * elem + outputs
+
+
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,
             q_pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
-    """q: [B, Q, Hq, D]; kv_slots: [B, L]; q_pos: [B, Q]. Returns [B, Q, Hq, D]."""
+    """One chunk. q: [B, Q, Hq, D]; kv_slots: [B, L]; q_pos: [B, Q]. Returns [B, Q, Hq, D]."""
     b, nq, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
@@ -66,32 +119,51 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_sl
     return out.view(b, hkv, g, nq, d).permute(0, 3, 1, 2, 4).reshape(b, nq, hq, d)
 
 
+def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                 window: int | None, scale: float) -> torch.Tensor:
+    """q: [Bd, Hq, D], one query a sequence, in chunks of sequences. Returns [Bd, Hq, D]."""
+    bd, length = meta.dec_kv_slots.shape
+    rb, _ = chunk_shape(bd, 1, length, q.shape[1], k_cache.shape[1], q.shape[2], meta.chunk_elements)
+    outs = [_attend(q[r:r + rb].unsqueeze(1), k_cache, v_cache, meta.dec_kv_slots[r:r + rb],
+                    meta.dec_q_pos[r:r + rb, None], window, scale).squeeze(1) for r in range(0, bd, rb)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                  window: int | None, scale: float) -> torch.Tensor:
+    """q: [Tp, Hq, D], the prefill group's tokens back to back. Chunks of sequences x queries; each chunk's
+    queries are gathered from q and its outputs scattered back, so nothing of the padded [Bp, Qp] size
+    is ever materialised whole. Returns [Tp, Hq, D]."""
+    bp, qp = meta.pre_q_pos.shape
+    length = meta.pre_kv_slots.shape[1]
+    hq, d = q.shape[1], q.shape[2]
+    rb, qc = chunk_shape(bp, qp, length, hq, k_cache.shape[1], d, meta.chunk_elements)
+    gather, scatter = meta.pre_q_gather.view(bp, qp), meta.pre_q_scatter.view(bp, qp)
+    out = q.new_zeros(q.shape[0] + 1, hq, d)  # the last row takes the padding queries' outputs
+    for r in range(0, bp, rb):
+        for c in range(0, qp, qc):
+            idx = gather[r:r + rb, c:c + qc]
+            n, m = idx.shape
+            qs = q.index_select(0, idx.reshape(-1)).view(n, m, hq, d)
+            res = _attend(qs, k_cache, v_cache, meta.pre_kv_slots[r:r + rb], meta.pre_q_pos[r:r + rb, c:c + qc],
+                          window, scale)
+            out.index_copy_(0, scatter[r:r + rb, c:c + qc].reshape(-1), res.reshape(n * m, hq, d))
+    return out[:-1]
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                     window: int | None, scale: float) -> torch.Tensor:
     """q: [T, Hq, D] for the whole token batch, after this step's K/V were written. Returns [T, Hq, D]."""
     bd = meta.num_decode
     outs = []
     if bd and meta.dec_block_table is not None:
-        outs.append(_flash_decode(q[:bd], k_cache, v_cache, meta, window, scale))
+        outs.append(flash.decode(q[:bd], k_cache, v_cache, meta.dec_block_table, meta.dec_kv_lens,
+                                 meta.page_size, window, scale))
     elif bd:
-        outs.append(_attend(q[:bd].unsqueeze(1), k_cache, v_cache, meta.dec_kv_slots,
-                            meta.dec_q_pos[:, None], window, scale).squeeze(1))
-    bp, qp = meta.pre_q_pos.shape
-    if bp:
-        qpre = q[bd:].index_select(0, meta.pre_q_gather).view(bp, qp, q.shape[1], q.shape[2])
-        res = _attend(qpre, k_cache, v_cache, meta.pre_kv_slots, meta.pre_q_pos, window, scale)
-        outs.append(res.reshape(bp * qp, q.shape[1], q.shape[2]).index_select(0, meta.pre_out_gather))
+        outs.append(_decode_sdpa(q[:bd], k_cache, v_cache, meta, window, scale))
+    if meta.pre_flash is not None:
+        outs.append(flash.prefill(q[bd:], k_cache, v_cache, meta.pre_flash, meta.page_size, window, scale))
+    elif meta.pre_q_pos.shape[0]:
+        outs.append(_prefill_sdpa(q[bd:], k_cache, v_cache, meta, window, scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-
-def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                  window: int | None, scale: float) -> torch.Tensor:
-    """One query per sequence against its pages, read in place by flash-attn. q: [Bd, Hq, D]."""
-    from flash_attn import flash_attn_with_kvcache
-
-    paged = (-1, meta.page_size, k_cache.shape[1], k_cache.shape[2])
-    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache.view(paged), v_cache.view(paged),
-                                  cache_seqlens=meta.dec_kv_lens, block_table=meta.dec_block_table,
-                                  softmax_scale=scale, causal=True,
-                                  window_size=(window - 1, 0) if window else (-1, -1))
-    return out.squeeze(1)

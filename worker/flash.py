@@ -1,0 +1,97 @@
+"""flash-attn's paged kernels, and the host-side metadata its varlen kernel needs.
+
+Used only where `cluster.config.flash_decision` allows (CUDA, float16/bfloat16, head_dim <= 256,
+page_size % 256 == 0, flash_attn importable). The cache is viewed as pages [blocks, page, Hkv, D]; both
+kernels read a sequence's keys through its block table in place, so nothing is gathered.
+
+- decode (one query a sequence; the step CUDA graphs capture): `flash_attn_with_kvcache` with
+  `cache_seqlens` and a block table of fixed width (rows past the batch point at the scratch block);
+- prefill and mixed steps: `flash_attn_varlen_func` with `block_table`, `cu_seqlens_q` / `cu_seqlens_k`
+  (int32 cumulative query and context lengths) and `max_seqlen_q` / `max_seqlen_k` (host integers).
+
+`varlen_metadata` builds the latter on the host from the plan's arrays; the CPU tests check it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class VarlenMeta:
+    """What `flash_attn_varlen_func` needs for the prefill group; tensors are views of static buffers."""
+
+    cu_seqlens_q: torch.Tensor  # [Bp + 1] int32
+    cu_seqlens_k: torch.Tensor  # [Bp + 1] int32
+    block_table: torch.Tensor  # [Bp, NB] int32, NB = max_blocks_per_request (rows padded with the scratch block)
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_tokens: int  # real prefill tokens; the padding tokens after them get zeros
+
+
+@dataclass
+class VarlenHost:
+    """The host arrays of `VarlenMeta`, before they are copied into the static buffers."""
+
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    block_table: np.ndarray
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_tokens: int
+
+
+def varlen_metadata(q_lens: np.ndarray, kv_lens: np.ndarray, tables: np.ndarray, width: int,
+                    scratch_block: int) -> VarlenHost:
+    """The prefill group's varlen arguments. q_lens, kv_lens: [Bp]; tables: [Bp, <= width] block ids."""
+    q_lens = np.asarray(q_lens, np.int64)
+    kv_lens = np.asarray(kv_lens, np.int64)
+    if tables.shape[1] > width:
+        raise ValueError(f"block table of width {tables.shape[1]} exceeds max_blocks_per_request={width}")
+    table = np.full((len(q_lens), width), scratch_block, np.int32)
+    table[:, :tables.shape[1]] = tables
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    return VarlenHost(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=table,
+                      max_seqlen_q=int(q_lens.max(initial=0)), max_seqlen_k=int(kv_lens.max(initial=0)),
+                      num_tokens=int(cu_q[-1]))
+
+
+def _window(window: int | None) -> tuple[int, int]:
+    """flash-attn's (left, right) window: a key is visible when p - j < window, i.e. window - 1 to the left."""
+    return (window - 1, 0) if window else (-1, -1)
+
+
+def _pages(cache: torch.Tensor, page_size: int) -> torch.Tensor:
+    return cache.view(-1, page_size, cache.shape[1], cache.shape[2])
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+           kv_lens: torch.Tensor, page_size: int, window: int | None, scale: float) -> torch.Tensor:
+    """One query per sequence against its pages, read in place. q: [Bd, Hq, D]. Capturable (no host sync)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    out = flash_attn_with_kvcache(q.unsqueeze(1), _pages(k_cache, page_size), _pages(v_cache, page_size),
+                                  cache_seqlens=kv_lens, block_table=block_table, softmax_scale=scale,
+                                  causal=True, window_size=_window(window))
+    return out.squeeze(1)
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: VarlenMeta, page_size: int,
+            window: int | None, scale: float) -> torch.Tensor:
+    """The prefill group's queries [Tp, Hq, D] (real tokens first) against their pages. Returns [Tp, Hq, D];
+    the padding tokens' rows are zeros (flash-attn leaves rows past cu_seqlens_q[-1] unwritten)."""
+    from flash_attn import flash_attn_varlen_func
+
+    t = meta.num_tokens
+    res = flash_attn_varlen_func(q[:t], _pages(k_cache, page_size), _pages(v_cache, page_size),
+                                 cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                                 max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                                 softmax_scale=scale, causal=True, window_size=_window(window),
+                                 block_table=meta.block_table)
+    if t == q.shape[0]:
+        return res
+    return torch.cat([res, q.new_zeros(q.shape[0] - t, q.shape[1], q.shape[2])])

@@ -1,0 +1,148 @@
+"""CUDA graphs for the decode step: batch buckets, capture, replay, and the address check.
+
+Only the decode step (every sequence a single query token) is captured: one graph per batch bucket (powers
+of two up to max_requests_per_batch), each at fixed shapes (the bucket's rows, the KV read width of the
+longest context the config allows, the block table at max_blocks_per_request), all sharing one memory pool.
+A decode step that fits a bucket is laid out at that bucket's shapes in the runner's static buffers and
+replayed; any other step runs eagerly. The all-reduces of TP inside the captured forward are NCCL on CUDA,
+captured with it, so every rank must capture the same buckets in the same order and replay in lockstep:
+the runner does both from the plans, which every rank runs identically.
+
+The capture is given a callable and a graph factory. On CUDA the factory makes `torch.cuda.CUDAGraph`
+captures (`CudaGraphFactory`); the CPU tests use `EagerStandIn`, which records the static inputs and, on
+replay, runs the eager function and writes its result into the captured output, as a replay would.
+
+A captured graph reads fixed addresses: the model's parameters and buffers, the KV cache, the static input
+buffers. `snapshot_addresses` records them at capture; `changed_addresses` names any that moved since (a
+weight update must copy into the existing storage, never rebind it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from cluster.config import next_pow2
+
+
+class GraphInputMoved(RuntimeError):
+    """A replay's static input is not where the graph was captured reading it."""
+
+
+def decode_buckets(max_requests_per_batch: int) -> list[int]:
+    """Batch sizes captured: 1, 2, 4 ... up to the power of two a full batch pads to."""
+    top = next_pow2(max_requests_per_batch)
+    return [1 << i for i in range(top.bit_length())]
+
+
+def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
+    """The smallest bucket holding `num_seqs` sequences; None (run eagerly) when none does."""
+    return next((b for b in buckets if b >= num_seqs), None) if num_seqs > 0 else None
+
+
+@dataclass
+class Captured:
+    replay: Callable[[], None]
+    output: torch.Tensor  # the captured forward's output; every replay rewrites it in place
+    handle: Any = None  # keeps the graph object alive
+
+
+class GraphFactory(Protocol):
+    def capture(self, fn: Callable[[], torch.Tensor], static_inputs: dict[str, torch.Tensor]) -> Captured: ...
+
+
+class CudaGraphFactory:
+    """torch.cuda.CUDAGraph captures sharing one memory pool, warmed up and captured on one side stream."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device=device)
+
+    def capture(self, fn: Callable[[], torch.Tensor], static_inputs: dict[str, torch.Tensor]) -> Captured:
+        """Every rank of the device group calls it, for the same buckets in the same order (fn all-reduces)."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            fn()  # warm-up on the capture stream: lazy library handles and workspaces are made outside capture
+        current.wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out = fn()
+        torch.cuda.synchronize(self.device)
+        return Captured(replay=graph.replay, output=out, handle=graph)
+
+
+class EagerStandIn:
+    """The CPU stand-in for a graph: replay re-runs the eager function into the captured output's storage."""
+
+    def __init__(self) -> None:
+        self.recorded: list[dict[str, int]] = []  # static inputs' addresses of each capture, in capture order
+
+    def capture(self, fn: Callable[[], torch.Tensor], static_inputs: dict[str, torch.Tensor]) -> Captured:
+        self.recorded.append({k: t.data_ptr() for k, t in static_inputs.items()})
+        out = fn()
+
+        def replay() -> None:
+            out.copy_(fn())
+
+        return Captured(replay=replay, output=out)
+
+
+def tensor_addresses(model: torch.nn.Module, extra: dict[str, torch.Tensor]) -> dict[str, int]:
+    """name -> data_ptr of every parameter and buffer of `model` and of each tensor in `extra`."""
+    found = {name: p.data_ptr() for name, p in model.named_parameters()}
+    found.update({name: b.data_ptr() for name, b in model.named_buffers()})
+    found.update({name: t.data_ptr() for name, t in extra.items()})
+    return found
+
+
+class DecodeGraphs:
+    """The decode graphs of one runner: which bucket a step takes, capture of them all, replay, counters."""
+
+    def __init__(self, buckets: list[int], factory: GraphFactory):
+        self.buckets = sorted(buckets)
+        self.factory = factory
+        self.graphs: dict[int, Captured] = {}
+        self.static: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
+        self.addresses: dict[str, int] = {}
+        self.stats: dict[str, Any] = {"captured_buckets": [], "replays": 0, "eager_steps": 0}
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
+    def bucket(self, num_seqs: int) -> int | None:
+        return bucket_for(num_seqs, self.buckets)
+
+    def capture_all(self, prepare: Callable[[int], tuple[Callable[[], torch.Tensor], dict[str, torch.Tensor]]],
+                    reads: Callable[[], dict[str, int]]) -> None:
+        """Capture every bucket, largest first (smaller ones reuse the shared pool), then snapshot the
+        addresses the graphs read. Every rank of the device group calls it (the forward all-reduces)."""
+        for b in sorted(self.buckets, reverse=True):
+            fn, static = prepare(b)
+            self.graphs[b] = self.factory.capture(fn, static)
+            self.static[b] = {k: (t.data_ptr(), tuple(t.shape)) for k, t in static.items()}
+        self.addresses = reads()
+        self.stats["captured_buckets"] = sorted(self.graphs)
+
+    def replay(self, bucket: int, static: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Replay `bucket`'s graph on the static inputs the step was laid out in; returns its output.
+        Every rank of the device group calls it (the graph all-reduces)."""
+        want = self.static[bucket]
+        moved = sorted(k for k, t in static.items() if (t.data_ptr(), tuple(t.shape)) != want.get(k))
+        if moved:
+            raise GraphInputMoved(f"decode bucket {bucket}: static inputs {moved} are not where the graph reads")
+        graph = self.graphs[bucket]
+        graph.replay()
+        self.stats["replays"] += 1
+        return graph.output
+
+    def changed_addresses(self, now: dict[str, int]) -> list[str]:
+        """Names whose address differs from the snapshot at capture (or that vanished)."""
+        if not self.captured:
+            return []
+        return sorted(k for k, ptr in self.addresses.items() if now.get(k) != ptr)
