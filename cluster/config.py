@@ -132,6 +132,8 @@ class ContinuousBatchingConfig:
             # transformers already applied its deprecations; do not warn twice
             for name in ("use_default_compile_configs", "max_cached_graphs", "block_size"):
                 data.pop(name, None)
+            if "page_size" not in data and getattr(obj, "block_size", None) is not None:
+                data["page_size"] = obj.block_size  # transformers before page_size existed (5.17 ...)
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"ContinuousBatchingConfig: unknown field(s) {sorted(unknown)}")

@@ -30,6 +30,7 @@ from driver.results import ResultRouter
 from driver.update_calls import WeightUpdates
 from driver.validation import build_request, supported_generation_config
 from driver.worker_side import run_worker_side
+from worker.memory import use_device
 from worker.weights import UpdateCall
 
 log = logging.getLogger("lockstep")
@@ -153,7 +154,8 @@ class ContinuousBatchingManager:
         return {"step": e.step_no, "weight_version": e.weight_version, "tokens_generated": e.num_tokens_generated,
                 "preemptions": e.scheduler.num_preemptions, "prefix_hit_blocks": e.blocks.prefix_hit_blocks,
                 "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-                "free_blocks": e.blocks.num_free, "num_blocks": e.blocks.num_blocks}
+                "free_blocks": e.blocks.num_free, "num_blocks": e.blocks.num_blocks,
+                "cuda_graphs": dict(self.runner.graph_stats)}
 
     # ---------------------------------------------------------------- requests (driver)
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
@@ -274,6 +276,7 @@ class ContinuousBatchingManager:
         """The loop thread: the driver's step loop, or a worker's plan loop. Whatever ends it, callers
         waiting on it are woken and new requests are refused."""
         try:
+            use_device(self.groups.device)  # the current CUDA device is per thread
             with self.groups.owned_by_this_thread():
                 if self.is_driver:
                     DriverLoop(self).run()

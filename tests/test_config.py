@@ -184,3 +184,14 @@ def test_presets_load():
     for name in ("tiny-cpu", "small-cpu", "h100-tp8"):
         cfg = load_preset(REPO / "configs" / f"{name}.toml")
         assert cfg.page_size > 0
+
+
+def test_a_transformers_config_with_block_size_only_keeps_its_page_size():
+    """transformers before `page_size` existed named it `block_size`: from_any must not fall back to 256."""
+    from types import SimpleNamespace
+
+    from cluster.config import ContinuousBatchingConfig
+
+    old = SimpleNamespace(block_size=32, num_blocks=64, max_batch_tokens=128)
+    cfg = ContinuousBatchingConfig.from_any(old)
+    assert cfg.page_size == 32 and cfg.num_blocks == 64 and cfg.max_batch_tokens == 128
