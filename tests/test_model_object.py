@@ -7,44 +7,60 @@ max_queue_size completes."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import hf_greedy, read_json, run_ranks
 from tests.scripts.model_object_rank import PROMPTS
 
 
-def test_model_object_and_batch_checks_tp2(make_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def run(make_checkpoint, tmp_path_factory):
+    """One TP=2 run of the script; (records of rank 0 and 1, checkpoint A, checkpoint B, torchrun's result)."""
     dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
-    out = tmp_path / "rec"
+    out = tmp_path_factory.mktemp("model_object") / "rec"
     proc = run_ranks("model_object_rank.py", [str(dir_a), str(dir_b), str(out)], timeout=240)
-    recs = [read_json(f"{out}.rank{r}") for r in range(2)]
-    want_a, want_b = (hf_greedy(d, PROMPTS, 8) for d in (dir_a, dir_b))
+    return [read_json(f"{out}.rank{r}") for r in range(2)], dir_a, dir_b, proc
 
-    # generate_batch: the same ValueError on every rank (none returns, none hangs)
-    for key, code, text in (("too_long", "bad_max_new_tokens", "request inputs[1]: max_new_tokens=100"),
-                            ("unknown_kwarg", "bad_field", "unknown generation parameter(s) ['foo']")):
-        for rec in recs:
-            assert rec[key]["raised"] == "RequestRejected" and rec[key]["code"] == code, (rec["rank"], rec[key])
-            assert text in rec[key]["message"], rec[key]
-        assert recs[0][key]["message"] == recs[1][key]["message"]
-    # a batch of 5 with max_queue_size=2: fed as room appears, the same outputs on every rank
+
+@pytest.mark.parametrize("key,code,text", [
+    ("too_long", "bad_max_new_tokens", "request inputs[1]: max_new_tokens=100"),
+    ("unknown_kwarg", "bad_field", "unknown generation parameter(s) ['foo']")])
+def test_batch_checks_raise_alike_on_every_rank(run, key, code, text):
+    recs = run[0]
+    assert [rec[key]["raised"] is not None for rec in recs] == [True, True], [rec[key] for rec in recs]
+    assert recs[0][key]["message"] == recs[1][key]["message"]
+    for rec in recs:
+        assert rec[key]["raised"] == "RequestRejected" and rec[key]["code"] == code, (rec["rank"], rec[key])
+        assert text in rec[key]["message"], rec[key]
+
+
+def test_batch_larger_than_queue_is_fed(run):
+    """5 prompts with max_queue_size=2: every rank gets all 5, equal to transformers."""
+    recs, dir_a = run[0], run[1]
     for rec in recs:
         assert rec["small_queue"]["raised"] is None, rec["small_queue"]
-        assert rec["small_queue"]["tokens"] == want_a
+        assert rec["small_queue"]["tokens"] == hf_greedy(dir_a, PROMPTS, 8)
 
-    names = sorted(recs[0]["state_dict_names"])
+
+def test_parameters_are_this_ranks_shards_under_transformers_names(run):
+    recs = run[0]
+    names = recs[0]["state_dict_names"]
+    assert len(names) == 2 + 1 + 4 * 9  # embed, norm, lm_head + 9 per layer
+    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight",
+            "lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"} <= set(names)
     for rec in recs:
         assert rec["eval_is_self"] and rec["dtype"] == "torch.float32" and rec["device"] == "cpu"
         assert rec["model_type"] == "llama" and rec["generation_config"] == "GenerationConfig"
         assert rec["all_parameters"] and rec["n_parameters"] == len(rec["names"]) == len(names)
-        # transformers' names, fused tensors split back into theirs
         assert sorted(rec["names"]) == names == rec["state_dict_names"]
-        assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-                "model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight",
-                "lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"} <= set(names)
         # each one is exactly this rank's part of the checkpoint's tensor; shard_of cuts the same part
         assert rec["shard_mismatch"] == [] and rec["shard_of_mismatch"] == []
-        assert rec["state_dict_is_b"]
-    assert len(names) == 2 + 1 + 4 * 9  # embed, norm, lm_head + 9 per layer
-    # in-place changes inside the pause are what the next requests use
-    assert recs[0]["before"] == want_a
-    assert recs[0]["after"] == want_b
+
+
+def test_in_place_changes_inside_pause_are_used(run):
+    recs, dir_a, dir_b, proc = run
+    assert recs[0]["before"] == hf_greedy(dir_a, PROMPTS, 8)
+    assert recs[0]["after"] == hf_greedy(dir_b, PROMPTS, 8)
+    assert all(rec["state_dict_is_b"] for rec in recs)
     assert proc.returncode == 0, proc.stdout[-4000:]

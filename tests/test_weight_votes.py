@@ -6,52 +6,73 @@ WeightsDiverged and ends the loop."""
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy, read_json, run_ranks
 from tests.scripts.update_faults_rank import FAULTS
 from tests.scripts.update_rank import prompts
 
 
-def test_refusals_votes_versions_divergence_tp2(make_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def run(make_checkpoint, tmp_path_factory):
+    """One TP=2 run of the script under FAULTS; (records of rank 0 and 1, checkpoint A, B, torchrun's result)."""
     dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
-    out = tmp_path / "rec"
+    out = tmp_path_factory.mktemp("weight_votes") / "rec"
     proc = run_ranks("update_faults_rank.py", [str(dir_a), str(dir_b), str(out)], timeout=240,
                      env={"LOCKSTEP_FAULTS": FAULTS})
-    recs = [read_json(f"{out}.rank{r}") for r in range(2)]
-    driver = recs[0]
+    return [read_json(f"{out}.rank{r}") for r in range(2)], dir_a, dir_b, proc
 
-    # 1. the front door's path: a refused result that names the first refusing rank
-    assert driver["async"]["ok"] is False and driver["async"]["rank"] == 1, driver["async"]
-    assert "rank 1: InjectedFault" in driver["async"]["error"]
+
+def refused_by_rank_1(r: dict, text: str) -> None:
+    assert r["raised"] == "WeightUpdateError" and r["code"] == "weight_update_failed", r
+    assert r["rank"] == 1 and f"rank 1: {text}" in r["message"], r
+
+
+def test_empty_message_votes_against(run):
+    """A tensor whose values raise ValueError() (no message) on rank 1: refused on every rank, not "ok"."""
+    for rec in run[0]:
+        refused_by_rank_1(rec["no_message"], "ValueError (no message)")
+
+
+def test_front_door_gets_a_refused_dict_naming_the_rank(run):
+    r = run[0][0]["async"]
+    assert r["ok"] is False and r["rank"] == 1 and "rank 1: InjectedFault" in r["error"], r
+
+
+def test_refusal_raises_the_same_error_on_every_rank(run):
+    recs = run[0]
     for rec in recs:
-        # 2. a refusal raises the same typed error on every rank, naming rank 1
-        r = rec["refused"]
-        assert r["raised"] == "WeightUpdateError" and r["code"] == "weight_update_failed", r
-        assert r["rank"] == 1 and "rank 1: InjectedFault" in r["message"], r
-        assert r["message"] == recs[0]["refused"]["message"]
-        # 3. an exception with an empty message is a vote against, not a silent "ok"
-        s = rec["silent"]
-        assert s["raised"] == "WeightUpdateError" and s["rank"] == 1, s
-        assert "rank 1: ValueError (no message)" in s["message"], s
-        # 4. rank 1 holds version 7 while the plan carries 0: it votes against, naming both numbers
-        v = rec["version"]
-        assert v["raised"] == "WeightUpdateError" and v["rank"] == 1, v
-        assert "version 7" in v["message"] and "carries 0" in v["message"], v
-        # 5. and 6. applied updates move every rank's version (loop path, then inside a pause)
+        refused_by_rank_1(rec["refused"], "InjectedFault")
+        refused_by_rank_1(rec["silent"], "ValueError (no message)")
+    assert recs[0]["refused"]["message"] == recs[1]["refused"]["message"]
+
+
+def test_a_rank_holding_another_version_votes_against(run):
+    for rec in run[0]:
+        refused_by_rank_1(rec["version"], "this rank holds weight version 7, the plan carries 0")
+
+
+def test_versions_move_on_every_rank_and_refusals_change_nothing(run):
+    recs, dir_a, dir_b, _ = run
+    for rec in recs:
         assert rec["applied"]["raised"] is None and rec["applied"]["result"]["version"] == 1, rec["applied"]
         assert rec["version_after_applied"] == 1
         assert rec["paused"]["raised"] is None and rec["paused"]["result"]["version"] == 2, rec["paused"]
         assert rec["version_after_paused"] == 2
-        # 7. a failure half-way through the copy: every rank raises WeightsDiverged and its loop ends
+    assert recs[0]["still_a"] == [t[:8] for t in hf_greedy(dir_a, prompts(3, 5), 8)]
+    assert recs[0]["after_b"] == [t[:8] for t in hf_greedy(dir_b, prompts(3, 5), 8)]
+    assert recs[0]["after_a"] == recs[0]["still_a"]
+
+
+def test_copy_failure_raises_weights_diverged_everywhere_and_ends_the_loop(run):
+    recs, proc = run[0], run[3]
+    for rec in recs:
         d = rec["diverged"]
         assert d["raised"] == "WeightsDiverged" and d["code"] == "weights_diverged", d
         assert "rank 1: InjectedFault" in d["message"] and "rank 0" not in d["message"], d
         assert rec["loop_running_after"] is False
         assert rec["again"]["raised"] == "WeightsDiverged", rec["again"]
-    # nothing changed after the refusals; the applied updates are exactly transformers' weights
-    assert driver["still_a"] == [t[:8] for t in hf_greedy(dir_a, prompts(3, 5), 8)]
-    assert driver["after_b"] == [t[:8] for t in hf_greedy(dir_b, prompts(3, 5), 8)]
-    assert driver["after_a"] == driver["still_a"]
-    # the request in flight when the weights diverged failed, with the reason
-    assert driver["inflight"]["status"] == RequestStatus.FAILED and driver["inflight"]["error"], driver["inflight"]
+    # the request in flight when the weights diverged failed, with a reason
+    assert recs[0]["inflight"]["status"] == RequestStatus.FAILED and recs[0]["inflight"]["error"], recs[0]
     assert proc.returncode == 0, proc.stdout[-4000:]

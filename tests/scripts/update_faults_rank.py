@@ -1,23 +1,45 @@
 """Weight updates that one rank refuses or fails, at TP=2 under torchrun, with the manager's loop running.
 
-Run with LOCKSTEP_FAULTS = FAULTS (below): rank 1 refuses its first three updates (an injected fault, again
-through the front door's path, then an exception with an empty message), then holds a wrong weight version,
-then an update goes through (loop path) and another inside a pause, and the seventh fails half-way through
-the copy on rank 1. Every rank writes what each update did to `<out>.rank<N>` after every step, so a test
+Run with LOCKSTEP_FAULTS = FAULTS (below): rank 1 refuses its first four updates (a tensor whose values
+raise an exception with an empty message, an injected fault through the front door's path and again through
+every rank's caller, an injected exception with an empty message), then holds a wrong weight version, then
+an update goes through (loop path) and another inside a pause, and the eighth fails half-way through the
+copy on rank 1. Every rank writes what each update did to `<out>.rank<N>` after every step, so a test
 reads how far things went even if a step hangs or crashes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
+
+from safetensors.torch import load_file
 
 import cluster
 from tests.scripts.update_rank import prompts
 
-FAULTS = ("stage_weights:rank=1:attempt=1,stage_weights:rank=1:attempt=2,stage_weights_silent:rank=1:attempt=3,"
-          "apply_weights:rank=1:attempt=7")
+FAULTS = ("stage_weights:rank=1:attempt=2,stage_weights:rank=1:attempt=3,stage_weights_silent:rank=1:attempt=4,"
+          "apply_weights:rank=1:attempt=8")
+
+
+class NoMessage:
+    """A tensor stand-in of the right shape whose values cannot be read: reading them raises ValueError()
+    with an empty message (no fault point needed, so this case also runs on older code)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def get_shape(self):
+        return list(self.t.shape)
+
+    def __getitem__(self, index):
+        return self
+
+    @property
+    def shape(self):
+        raise ValueError()
 
 
 def outcome(update, *args) -> dict:
@@ -48,6 +70,14 @@ def main(dir_a: str, dir_b: str, out: str) -> None:
     m.warmup()
     m.start()
     try:
+        # 0. inside a pause, rank 1's tensors hold one that raises an exception with an empty message
+        state = load_file(os.path.join(dir_b, "model.safetensors"))
+        if rank == 1:
+            name = "model.layers.1.mlp.down_proj.weight"
+            state[name] = NoMessage(state[name])
+        with m.pause():
+            rec["no_message"] = outcome(m.update_weights, state)
+        save()
         # 1. through the front door's path (the driver alone asks): a dict naming the refusing rank
         if m.is_driver:
             from worker.weights import UpdateCall
