@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable
 
 from cluster.errors import Code, ManagerStopped, WeightUpdateError
@@ -58,7 +58,9 @@ class WeightUpdates:
         local = source if isinstance(source, dict) else None
         call = UpdateCall(source="tensors" if local is not None else "checkpoint",
                           path="" if local is not None else str(source), kv_policy=kv_policy)
-        if m.gate.parked or not m.is_running():  # the loops are parked: this thread may use the groups
+        # inside a pause (the loop parked and a holder inside; `parked` alone stays true for a moment after
+        # the last holder left, while the loop wakes), or with no loop: this thread may use the groups
+        if (m.gate.parked and m.gate.requested) or not m.is_running():
             return self._run_here(call, local)
         if not m.is_driver:  # the driver decides when; this rank's share runs in its loop
             return self._wait_worker_share(local, timeout)
@@ -132,14 +134,16 @@ class WeightUpdates:
                     raise TimeoutError("the weight update did not finish in time") from None
 
     def _settle(self, fut: Future, result: dict | None = None, error: BaseException | None = None) -> None:
+        """Answer a queued update once (its callbacks run here, outside the lock)."""
         with self.cond:
             self.pending.discard(fut)
-            if fut.done():
-                return
+        try:
             if error is not None:
                 fut.set_exception(error)
             else:
                 fut.set_result(result)
+        except InvalidStateError:
+            pass  # answered already: the loop's answer and loop_ended (or a waiter) raced
 
     def update_weights_async(self, call: UpdateCall, done: Callable[[dict], None]) -> None:
         """The front door's path (driver only): `done(result)` is called from the loop thread with a dict,

@@ -58,11 +58,17 @@ def test_versions_move_on_every_rank_and_refusals_change_nothing(run):
     for rec in recs:
         assert rec["applied"]["raised"] is None and rec["applied"]["result"]["version"] == 1, rec["applied"]
         assert rec["version_after_applied"] == 1
-        assert rec["paused"]["raised"] is None and rec["paused"]["result"]["version"] == 2, rec["paused"]
-        assert rec["version_after_paused"] == 2
+        assert rec["paused"]["raised"] is None and rec["paused"]["result"]["version"] == 7, rec["paused"]
+        assert rec["version_after_paused"] == 7
     assert recs[0]["still_a"] == [t[:8] for t in hf_greedy(dir_a, prompts(3, 5), 8)]
     assert recs[0]["after_b"] == [t[:8] for t in hf_greedy(dir_b, prompts(3, 5), 8)]
     assert recs[0]["after_a"] == recs[0]["still_a"]
+
+
+def test_an_update_right_after_a_pause_runs_through_the_loop(run):
+    for rec in run[0]:
+        assert [r["raised"] for r in rec["after_pause"]] == [None] * 5, rec["after_pause"]
+        assert [r["result"]["version"] for r in rec["after_pause"]] == [2, 3, 4, 5, 6]
 
 
 def test_copy_failure_raises_weights_diverged_everywhere_and_ends_the_loop(run):
@@ -76,3 +82,27 @@ def test_copy_failure_raises_weights_diverged_everywhere_and_ends_the_loop(run):
     # the request in flight when the weights diverged failed, with a reason
     assert recs[0]["inflight"]["status"] == RequestStatus.FAILED and recs[0]["inflight"]["error"], recs[0]
     assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+def test_copy_failure_inside_a_pause_ends_the_loop_tp1(make_checkpoint, monkeypatch):
+    """Inside a pause the caller runs the update itself: a copy failure raises WeightsDiverged to it, the loop
+    ends once the pause is left (it must not serve on), and every later update raises it again."""
+    import cluster
+    from cluster import faults
+    from worker.weights import WeightsDiverged
+
+    monkeypatch.setattr(faults, "RULES", faults._parse("apply_weights:rank=0"))
+    model = cluster.load(make_checkpoint("llama"))
+    m = model.init_continuous_batching(continuous_batching_config=cluster.ContinuousBatchingConfig(page_size=16))
+    m.start()
+    try:
+        with m.pause():
+            with pytest.raises(WeightsDiverged, match="rank 0: InjectedFault"):
+                m.update_weights(make_checkpoint("llama", seed=1))
+        m.join(timeout=10)
+        assert not m.is_running()
+        with pytest.raises(WeightsDiverged):
+            m.update_weights(make_checkpoint("llama"))
+    finally:
+        m.stop(timeout=10)
+        m.destroy()

@@ -4,7 +4,8 @@ Run with LOCKSTEP_FAULTS = FAULTS (below): rank 1 refuses its first four updates
 raise an exception with an empty message, an injected fault through the front door's path and again through
 every rank's caller, an injected exception with an empty message), then holds a wrong weight version, then
 an update goes through (loop path) and another inside a pause, and the eighth fails half-way through the
-copy on rank 1. Every rank writes what each update did to `<out>.rank<N>` after every step, so a test
+copy on rank 1 (after five updates that each follow a pause at once: a caller must not take its loop's parking,
+which lasts a moment after the pause, for a pause of its own). Every rank writes what each update did to `<out>.rank<N>` after every step, so a test
 reads how far things went even if a step hangs or crashes.
 """
 
@@ -21,7 +22,7 @@ import cluster
 from tests.scripts.update_rank import prompts
 
 FAULTS = ("stage_weights:rank=1:attempt=2,stage_weights:rank=1:attempt=3,stage_weights_silent:rank=1:attempt=4,"
-          "apply_weights:rank=1:attempt=8")
+          "apply_weights:rank=1:attempt=13")
 
 
 class NoMessage:
@@ -105,13 +106,21 @@ def main(dir_a: str, dir_b: str, out: str) -> None:
         rec["version_after_applied"] = getattr(getattr(m, "updates", None), "version", None)
         generate(m, "after_b")
         save()
-        # 6. inside a pause (no plan carries the version: the driver's is fetched); back to A, version 2
+        # 6. an update right after a pause goes through the loop, B again (versions 2 to 6). Each pause here
+        # follows an update: cluster/pause.py merges a worker's pause that follows another at once into it.
+        rec["after_pause"] = []
+        for _ in range(5):
+            with m.pause():
+                pass
+            rec["after_pause"].append(outcome(m.update_weights, dir_b))
+        save()
+        # 7. inside a pause (no plan carries the version: the driver's is fetched); back to A, version 7
         with m.pause():
             rec["paused"] = outcome(m.update_weights, dir_a)
         rec["version_after_paused"] = getattr(getattr(m, "updates", None), "version", None)
         generate(m, "after_a")
         save()
-        # 7. rank 1 fails half-way through the copy: weights now differ; every rank raises, the loop ends
+        # 8. rank 1 fails half-way through the copy: weights now differ; every rank raises, the loop ends
         inflight = m.add_request(prompts(1, 6)[0], max_new_tokens=400)
         rec["diverged"] = outcome(m.update_weights, dir_b)
         m.join(timeout=30)
