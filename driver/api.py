@@ -99,7 +99,7 @@ class ClusterModel:
         `p.copy_(model.shard_of(name, full_state[name]))` for every (name, p) in named_parameters()."""
         return shard_of(self.model, name, full)
 
-    def eval(self) -> "ClusterModel":
+    def eval(self) -> ClusterModel:
         self.model.eval()
         return self
 

@@ -4,8 +4,6 @@ right, and a bad update (on any rank) changes nothing."""
 
 from __future__ import annotations
 
-import torch
-
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy, read_json, run_ranks
 from tests.scripts.update_rank import N_INFLIGHT, prompts

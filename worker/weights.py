@@ -23,6 +23,7 @@ from cluster.errors import Code, LockstepError
 from worker.loader import Staged, apply, stage_checkpoint, stage_named
 from worker.model import CausalLM
 
+
 class WeightsDiverged(LockstepError, RuntimeError):
     """A rank failed while copying new weights in: the ranks no longer hold the same weights. Unrecoverable
     for this group; every rank raises it at the same point, which ends the manager's loop."""

@@ -10,8 +10,6 @@ import shutil
 import sys
 import time
 
-import torch
-
 import cluster
 
 N_INFLIGHT = 32
