@@ -35,6 +35,7 @@ class Code:
     RANK_FAILED = "rank_failed"  # (in `error`) a rank died or stopped answering; the message names it
     DRIVER_FAILED = "driver_failed"  # (in `error`) the driver's own loop failed (no other rank did)
     WEIGHT_UPDATE_FAILED = "weight_update_failed"
+    WEIGHTS_DIVERGED = "weights_diverged"  # a rank failed while copying new weights: ranks now differ
     SERVER_GONE = "server_gone"  # client side: the server stopped answering
     CLIENT_FAILED = "client_failed"  # client side: the client's own I/O thread failed
     CLIENT_CLOSED = "client_closed"  # client side: the client was closed while the call was outstanding

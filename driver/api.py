@@ -2,23 +2,29 @@
 
 `generate_batch`, `init_continuous_batching` and `continuous_batching_context_manager` keep the seed's
 signatures. Under torchrun every rank calls them with the same arguments; every rank gets the same results.
+The object also answers what transformers scripts touch on a model: `parameters()`, `named_parameters()`,
+`state_dict()` (this rank's shards under transformers' names, as views into the live weights: see
+worker/named_shards.py), `config`, `generation_config`, `device`, `dtype`, `eval()`.
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from cluster.config import ContinuousBatchingConfig, ResolvedConfig, resolve_config
 from cluster.dist import Groups, agree_min, make_control_group
+from cluster.errors import ManagerStopped, QueueFull
 from cluster.outputs import GenerationOutput
 from driver.manager import ContinuousBatchingManager
-from driver.validation import check_max_new_tokens, check_prompt, default_max_new_tokens
 from worker.kv_cache import kv_bytes_per_token
 from worker.model import CausalLM, KVHeads, head_dim_of
+from worker.named_shards import named_shards, shard_of
 from worker.runner import ModelRunner
 
 
@@ -53,6 +59,7 @@ class ClusterModel:
         self.model_dir = model_dir
         self.persistent_manager: ContinuousBatchingManager | None = None
         self.last_stats: dict[str, Any] = {}  # the engine's counters at the end of the last generate_batch
+        self._params: dict[str, nn.Parameter] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -61,6 +68,40 @@ class ClusterModel:
     @property
     def max_model_len(self) -> int:
         return self.config.max_position_embeddings
+
+    # ---------------------------------------------------------------- what transformers scripts touch
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """(transformers name, this rank's shard) for every tensor of the checkpoint. Each is a Parameter
+        sharing storage with the weights the forward reads (fused q/k/v and gate/up are views of their rows),
+        so in-place changes (inside `with manager.pause():` while a manager runs) are what the next requests
+        use. A tied lm_head appears once, as model.embed_tokens.weight (remove_duplicate=False adds it)."""
+        if self._params is None:  # views never move: the parameters' storage is fixed for the model's life
+            self._params = {n: nn.Parameter(t, requires_grad=False)
+                            for n, t in named_shards(self.model, with_tied=True).items()}
+        tied = self.model.tied and remove_duplicate
+        for name, p in self._params.items():
+            if not (tied and name == "lm_head.weight"):
+                yield prefix + name, p
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def state_dict(self, *args: Any, prefix: str = "", keep_vars: bool = False, **kwargs: Any) -> dict[str, Any]:
+        """This rank's shard of every tensor under transformers' names (lm_head.weight included when tied),
+        as tensors that share storage with the live weights (detached, as transformers' state_dict)."""
+        return {prefix + n: (p if keep_vars else p.detach())
+                for n, p in self.named_parameters(remove_duplicate=False)}
+
+    def shard_of(self, name: str, full: Any) -> torch.Tensor:
+        """This rank's part of a full (unsharded) tensor `name`, shaped like its entry in state_dict(): e.g.
+        `p.copy_(model.shard_of(name, full_state[name]))` for every (name, p) in named_parameters()."""
+        return shard_of(self.model, name, full)
+
+    def eval(self) -> ClusterModel:
+        self.model.eval()
+        return self
 
     def build_runner(self, cb: ContinuousBatchingConfig) -> tuple[ModelRunner, ResolvedConfig, Groups]:
         """Size the KV cache (the group agrees on the smallest proposal) and make the runner. Every rank calls it."""
@@ -112,26 +153,33 @@ class ClusterModel:
                        continuous_batching_config: Any = None, record_timestamps: bool = False,
                        progress_bar: bool = False, persistent_manager: bool = False, warmup: bool = True,
                        **kwargs: Any) -> dict[str, GenerationOutput]:
-        """Generate for every prompt; the same dict (request id -> output, in input order) on every rank."""
+        """Generate for every prompt; the same dict (request id -> output, in input order) on every rank.
+        Every rank validates every input the way the driver's add_request does before any step runs, so a
+        bad input raises the same ValueError on every rank; a batch larger than max_queue_size is fed as
+        room appears."""
         if not inputs:
             return {}
         gen = generation_config or self.generation_config
-        max_new_tokens = kwargs.pop("max_new_tokens", None)
-        # every rank checks the same inputs, so every rank raises the same error before any step runs
-        for i, ids in enumerate(inputs):
-            check_prompt(ids, f"inputs[{i}]", self.config.vocab_size, self.max_model_len)
-        check_max_new_tokens(default_max_new_tokens(gen) if max_new_tokens is None else max_new_tokens,
-                             "for every input")
+        kept = self.persistent_manager
         manager = self.init_continuous_batching(gen, continuous_batching_config)
+        try:
+            self._check_inputs(manager, inputs, record_timestamps, kwargs)
+        except Exception:
+            if manager is not kept:
+                manager.destroy()
+            raise
         manager.wants_results = True  # before start: every rank gets every output of this batch
         with self._running(manager, warmup, block=True, timeout=None, persistent_manager=persistent_manager):
-            ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps,
-                                       **kwargs)
+            # the driver numbers the requests in input order; workers' add_request would be a no-op
+            reqs = [manager.build_request(x, record_timestamps=record_timestamps, **kwargs) for x in inputs] \
+                if self.groups.is_driver else []
             results: dict[str, GenerationOutput] = {}
             bar = tqdm(total=len(inputs), disable=not (progress_bar and self.groups.is_driver),
                        desc=f"Solving {len(inputs)} requests", unit="request")
+            fed = 0
             while len(results) < len(inputs):
-                out = manager.get_result(timeout=1)
+                fed = self._feed(manager, reqs, fed)
+                out = manager.get_result(timeout=0.05 if fed < len(reqs) else 1)
                 if out is None:
                     if not manager.is_running():
                         break
@@ -140,11 +188,34 @@ class ClusterModel:
                     results[out.request_id] = out
                     bar.update(1)
             bar.close()
-            if ids is not None:
-                results = {i: results[i] for i in ids if i in results}
+            if reqs:
+                results = {r.request_id: results[r.request_id] for r in reqs if r.request_id in results}
             else:  # a worker: the driver numbered the requests in input order
                 results = dict(sorted(results.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1])))
             self.last_stats = manager.stats()
         if manager.loop_error is not None and len(results) < len(inputs):
             raise RuntimeError(f"generation stopped early: {manager.loop_error!r}") from manager.loop_error
         return results
+
+    @staticmethod
+    def _check_inputs(manager: ContinuousBatchingManager, inputs: list[list[int]], record_timestamps: bool,
+                      kwargs: dict[str, Any]) -> None:
+        """The driver's add_request validation (driver/validation.py, through the manager), run on every rank
+        before any step with the same names (inputs[i]), so every rank raises the same error or none does."""
+        with warnings.catch_warnings():  # the driver warns once more when it builds the real requests
+            warnings.simplefilter("ignore")
+            for i, ids in enumerate(inputs):
+                manager.build_request(ids, f"inputs[{i}]", record_timestamps=record_timestamps, **kwargs)
+
+    @staticmethod
+    def _feed(manager: ContinuousBatchingManager, reqs: list, fed: int) -> int:
+        """Submit requests from `fed` on while the queue has room (driver); returns how many are in."""
+        while fed < len(reqs):
+            try:
+                manager.submit(reqs[fed])
+            except QueueFull:
+                return fed  # again once the scheduler has taken some
+            except ManagerStopped:
+                return len(reqs)  # the loop ended; the caller sees it and raises like every rank
+            fed += 1
+        return fed

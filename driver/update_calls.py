@@ -4,66 +4,171 @@ The driver decides when: a user's `update_weights` (or the front door's) goes in
 thread sends a CALL plan and runs its share. A worker rank's caller waits here for its share's result, which
 the worker loop computes when that CALL plan arrives (tensors handed in by the caller ride along). Inside a
 pause, or with no loop running, the calling thread itself may use the groups, and runs the update at once.
+
+Every rank keeps the weight version it holds (`version`, bumped after each applied update on every rank) and
+checks it against the version the CALL plan carries (the driver's). A refused update raises
+`WeightUpdateError` on every rank alike; a rank that fails while copying makes every rank raise
+`WeightsDiverged`, which ends the loop (and every later update on this manager raises it again).
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+import time
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable
 
-from worker.weights import UpdateCall, run_update
+from cluster.errors import Code, ManagerStopped, WeightUpdateError
+from worker.weights import UpdateCall, WeightsDiverged, run_update
+
+POLL_S = 0.25  # how often a waiting caller looks whether the loop still runs
 
 
 class WeightUpdates:
     def __init__(self, manager: Any):
         self.m = manager
         self.cond = threading.Condition()
-        self.results: list[dict] = []  # a worker's: results of the driver's CALLs, in order
+        self.results: list[Any] = []  # a worker's: results (or exceptions) of the driver's CALLs, in order
         self.taken = 0  # a worker's: callers that waited for a result so far
         self.tensors: list[dict] = []  # a worker's: tensors its callers handed over, for the next CALLs
+        self.pending: set[Future] = set()  # the driver's: updates queued for the loop, not yet answered
+        self.version = 0  # the weight version this rank holds
+        self.attempts = 0  # updates this rank has run (fault rules match on it)
+        self.diverged: WeightsDiverged | None = None
 
     def update_weights(self, source: Any, kv_policy: str = "keep", timeout: float | None = None) -> dict[str, Any]:
         """Swap the weights at one step boundary on every rank, all or none, and bump the weight version.
         Every rank calls it. `source` is a checkpoint directory (each rank reads its slices) or a dict of full
         tensors with transformers' names. Inside `pause()` it runs at once; otherwise at the next boundary.
         In-flight requests keep their KV (kv_policy="keep") or recompute it under the new weights
-        ("recompute"). Returns {"ok", "version", "error", "seconds", ...}; nothing changes when ok is False."""
+        ("recompute"). Returns {"ok": True, "version", "tensors", "seconds"}. Raises, on every rank alike,
+        WeightUpdateError (nothing changed anywhere; `rank` is the first rank that refused) or WeightsDiverged
+        (a rank failed while copying: the loop ends)."""
+        result = self._update(source, kv_policy, timeout)
+        if not result["ok"]:
+            raise WeightUpdateError(result["error"], result.get("rank"), result)
+        return result
+
+    def _update(self, source: Any, kv_policy: str, timeout: float | None) -> dict[str, Any]:
         m = self.m
         if kv_policy not in ("keep", "recompute"):
             raise ValueError(f"kv_policy={kv_policy!r}: must be 'keep' or 'recompute'")
+        if self.diverged is not None:
+            raise self.diverged
         local = source if isinstance(source, dict) else None
         call = UpdateCall(source="tensors" if local is not None else "checkpoint",
                           path="" if local is not None else str(source), kv_policy=kv_policy)
-        if m.gate.parked or not m.is_running():  # the loops are parked: this thread may use the groups
-            result = run_update(m.model.model, m.groups, call, local)
-            return self.after_update(result, call) if m.is_driver else result
+        # inside a pause (the loop parked and a holder inside; `parked` alone stays true for a moment after
+        # the last holder left, while the loop wakes), or with no loop: this thread may use the groups
+        if (m.gate.parked and m.gate.requested) or not m.is_running():
+            return self._run_here(call, local)
         if not m.is_driver:  # the driver decides when; this rank's share runs in its loop
-            with self.cond:
-                if local is not None:
-                    self.tensors.append(local)
-                    self.cond.notify_all()
-                mine = self.taken
-                self.taken += 1
-                if not self.cond.wait_for(lambda: len(self.results) > mine or not m.is_running(), timeout):
+            return self._wait_worker_share(local, timeout)
+        fut = self._queue(call, local)
+        return self._wait(fut, timeout)
+
+    def _run_here(self, call: UpdateCall, local: dict | None) -> dict[str, Any]:
+        """Inside a pause (or with no loop): every rank's caller runs its share now."""
+        try:
+            result = self._run(call, local, expected=None)
+        except WeightsDiverged:
+            self.m.stop(block=False, hard_stop=True)  # the loop must not serve on with differing weights
+            raise
+        return self.after_update(result, call) if self.m.is_driver else result
+
+    def _run(self, call: UpdateCall, local: dict | None, expected: int | None) -> dict[str, Any]:
+        """This rank's share: run_update with this rank's version, then bump it if every rank applied."""
+        self.attempts += 1
+        try:
+            result = run_update(self.m.model.model, self.m.groups, call, local, version=self.version,
+                                expected=expected, attempt=self.attempts)
+        except WeightsDiverged as e:
+            self.diverged = e
+            raise
+        if result["ok"]:
+            self.version += 1
+        return result | {"version": self.version}
+
+    def _wait_worker_share(self, local: dict | None, timeout: float | None) -> dict[str, Any]:
+        m = self.m
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            if local is not None:
+                self.tensors.append(local)
+                self.cond.notify_all()
+            mine = self.taken
+            self.taken += 1
+            while len(self.results) <= mine:
+                if not m.is_running():
+                    raise ManagerStopped("the loop stopped before the driver ran this weight update")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     raise TimeoutError("no weight update came from the driver")
-                if len(self.results) <= mine:
-                    raise RuntimeError("the loop stopped before the driver ran this weight update")
-                return self.results[mine]
+                self.cond.wait(POLL_S if left is None else min(POLL_S, left))
+            result = self.results[mine]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _queue(self, call: UpdateCall, local: dict | None) -> Future:
         fut: Future = Future()
-        m.inbox.put(("update", (call, local, fut)))
-        return fut.result(timeout)
+        with self.cond:
+            self.pending.add(fut)
+        self.m.inbox.put(("update", (call, local, fut)))
+        return fut
+
+    def _wait(self, fut: Future, timeout: float | None) -> dict[str, Any]:
+        """The loop's answer to a queued update; ManagerStopped if the loop ends without answering."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                return fut.result(POLL_S if left is None else max(0.0, min(POLL_S, left)))
+            except TimeoutError:
+                if fut.done():
+                    continue
+                if not self.m.is_running():
+                    self._settle(fut, error=ManagerStopped("the loop stopped before it ran this weight update"))
+                    continue
+                if left is not None and left <= 0:
+                    raise TimeoutError("the weight update did not finish in time") from None
+
+    def _settle(self, fut: Future, result: dict | None = None, error: BaseException | None = None) -> None:
+        """Answer a queued update once (its callbacks run here, outside the lock)."""
+        with self.cond:
+            self.pending.discard(fut)
+        try:
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+        except InvalidStateError:
+            pass  # answered already: the loop's answer and loop_ended (or a waiter) raced
 
     def update_weights_async(self, call: UpdateCall, done: Callable[[dict], None]) -> None:
-        """The front door's path (driver only): `done(result)` is called from the loop thread."""
-        fut: Future = Future()
-        fut.add_done_callback(lambda f: done(f.result()))
-        self.m.inbox.put(("update", (call, None, fut)))
+        """The front door's path (driver only): `done(result)` is called from the loop thread with a dict,
+        also when the update failed ({"ok": False, "error", "rank", "code"})."""
+        def finished(f: Future) -> None:
+            e = f.exception()
+            if e is None:
+                done(f.result())
+                return
+            ranks = getattr(e, "ranks", None) or [None]
+            done({"ok": False, "error": str(e), "rank": ranks[0], "code": getattr(e, "code", Code.INTERNAL),
+                  "version": self.version})
+
+        call.callers = False  # no worker-side caller waits for this one's result
+        self._queue(call, None).add_done_callback(finished)
 
     def run_on_driver(self, call: UpdateCall, local: dict | None, fut: Future) -> None:
-        """The driver loop's share, right after it sent the CALL plan (the driver's loop thread only)."""
-        result = run_update(self.m.model.model, self.m.groups, call, local)
-        fut.set_result(self.after_update(result, call))
+        """The driver loop's share, right after it sent the CALL plan (the driver's loop thread only). An
+        exception (WeightsDiverged, a collective that failed) goes to the caller and ends the loop."""
+        try:
+            result = self._run(call, local, expected=self.m.engine.weight_version)
+        except BaseException as e:
+            self._settle(fut, error=e)
+            raise
+        self._settle(fut, result=self.after_update(result, call))
 
     def after_update(self, result: dict[str, Any], call: UpdateCall) -> dict[str, Any]:
         """Driver bookkeeping once every rank agreed: version, stale prefix pages, in-flight KV."""
@@ -82,18 +187,29 @@ class WeightUpdates:
 
     def worker_call(self, call: UpdateCall, plan_version: int) -> None:
         """A worker's share of an update the driver started (the worker loop thread, after a CALL plan whose
-        weight_version is `plan_version`); tensors come from this rank's caller."""
+        weight_version is `plan_version`); tensors come from this rank's caller. An exception goes to the
+        caller and ends the loop."""
         local = None
         if call.source == "tensors":
             with self.cond:
                 self.cond.wait_for(lambda: bool(self.tensors), call.timeout_s)
                 local = self.tensors.pop(0) if self.tensors else None
-        result = run_update(self.m.model.model, self.m.groups, call, local)
-        with self.cond:
-            self.results.append(result)
-            self.cond.notify_all()
+        try:
+            result: Any = self._run(call, local, expected=plan_version)
+        except BaseException as e:
+            result = e
+            raise
+        finally:
+            if call.callers or isinstance(result, BaseException):
+                with self.cond:
+                    self.results.append(result)
+                    self.cond.notify_all()
 
     def loop_ended(self) -> None:
-        """Wake every caller waiting for a CALL that will never come (the loop stopped or died)."""
+        """Wake every caller waiting for a CALL that will never come (the loop stopped or died), and answer
+        every update the driver's loop left unanswered."""
         with self.cond:
+            pending = list(self.pending)
             self.cond.notify_all()
+        for fut in pending:
+            self._settle(fut, error=ManagerStopped("the loop ended before it ran this weight update"))

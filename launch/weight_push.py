@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from cluster import protocol as P
 from cluster.client import Client
+from cluster.errors import WeightUpdateError
 from launch.torchrun import free_port
 from worker.weights import agree_flag, broadcast
 
@@ -43,7 +44,8 @@ def buckets_of(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list
 def push_weights(client: Client, tensors: dict[str, torch.Tensor], kv_policy: str = "keep",
                  bucket_bytes: int = 64 << 20, host: str = "127.0.0.1", timeout_s: float = 120.0) -> dict[str, Any]:
     """Send `tensors` (full, unsharded, transformers' names) to the cluster behind `client`; returns the
-    driver's result ({"ok", "version", "error", ...})."""
+    driver's result ({"ok": True, "version", ...}), or raises WeightUpdateError (rank and reason in it) when
+    the cluster refused the update."""
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name}: dtype {t.dtype} cannot be pushed")
@@ -63,4 +65,6 @@ def push_weights(client: Client, tensors: dict[str, torch.Tensor], kv_policy: st
             broadcast(pg, flat, root=tp)
     result = reply.result(timeout_s)["data"]
     del store
+    if not result.get("ok"):
+        raise WeightUpdateError(result.get("error", "refused"), result.get("rank"), result)
     return result

@@ -16,15 +16,31 @@ from tests.serving import serve
 PROMPTS = [[1, 4, 9, 16, 25, 36], [1, 2, 3], [7, 7, 7, 7, 7, 7, 7, 7]]
 
 
-def trainer(address: str, dir_b: str, out: "mp.Queue") -> None:
-    """A separate process with its own copy of B's weights, as a training loop would have them."""
+def trainer(address: str, dir_b: str, out: "mp.Queue", drop: str = "") -> None:
+    """A separate process with its own copy of B's weights, as a training loop would have them (less the
+    tensor `drop`, if named); puts push_weights' result, or the error it raised, in `out`."""
     from safetensors.torch import load_file
 
     from launch.weight_push import push_weights
 
     state = load_file(os.path.join(dir_b, "model.safetensors"))
+    state.pop(drop, None)
     with Client(address) as c:
-        out.put(push_weights(c, state, bucket_bytes=1 << 20))
+        try:
+            out.put(push_weights(c, state, bucket_bytes=1 << 20))
+        except Exception as e:  # by type name and code: the test process need not import torch's side
+            out.put({"raised": type(e).__name__, "code": getattr(e, "code", None), "rank": getattr(e, "rank", None),
+                     "message": str(e)})
+
+
+def push(address: str, dir_b: str, drop: str = "") -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=trainer, args=(address, dir_b, q, drop))
+    p.start()
+    result = q.get(timeout=180)
+    p.join(30)
+    return result
 
 
 def test_trainer_pushes_weights_tp2(make_checkpoint, tmp_path):
@@ -32,12 +48,11 @@ def test_trainer_pushes_weights_tp2(make_checkpoint, tmp_path):
     with serve(dir_a, tp=2, tmp_path=tmp_path) as s, Client(s.address) as c:
         assert [c.generate(p, max_new_tokens=8).generated_tokens for p in PROMPTS] == \
             [t[:8] for t in hf_greedy(dir_a, PROMPTS, 8)]
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        p = ctx.Process(target=trainer, args=(s.address, str(dir_b), q))
-        p.start()
-        result = q.get(timeout=180)
-        p.join(30)
+        # a push that lacks a tensor: every serving rank refuses, the trainer's push_weights raises
+        refused = push(s.address, str(dir_b), drop="model.layers.0.mlp.up_proj.weight")
+        assert refused["raised"] == "WeightUpdateError" and refused["code"] == "weight_update_failed", refused
+        assert refused["rank"] == 0 and "rank 1: the push lacks 1 tensor(s)" in refused["message"], refused
+        result = push(s.address, str(dir_b))
         assert result["ok"] and result["version"] == 1, result
         outs = [c.generate(p, max_new_tokens=8) for p in PROMPTS]
         assert [o.generated_tokens for o in outs] == [t[:8] for t in hf_greedy(dir_b, PROMPTS, 8)]
@@ -53,7 +68,8 @@ def test_trainer_pushes_weights_tp2(make_checkpoint, tmp_path):
             [t[:8] for t in hf_greedy(dir_a, PROMPTS, 8)]
         bad = subprocess.run([sys.executable, "-m", "launch.cli", "update-weights", "--address", s.address,
                               str(tmp_path / "missing")], capture_output=True, text=True, timeout=120, env=env)
-        assert bad.returncode == 1 and '"ok": false' in bad.stdout and "rank 1:" in bad.stdout
+        # refused: a non-zero exit naming the ranks (a result on stdout, or the client's error on stderr)
+        assert bad.returncode != 0 and "rank 1:" in bad.stdout + bad.stderr, (bad.stdout, bad.stderr)
 
 
 def test_offline_generate_from_jsonl(make_checkpoint, tmp_path):

@@ -4,8 +4,6 @@ right, and a bad update (on any rank) changes nothing."""
 
 from __future__ import annotations
 
-import torch
-
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy, read_json, run_ranks
 from tests.scripts.update_rank import N_INFLIGHT, prompts
@@ -42,7 +40,10 @@ def check(rec: dict, dir_a, dir_b, world: int) -> None:
     assert any(len(o["versions"]) == 2 for o in rec["inflight_keep"])
     for o in rec["inflight_keep"]:
         assert [v for _, v in o["versions"]] in ([1], [1, 2], [2])
-    # bad updates: refused, naming ranks and problems, and nothing changed
+    # bad updates: refused loudly (WeightUpdateError naming the first refusing rank), and nothing changed
+    for key, first in (("missing", 0), ("truncated", 0), ("wrong_shape", world - 1)):
+        assert rec[key]["raised"] == "WeightUpdateError" and rec[key]["code"] == "weight_update_failed", rec[key]
+        assert rec[key]["rank"] == first, rec[key]
     assert not rec["missing"]["ok"] and "no checkpoint directory" in rec["missing"]["error"]
     assert all(f"rank {r}:" in rec["missing"]["error"] for r in range(world))
     assert not rec["truncated"]["ok"] and "rank 0:" in rec["truncated"]["error"]
@@ -66,3 +67,7 @@ def test_updates_tp2_under_load(make_checkpoint, tmp_path):
     proc = run_ranks("update_rank.py", [str(dir_a), str(dir_b), str(tmp_path)], timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:]
     check(read_json(tmp_path / "update.rank0.json"), dir_a, dir_b, 2)
+    worker = read_json(tmp_path / "update.rank1.json")  # the worker's caller raises the very same error
+    for key in ("missing", "truncated", "wrong_shape"):
+        assert worker[key]["raised"] == "WeightUpdateError", worker[key]
+        assert worker[key]["error"] == read_json(tmp_path / "update.rank0.json")[key]["error"]

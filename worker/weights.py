@@ -17,9 +17,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cluster.dist import Groups, agree_messages
+from cluster import faults
+from cluster.dist import DRIVER, Groups, agree_all_ok, agree_messages
+from cluster.errors import Code, LockstepError
 from worker.loader import Staged, apply, stage_checkpoint, stage_named
 from worker.model import CausalLM
+
+
+class WeightsDiverged(LockstepError, RuntimeError):
+    """A rank failed while copying new weights in: the ranks no longer hold the same weights. Unrecoverable
+    for this group; every rank raises it at the same point, which ends the manager's loop."""
+
+    code = Code.WEIGHTS_DIVERGED
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -34,6 +48,7 @@ class UpdateCall:
     store: str = ""  # push: host:port of the trainer's TCPStore
     buckets: list[list[list[Any]]] = field(default_factory=list)  # push: [[name, shape, dtype], ...] per bucket
     timeout_s: float = 120.0
+    callers: bool = True  # every rank's user thread waits for this update (False: the front door's, driver only)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -84,28 +99,87 @@ def stage_pushed(model: CausalLM, groups: Groups, call: UpdateCall) -> Staged:
     return stage_named(model, pairs, "pushed weights")
 
 
-def run_update(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, torch.Tensor] | None = None
-               ) -> dict[str, Any]:
-    """Stage on this rank, agree with every rank, apply everywhere or nowhere. Every rank calls it at the same
-    step boundary (the driver's loop after a CALL plan, or every caller inside a pause)."""
+def agree_votes(ok: bool, message: str, groups: Groups) -> list[tuple[bool, str]]:
+    """Every rank's (ok, message): an explicit flag per rank, plus its text. Every rank of the control group
+    calls it (two collectives). A rank that votes against with no text still votes against."""
+    flags = agree_all_ok(ok, groups)
+    texts = agree_messages("" if ok else (message or "failed, saying nothing"), groups)
+    return list(zip(flags, texts))
+
+
+def driver_value(value: int, groups: Groups) -> int:
+    """The driver's `value` on every rank. Every rank of the control group calls it (one all-reduce)."""
+    if not groups.distributed:
+        return value
+    t = torch.tensor([value if groups.rank == DRIVER else 0], dtype=torch.int64)
+    dist.all_reduce(t, group=groups.control_group)
+    return int(t.item())
+
+
+def described(e: BaseException) -> str:
+    """An exception as vote text; never empty, even when its message is."""
+    text = str(e)
+    if isinstance(e, ValueError) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else f"{type(e).__name__} (no message)"
+
+
+def refusals(votes: list[tuple[bool, str]]) -> list[tuple[int, str]]:
+    return [(rank, text) for rank, (ok, text) in enumerate(votes) if not ok]
+
+
+def stage(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, torch.Tensor] | None) -> Staged:
+    """This rank's new shard, read and checked; the model is not touched. The push source runs collectives
+    with the trainer, so every serving rank calls it."""
+    if call.source == "checkpoint":
+        return stage_checkpoint(model, call.path)
+    if call.source == "push":
+        return stage_pushed(model, groups, call)
+    if call.source == "tensors":
+        if local is None:
+            raise ValueError("no tensors were handed to this rank")
+        return stage_named(model, local.items(), "tensors")
+    raise ValueError(f"unknown weight source {call.source!r}")
+
+
+def run_update(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, torch.Tensor] | None = None,
+               version: int = 0, expected: int | None = None, attempt: int = 0) -> dict[str, Any]:
+    """Stage on this rank, vote, copy everywhere or nowhere, then vote again that every rank copied.
+
+    Every rank calls it at the same step boundary (the loops after a CALL plan, or every caller inside a
+    pause). `version` is the weight version this rank holds; `expected` the one the CALL plan carries (None
+    inside a pause: the driver's version is fetched). A refused update returns {"ok": False, "error", "rank"}
+    (the first refusing rank) and changes nothing anywhere. A rank that fails while copying makes every rank
+    raise WeightsDiverged. `attempt` numbers this rank's updates (for fault rules)."""
     start = time.perf_counter()
-    error, staged = "", []
+    if expected is None:
+        expected = driver_value(version, groups)
+    ok, error, staged = True, "", []
     try:
-        if call.source == "checkpoint":
-            staged = stage_checkpoint(model, call.path)
-        elif call.source == "push":
-            staged = stage_pushed(model, groups, call)
-        elif call.source == "tensors":
-            if local is None:
-                raise ValueError("no tensors were handed to this rank")
-            staged = stage_named(model, local.items(), "tensors")
-        else:
-            raise ValueError(f"unknown weight source {call.source!r}")
+        staged = stage(model, groups, call, local)
+        faults.hit("stage_weights", rank=groups.rank, attempt=attempt)
+        try:
+            faults.hit("stage_weights_silent", rank=groups.rank, attempt=attempt)
+        except faults.InjectedFault:
+            raise ValueError() from None  # an exception whose message is empty must still vote against
+        if version != expected:
+            raise ValueError(f"this rank holds weight version {version}, the plan carries {expected}")
     except Exception as e:  # any failure becomes this rank's vote against
-        error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
-    messages = agree_messages(error, groups)
-    failed = [f"rank {r}: {m}" for r, m in enumerate(messages) if m]
+        ok, error = False, described(e)
+    refused = refusals(agree_votes(ok, error, groups))
+    if refused:
+        return {"ok": False, "error": "; ".join(f"rank {r}: {m}" for r, m in refused), "rank": refused[0][0],
+                "seconds": time.perf_counter() - start}
+    ok, error = True, ""
+    try:
+        half = len(staged) // 2
+        apply(staged[:half])
+        faults.hit("apply_weights", rank=groups.rank, attempt=attempt)
+        apply(staged[half:])
+    except Exception as e:
+        ok, error = False, described(e)
+    failed = refusals(agree_votes(ok, error, groups))
     if failed:
-        return {"ok": False, "error": "; ".join(failed), "seconds": time.perf_counter() - start}
-    apply(staged)
+        raise WeightsDiverged("weights now differ across ranks (a rank failed while copying): "
+                              + "; ".join(f"rank {r}: {m}" for r, m in failed), [r for r, _ in failed])
     return {"ok": True, "tensors": len(staged), "seconds": time.perf_counter() - start}

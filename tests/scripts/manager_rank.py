@@ -10,7 +10,6 @@ import sys
 import time
 
 import cluster
-from cluster.outputs import RequestStatus
 from tests.workloads import mixed_prompts
 from worker.loader import load_weights
 

@@ -10,8 +10,6 @@ import shutil
 import sys
 import time
 
-import torch
-
 import cluster
 
 N_INFLIGHT = 32
@@ -36,6 +34,14 @@ def collect(m, ids) -> list[dict]:
              "versions": [list(v) for v in o.weight_versions]} for o in outs]
 
 
+def refused(update, *args) -> dict:
+    """The error a refused update raises on this rank, as a record (or what it returned, if it did not raise)."""
+    try:
+        return {"raised": None, **update(*args)}
+    except Exception as e:  # the test checks the type's name and code (so this runs on older code too)
+        return {"raised": type(e).__name__, "code": getattr(e, "code", None), **getattr(e, "result", {})}
+
+
 def run(dir_a: str, dir_b: str, work: str) -> dict:
     model = cluster.load(dir_a)
     rec: dict = {"rank": model.groups.rank}
@@ -58,14 +64,14 @@ def run(dir_a: str, dir_b: str, work: str) -> dict:
         rec["keep"] = m.update_weights(dir_a, kv_policy="keep")
         rec["inflight_keep"] = collect(m, ids)
         # 3. bad updates change nothing anywhere
-        rec["missing"] = m.update_weights(f"{work}/no-such-checkpoint")
-        rec["truncated"] = m.update_weights(truncated)
+        rec["missing"] = refused(m.update_weights, f"{work}/no-such-checkpoint")
+        rec["truncated"] = refused(m.update_weights, truncated)
         with m.pause():  # rank 1 (or rank 0 alone at TP=1) hands over a tensor of the wrong shape
             state = {k: v.clone() for k, v in
                      __import__("transformers").AutoModelForCausalLM.from_pretrained(dir_b).state_dict().items()}
             if model.groups.rank == model.groups.world_size - 1:
                 state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"][:, :-1]
-            rec["wrong_shape"] = m.update_weights(state)
+            rec["wrong_shape"] = refused(m.update_weights, state)
         still_a = m.add_requests(prompts(4, 4), max_new_tokens=16)
         rec["still_a"] = collect(m, still_a)
         rec["stats"] = m.stats()

@@ -1,0 +1,74 @@
+"""This rank's shard of every checkpoint tensor, under transformers' names, as views into the live parameters.
+
+Lockstep fuses q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj`, splits tensors across ranks
+and pads the last vocabulary shard with zero rows. A script written for transformers sees none of that: each
+name the checkpoint has (`CausalLM.expected_tensors()`, plus `lm_head.weight` of a tied model in
+`state_dict`) maps to a view that shares storage with the parameter the forward reads, so an in-place change
+(`p.copy_(x)`, `p.mul_(2)`, `p.add_(delta)`) is what the next step computes with. What each view holds:
+
+| transformers name | this rank's view |
+|---|---|
+| `...self_attn.{q,k,v}_proj.weight` / `.bias` | its rows of the fused `qkv_proj`: the rows of this rank's heads (KV heads replicated when TP exceeds their count) |
+| `...mlp.{gate,up}_proj.weight` / `.bias` | its rows of the fused `gate_up_proj`: rows `[rank * n, (rank + 1) * n)` of `intermediate_size` |
+| `...self_attn.o_proj.weight`, `...mlp.down_proj.weight` | columns `[rank * c, (rank + 1) * c)` (row-parallel; their biases are whole) |
+| `model.embed_tokens.weight`, `lm_head.weight` | rows `[rank * r, rank * r + n)` of the vocabulary, n <= r (the zero padding is left out) |
+| norms (`*_layernorm.weight`, `model.norm.weight`, `q_norm`, `k_norm`) | the whole tensor (replicated on every rank) |
+
+`shard_of(model, name, full)` cuts exactly that view's values out of a full (unsharded) tensor. Assigning
+`p.data = other` rebinds the view, not the storage, and changes nothing the forward reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.layers import ColumnParallelLinear, VocabParallelEmbedding
+from worker.model import CausalLM
+
+LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _target(model: CausalLM, name: str) -> tuple[Any, str, str]:
+    tgt = model.target(EMBED if name == LM_HEAD and model.tied else name)
+    if tgt is None:
+        raise KeyError(f"{name!r} is not a tensor of this model")
+    return tgt
+
+
+def shard_view(model: CausalLM, name: str) -> torch.Tensor:
+    """The view of this rank's shard of checkpoint tensor `name`, sharing the live parameter's storage."""
+    layer, part, kind = _target(model, name)
+    param = (layer.weight if kind == "weight" else layer.bias).data
+    if isinstance(layer, ColumnParallelLinear):
+        off, rows = layer.offsets[part], layer.parts[part][0]
+        return param[off:off + rows]
+    if isinstance(layer, VocabParallelEmbedding):
+        return param[:max(0, min(layer.rows, layer.vocab_size - layer.start))]
+    return param
+
+
+def named_shards(model: CausalLM, with_tied: bool = False) -> dict[str, torch.Tensor]:
+    """Every checkpoint name -> this rank's view, in the model's layer order. `with_tied` adds
+    `lm_head.weight` of a tied model (the same view as the embedding), as transformers' state_dict does."""
+    names = sorted(model.expected_tensors(), key=_order)
+    if with_tied and model.tied:
+        names.append(LM_HEAD)
+    return {name: shard_view(model, name) for name in names}
+
+
+def shard_of(model: CausalLM, name: str, full: Any) -> torch.Tensor:
+    """This rank's part of a full tensor `name` (transformers' shape), shaped like `shard_view(model, name)`."""
+    layer, part, kind = _target(model, name)
+    _, value = layer.shard_of(part, kind, full)
+    return value[:shard_view(model, name).shape[0]]
+
+
+def _order(name: str) -> tuple:
+    parts = name.split(".")
+    if parts[0] == "lm_head":
+        return (3,)
+    if parts[1] == "layers":
+        return (1, int(parts[2]), ".".join(parts[3:]))
+    return (0 if parts[1] == "embed_tokens" else 2, name)
