@@ -1,8 +1,8 @@
 """Rank-local pause bookkeeping shared by the driver's and the workers' loops.
 
-A loop parks at a step boundary (after a PAUSE plan), waits until this rank's `pause()` holders have come
-and gone, and meets the other ranks at a barrier on each side of the park, so every rank's caller is inside
-while every loop is parked, and no loop moves on while any rank's caller is still inside.
+A loop parks at a step boundary (after a PAUSE plan), waits until this rank's `pause()` caller for that park
+has come and gone, and meets the other ranks at a barrier on each side of the park, so every rank's caller is
+inside while every loop is parked, and no loop moves on while any rank's caller is still inside.
 """
 
 from __future__ import annotations
@@ -13,11 +13,17 @@ from typing import Callable, ContextManager, Iterator
 
 
 class PauseGate:
+    """Entries and parks are numbered: the k-th entry made while a loop runs belongs to the k-th park (the k-th
+    PAUSE plan), on every rank alike. An entry waits for its own park, and a park lasts until its own entry
+    has left, so a caller that leaves one pause and enters the next at once can never be absorbed by the
+    park that is ending (its collectives would meet the other ranks' barrier instead of their callers)."""
+
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.holders = 0
-        self.enters = 0
-        self.consumed = 0
+        self.holders = 0  # callers inside pause() or waiting to enter it
+        self.entries = 0  # entries made while a loop ran
+        self.exits = 0  # of those, the ones that left
+        self.parks = 0  # parks begun
         self.parked = False
 
     @property
@@ -25,33 +31,46 @@ class PauseGate:
         with self.cond:
             return self.holders > 0
 
+    @property
+    def held(self) -> bool:
+        """A caller is inside the current park: collectives from the pause's holders are in order now."""
+        with self.cond:
+            return self.parked and self.entries == self.parks and self.exits < self.parks
+
     @contextmanager
     def hold(self, loop_alive: Callable[[], bool]) -> Iterator[None]:
-        """Enter once this rank's loop is parked (at once if no loop runs); the loop resumes after the last exit."""
+        """Enter once this rank's loop is parked for this entry (at once if no loop runs); that park ends when
+        this entry leaves."""
         with self.cond:
             self.holders += 1
-            if loop_alive():  # with no loop there is no park to release: counting it would free a later one
-                self.enters += 1
+            counted = loop_alive()  # with no loop there is no park to wait for, or to release later
+            if counted:
+                self.entries += 1
+                ticket = self.entries
             self.cond.notify_all()
-            while loop_alive() and not self.parked:
+            while counted and loop_alive() and not (self.parked and self.parks == ticket):
                 self.cond.wait(0.05)
         try:
             yield
         finally:
             with self.cond:
                 self.holders -= 1
+                if counted:
+                    self.exits += 1
                 self.cond.notify_all()
 
     def park(self, barrier: Callable[[], None], still_alive: Callable[[], bool],
              lend: Callable[[], ContextManager] = nullcontext) -> None:
-        """Called by the loop thread after a PAUSE plan; returns when every rank's holders have left.
-        `lend()` is entered between the two barriers (the groups' `lent`: holders may run collectives)."""
+        """Called by the loop thread after a PAUSE plan; returns when this park's entry has come and gone on
+        this rank, and every rank's has (the barriers). `lend()` is entered between the two barriers (the
+        groups' `lent`: the holders may run collectives)."""
         barrier()
         with lend(), self.cond:
+            self.parks += 1
             self.parked = True
             self.cond.notify_all()
-            while still_alive() and (self.enters == self.consumed or self.holders > 0):
+            while still_alive() and self.exits < self.parks:
                 self.cond.wait(0.05)
-            self.consumed = self.enters
             self.parked = False
+            self.cond.notify_all()
         barrier()

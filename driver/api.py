@@ -22,7 +22,9 @@ from cluster.dist import Groups, agree_min, make_control_group
 from cluster.errors import ManagerStopped, QueueFull
 from cluster.outputs import GenerationOutput
 from driver.manager import ContinuousBatchingManager
+from worker.attention import attention_workspace_bytes
 from worker.kv_cache import kv_bytes_per_token
+from worker.memory import CACHE_LEDGER, describe, propose_num_blocks, tensor_bytes, use_device
 from worker.model import CausalLM, KVHeads, head_dim_of
 from worker.named_shards import named_shards, shard_of
 from worker.runner import ModelRunner
@@ -104,18 +106,37 @@ class ClusterModel:
         return self
 
     def build_runner(self, cb: ContinuousBatchingConfig) -> tuple[ModelRunner, ResolvedConfig, Groups]:
-        """Size the KV cache (the group agrees on the smallest proposal) and make the runner. Every rank calls it."""
+        """Size the KV cache (the group agrees on the smallest proposal) and make the runner. Every rank calls it.
+
+        On CUDA the proposal comes from worker/memory.py: free memory measured after the allocator let go of its
+        cached blocks, plus what this model's earlier caches hold (released before the new one is made, so a
+        second manager gets the same cache), less static buffers, graph pool, activations, attention workspace
+        and `safety_margin`."""
+        use_device(self.device)
         heads = KVHeads(self.config, self.model.shard)
         d = head_dim_of(self.config)
         per_token = kv_bytes_per_token(self.config.num_hidden_layers, heads.kv_local, d, self.dtype)
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_host_memory()
+        cuda = self.device.type == "cuda"
         rc = resolve_config(cb, device_kind=self.device.type, max_model_len=self.max_model_len,
-                            kv_bytes_per_token=per_token, free_bytes=free, flash_available=flash_attn_available())
+                            kv_bytes_per_token=per_token, free_bytes=None if cuda else available_host_memory(),
+                            flash_available=flash_attn_available(), dtype=self.dtype, head_dim=d)
+        if cuda and cb.num_blocks is None:
+            workspace = attention_workspace_bytes(rc, heads.q_local, heads.kv_local, d, self.dtype)
+            rc.num_blocks, breakdown = propose_num_blocks(
+                rc, self.config, self.model.shard.size, self.dtype, self.device, per_token, self.model,
+                max_memory_percent=cb.max_memory_percent,
+                attention_workspace_bytes=workspace)  # one layer at a time: its bound is the peak
+            rc.notes.append(describe(breakdown))
         rc.num_blocks = agree_min(rc.num_blocks, self.groups)
         groups = self.groups
         if self.groups.distributed and cb.cpu_group_timeout != self.groups.control_timeout:
             groups = make_control_group(self.groups, cb.cpu_group_timeout)
-        return ModelRunner(self.model, rc, heads.kv_local, d, self.dtype, self.device), rc, groups
+        if cuda:
+            CACHE_LEDGER.release_all(self.device, self.model)
+        runner = ModelRunner(self.model, rc, heads.kv_local, d, self.dtype, self.device)
+        if cuda:
+            CACHE_LEDGER.hold(runner.cache, self.device, self.model, tensor_bytes(runner.cache.k + runner.cache.v))
+        return runner, rc, groups
 
     # ---------------------------------------------------------------- the seed's entry points
     def init_continuous_batching(self, generation_config: Any = None, continuous_batching_config: Any = None,

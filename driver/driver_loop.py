@@ -22,7 +22,7 @@ import msgpack
 
 from cluster import faults
 from cluster.config import IDLE_HEARTBEAT_S
-from cluster.errors import Code
+from cluster.errors import Code, LockstepError
 from cluster.outputs import RequestStatus
 from cluster.plan import Command
 from driver.request import Request
@@ -176,8 +176,10 @@ class DriverLoop:
     def _fail(self, error: BaseException) -> None:
         m, engine = self.m, self.engine
         m.loop_error = error
-        silent = m.liveness.silent_ranks() if m.liveness is not None else []
-        if silent:
+        silent = [] if isinstance(error, LockstepError) or m.liveness is None else m.liveness.silent_ranks()
+        if isinstance(error, LockstepError):  # it says itself what went wrong (weights diverged ...)
+            code, m.failure = error.code, f"the driver stopped at step {engine.step_no}: {error}"
+        elif silent:
             code, m.failure = Code.RANK_FAILED, m.liveness.describe(silent, engine.step_no, error)
         elif is_collective_error(error):
             code = Code.RANK_FAILED

@@ -58,9 +58,9 @@ class WeightUpdates:
         local = source if isinstance(source, dict) else None
         call = UpdateCall(source="tensors" if local is not None else "checkpoint",
                           path="" if local is not None else str(source), kv_policy=kv_policy)
-        # inside a pause (the loop parked and a holder inside; `parked` alone stays true for a moment after
-        # the last holder left, while the loop wakes), or with no loop: this thread may use the groups
-        if (m.gate.parked and m.gate.requested) or not m.is_running():
+        # inside a pause (this rank's loop is parked for the caller's own entry), or with no loop: this thread
+        # may use the groups, in the same order on every rank
+        if m.gate.held or not m.is_running():
             return self._run_here(call, local)
         if not m.is_driver:  # the driver decides when; this rank's share runs in its loop
             return self._wait_worker_share(local, timeout)
@@ -87,7 +87,18 @@ class WeightUpdates:
             raise
         if result["ok"]:
             self.version += 1
+            self._check_graph_addresses()
         return result | {"version": self.version}
+
+    def _check_graph_addresses(self) -> None:
+        """After an applied update: every tensor a captured CUDA graph reads must still be where it was
+        captured, or the graphs would replay on stale storage and serve garbage. A move ends this rank's loop."""
+        moved = self.m.runner.check_graph_addresses()
+        if moved:
+            rank = self.m.groups.rank
+            self.diverged = WeightsDiverged(f"rank {rank}: the update moved {len(moved)} tensor(s) that captured "
+                                            f"CUDA graphs read, e.g. {moved[:3]}; refusing to serve", [rank])
+            raise self.diverged
 
     def _wait_worker_share(self, local: dict | None, timeout: float | None) -> dict[str, Any]:
         m = self.m

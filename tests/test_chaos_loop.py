@@ -38,7 +38,7 @@ def run_scenarios(tmp_path, make_checkpoint, scenarios: str, env: dict | None = 
 
 
 def test_manager_scenarios_at_tp2(tmp_path, make_checkpoint):
-    rec, worker, proc = run_scenarios(tmp_path, make_checkpoint, "heartbeat,pause_gate,add_after_stop,worker_call")
+    rec, worker, proc = run_scenarios(tmp_path, make_checkpoint, "heartbeat,pause_gate,add_after_stop,pause_reentry,worker_call")
     log = proc.stdout[-4000:]
     # a held scheduler with a busy inbox still heartbeats: the workers outlive 3x their 2 s timeout
     hb = rec.get("heartbeat")
@@ -48,6 +48,10 @@ def test_manager_scenarios_at_tp2(tmp_path, make_checkpoint):
     assert all(r.get("pause_gate_entered") and r.get("pause_gate_loop_alive") for r in (rec, worker)), log
     # a request after stop raises at once instead of waiting forever
     assert rec.get("add_after_stop") == "ManagerStopped" and rec["add_after_stop_s"] < 1.0, log
+    # six pauses back to back, each running a collective inside: every entry gets a park of its own
+    pr = rec.get("pause_reentry")
+    assert pr and pr["done"] == 6 and worker.get("pause_reentry", {}).get("done") == 6, (pr, log)
+    assert pr["tokens"] == hf_greedy(make_checkpoint("llama"), [mixed_prompts(2048)[3]], 4)[0]
     # the worker's tensors arrive after the driver's CALL: its loop is woken, not left to its 120 s timeout
     wc = worker.get("worker_call")
     assert wc and wc["ok"] and wc["seconds"] < 15, (wc, log)

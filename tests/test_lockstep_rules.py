@@ -27,3 +27,25 @@ def test_only_the_loop_thread_uses_the_control_group(make_checkpoint):
         m.stop()
         m.destroy()
     assert agree_all_ok(True, m.groups) == [True]  # the loop ended: the channel is free again
+
+
+def test_an_update_that_moves_graph_storage_stops_the_loop(make_checkpoint):
+    """After every applied update the runner's captured-graph addresses are checked; a move refuses to serve."""
+    from worker.weights import WeightsDiverged
+
+    model = cluster.load(make_checkpoint("llama"))
+    m = model.init_continuous_batching(continuous_batching_config=cluster.ContinuousBatchingConfig(page_size=16))
+    m.start()
+    try:
+        m.update_weights(str(make_checkpoint("llama")))  # nothing moved: served on
+        assert m.is_running()
+        m.runner.check_graph_addresses = lambda: ["model.layers.0.self_attn.qkv.weight"]  # as if param.data = new
+        with pytest.raises(WeightsDiverged, match="captured CUDA graphs"):
+            m.update_weights(str(make_checkpoint("llama")))
+        m.join(timeout=10)
+        assert not m.is_running() and m.failure_code == "weights_diverged"
+        with pytest.raises(RuntimeError):
+            m.add_request([1, 2, 3], max_new_tokens=2)
+    finally:
+        m.stop()
+        m.destroy()

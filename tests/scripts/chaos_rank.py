@@ -3,7 +3,8 @@ same model, and rank 0 (or every rank) records what happened for tests/test_chao
 
 Scenarios: `heartbeat` (a held scheduler flooded with adds and cancels for three control timeouts),
 `pause_gate` (a pause entered before any loop ran must not release a later one), `add_after_stop`,
-`worker_call` (a worker's update call whose tensors arrive after the driver's CALL), and `worker_dies`
+`pause_reentry` (pauses back to back, a collective inside each), `worker_call` (a worker's update call
+whose tensors arrive after the driver's CALL), and `worker_dies`
 (LOCKSTEP_FAULTS kills rank 1's loop; the driver must name rank 1).
 """
 
@@ -83,11 +84,7 @@ def add_after_stop(model, rec: dict) -> None:
 
 
 def worker_call(model, rec: dict, dir_b: str) -> None:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for f in sorted(Path(dir_b).glob("*.safetensors")):
-        tensors.update(load_file(f))
+    tensors = full_tensors(dir_b)
     m = model.init_continuous_batching(continuous_batching_config=config())
     m.start()
     if model.groups.rank == 1:
@@ -97,6 +94,34 @@ def worker_call(model, rec: dict, dir_b: str) -> None:
     rec["worker_call"] = {"ok": bool(result.get("ok")), "seconds": time.monotonic() - t0}
     m.stop()
     m.destroy()
+
+
+def pause_reentry(model, rec: dict, dir_a: str) -> None:
+    """Pauses back to back with a collective inside each (an in-place update to the weights it already has):
+    a caller that leaves one pause and enters the next before its loop wakes must get a park of its own."""
+    tensors = full_tensors(dir_a)
+    m = model.init_continuous_batching(continuous_batching_config=config(cpu_group_timeout=10.0))
+    m.start()
+    t0, done = time.monotonic(), 0
+    for _ in range(6):
+        with m.pause():
+            m.update_weights(tensors)
+        done += 1
+    rec["pause_reentry"] = {"done": done, "seconds": time.monotonic() - t0}
+    if model.groups.is_driver:
+        rid = m.add_request(mixed_prompts(model.config.vocab_size)[3], max_new_tokens=4)
+        rec["pause_reentry"]["tokens"] = m.get_result(rid, timeout=30).generated_tokens
+    m.stop()
+    m.destroy()
+
+
+def full_tensors(directory: str) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
 
 
 def worker_dies(model, rec: dict) -> None:
@@ -123,6 +148,8 @@ def main() -> None:
     for name in scenarios:
         if name == "worker_call":
             worker_call(model, rec, dir_b)
+        elif name == "pause_reentry":
+            pause_reentry(model, rec, dir_a)
         else:
             globals()[name](model, rec)
         with open(f"{out}.rank{model.groups.rank}", "w") as f:  # after each scenario: a later hang keeps it
