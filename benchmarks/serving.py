@@ -39,13 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # nothing heavy at module level: the spawned client process imports this file
 
-PAGE = 256  # page_size: both engines' default
-WARM_TOKENS = 8
-NUM_WARM = 4
-
-
-def say(*args) -> None:
-    print(*args, flush=True)
+from benchmarks.serving_common import NUM_WARM, PAGE, WARM_TOKENS, CpuWindow, say, speed_probe  # noqa: E402
+from benchmarks.serving_transformers import run_transformers  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ workload
@@ -66,47 +61,6 @@ def make_prompts(args, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed)
     lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_requests)]
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-
-
-def cpu_busy_s() -> float:
-    """Busy CPU seconds of the whole machine since boot (every process, ours and others'), from /proc/stat."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)  # user nice system irq softirq steal
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process and of every descendant it has reaped (their own reaped children included)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def speed_probe() -> float:
-    """The machine's speed right now: a fixed torch matmul (16 x 768 by 768 x 32000, the small model's LM head at
-    a decode batch of 16, memory-bound), median of 15, in this process's torch threads. Other guests on the
-    same host or a busy neighbour slow it without showing in the load average."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(32000, 768, generator=g), torch.randn(16, 768, generator=g)
-    times = []
-    for _ in range(17):
-        t = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        times.append(time.perf_counter() - t)
-    return 1000 * sorted(times[2:])[7]
-
-
-class CpuWindow:
-    """How much CPU other processes used while one engine ran: machine busy time minus ours."""
-
-    def __init__(self) -> None:
-        self.t0, self.busy0, self.own0 = time.monotonic(), cpu_busy_s(), own_cpu_s()
-
-    def others(self) -> tuple[float, float]:
-        """(other processes' CPU seconds, the window's wall seconds)."""
-        return max(0.0, (cpu_busy_s() - self.busy0) - (own_cpu_s() - self.own0)), time.monotonic() - self.t0
 
 
 # ------------------------------------------------------------------------------------------------ Lockstep
@@ -226,98 +180,6 @@ def run_lockstep(args, prompts, warm, arrivals) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ transformers
-def run_transformers(args, prompts, warm, arrivals) -> dict:
-    import logging
-
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    window = CpuWindow()
-    transformers.utils.logging.disable_progress_bar()
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.INFO if os.environ.get("BENCH_DEBUG")
-                                                           else logging.ERROR)
-    say(f"transformers: loading {args.model} in this process (torch threads {torch.get_num_threads()})")
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=args.new_tokens)
-    from benchmarks.hf_compat import make_cb_config, page_size_of
-
-    cb = make_cb_config(transformers.ContinuousBatchingConfig, page_size=PAGE, num_blocks=args.num_blocks,
-                        max_batch_tokens=args.max_batch_tokens)
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-    manager.warmup()
-    manager.start()
-    try:
-        # the same warm-up as Lockstep's: 4 short requests at once, read to the end
-        for j, p in enumerate(warm):
-            manager.add_request(p, request_id=f"warm_{j}", max_new_tokens=WARM_TOKENS, streaming=True)
-        done = 0
-        while done < len(warm):
-            out = manager.get_result(timeout=60)
-            if out is None:
-                raise RuntimeError("transformers: warm-up produced nothing for 60 s")
-            done += out.is_finished()
-        steps_before = getattr(manager, "current_batch", 0)
-
-        recs: list[dict] = [{"arrival": a} for a in arrivals]
-        index = {f"bench_{i}": i for i in range(len(prompts))}
-        t0 = time.perf_counter() + 0.05
-        finished = threading.Event()
-
-        def feed() -> None:
-            for i, a in enumerate(arrivals):
-                delay = t0 + a - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                recs[i]["submit"] = time.perf_counter() - t0
-                manager.add_request(prompts[i], request_id=f"bench_{i}", max_new_tokens=args.new_tokens,
-                                    streaming=True)
-
-        def collect() -> None:
-            left = len(prompts)
-            deadline = time.monotonic() + args.run_timeout
-            while left and time.monotonic() < deadline:
-                out = manager.get_result(timeout=0.5)
-                if out is None:
-                    if not manager.is_running():
-                        break
-                    continue
-                now = time.perf_counter() - t0
-                rec = recs[index[out.request_id]]
-                n = len(out.generated_tokens)
-                if n and rec.get("first") is None:
-                    rec["first"] = now
-                if n > rec.get("n", 0):
-                    rec["last"] = now
-                rec["n"] = n
-                if out.is_finished():
-                    rec["tokens"] = list(out.generated_tokens)
-                rec["status"] = out.status.name
-                if out.error:
-                    rec["error"] = out.error
-                if out.is_finished():
-                    left -= 1
-            finished.set()
-
-        feeder = threading.Thread(target=feed, daemon=True)
-        collector = threading.Thread(target=collect, daemon=True)
-        collector.start()
-        feeder.start()
-        feeder.join()
-        collector.join()
-        steps = getattr(manager, "current_batch", 0) - steps_before
-        c = manager.continuous_batching_config
-        note = (f"steps in the timed run {steps}; max_batch_tokens={c.max_batch_tokens} "
-                f"max_requests_per_batch={c.max_requests_per_batch} num_blocks={c.num_blocks} "
-                f"page_size={page_size_of(c)} attn={model.config._attn_implementation}")
-    finally:
-        manager.stop(block=True, timeout=30)
-        manager.destroy()
-    others, wall = window.others()
-    return {"engine": "transformers", "tp": 1, "threads": torch.get_num_threads(), "records": recs, "note": note,
-            "others": (others, wall)}
-
-
 # ------------------------------------------------------------------------------------------------ report
 def pct(values: list[float], q: float) -> float:
     """The q-th percentile, linear between closest ranks (numpy's default)."""

@@ -11,6 +11,20 @@ from typing import Iterator
 from launch.local_server import LocalServer, local_server
 
 
+def fast_config(client_timeout_s: float = 2.0) -> str:
+    """The small TP=2 preset the serving tests share: 16-token pages, a 5 s control timeout."""
+    return f"""
+[continuous_batching]
+page_size = 16
+max_batch_tokens = 256
+max_requests_per_batch = 64
+cpu_group_timeout = 5.0
+
+[serve]
+client_timeout_s = {client_timeout_s}
+"""
+
+
 @contextmanager
 def serve(model_dir: Path, tp: int = 2, config: str | None = None, extra: list[str] | None = None,
           tmp_path: Path | None = None, ready_timeout: float = 120) -> Iterator[LocalServer]:

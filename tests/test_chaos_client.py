@@ -22,18 +22,9 @@ from cluster.outputs import RequestStatus
 from launch.torchrun import free_port
 from tests.clients import run_clients
 from tests.conftest import REPO, hf_greedy
-from tests.serving import rank_pid, serve
+from tests.serving import fast_config, rank_pid, serve
 
-CONFIG = """
-[continuous_batching]
-page_size = 16
-max_batch_tokens = 256
-max_requests_per_batch = 64
-cpu_group_timeout = 5.0
-
-[serve]
-client_timeout_s = 60.0
-"""
+CONFIG = fast_config(client_timeout_s=60.0)
 LONG = 900  # tokens: a request that is still running when the test acts
 
 

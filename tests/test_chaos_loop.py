@@ -14,19 +14,10 @@ import pytest
 from cluster.client import Client, ClientError
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy, read_json, run_ranks
-from tests.serving import rank_pid, serve
+from tests.serving import fast_config, rank_pid, serve
 from tests.workloads import mixed_prompts
 
-FAST = """
-[continuous_batching]
-page_size = 16
-max_batch_tokens = 256
-max_requests_per_batch = 64
-cpu_group_timeout = 5.0
-
-[serve]
-client_timeout_s = 5.0
-"""
+FAST = fast_config(client_timeout_s=5.0)
 
 
 def run_scenarios(tmp_path, make_checkpoint, scenarios: str, env: dict | None = None, timeout: float = 240) -> tuple:

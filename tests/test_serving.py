@@ -15,19 +15,10 @@ from cluster.client import AsyncClient, Client, ClientError
 from cluster.outputs import RequestStatus
 from tests.clients import run_clients
 from tests.conftest import REPO, hf_greedy
-from tests.serving import rank_pid, serve
+from tests.serving import fast_config, rank_pid, serve
 from tests.workloads import mixed_prompts
 
-FAST = """
-[continuous_batching]
-page_size = 16
-max_batch_tokens = 256
-max_requests_per_batch = 64
-cpu_group_timeout = 5.0
-
-[serve]
-client_timeout_s = 2.0
-"""
+FAST = fast_config(client_timeout_s=2.0)
 
 
 def hammer(address: str, client_no: int, n: int) -> int:

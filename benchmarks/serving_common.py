@@ -1,0 +1,56 @@
+"""What both sides of benchmarks/serving.py share: the workload constants, printing, and how busy the
+machine was (other processes' CPU time while an engine ran, and a quick speed probe)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+PAGE = 256  # page_size: both engines' default
+WARM_TOKENS = 8
+NUM_WARM = 4
+
+
+def say(*args) -> None:
+    print(*args, flush=True)
+
+
+def cpu_busy_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (every process, ours and others'), from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)  # user nice system irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of every descendant it has reaped (their own reaped children included)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def speed_probe() -> float:
+    """The machine's speed right now: a fixed torch matmul (16 x 768 by 768 x 32000, the small model's LM head at
+    a decode batch of 16, memory-bound), median of 15, in this process's torch threads. Other guests on the
+    same host or a busy neighbour slow it without showing in the load average."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(32000, 768, generator=g), torch.randn(16, 768, generator=g)
+    times = []
+    for _ in range(17):
+        t = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - t)
+    return 1000 * sorted(times[2:])[7]
+
+
+class CpuWindow:
+    """How much CPU other processes used while one engine ran: machine busy time minus ours."""
+
+    def __init__(self) -> None:
+        self.t0, self.busy0, self.own0 = time.monotonic(), cpu_busy_s(), own_cpu_s()
+
+    def others(self) -> tuple[float, float]:
+        """(other processes' CPU seconds, the window's wall seconds)."""
+        return max(0.0, (cpu_busy_s() - self.busy0) - (own_cpu_s() - self.own0)), time.monotonic() - self.t0
