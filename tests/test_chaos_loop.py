@@ -95,3 +95,38 @@ def test_stopped_worker_is_named_within_the_timeout(make_checkpoint, tmp_path):
             os.kill(pid, signal.SIGCONT)
             for c in clients:
                 c.close()
+
+
+def test_a_cancel_that_overtakes_its_add_ends_the_request_once(make_checkpoint):
+    """Driver-local race, so in process at TP=1: the add is delayed on its way to the inbox (as a slow thread
+    would be) and its cancel gets there first; the request must end once, CANCELLED, and never run."""
+    import threading
+
+    import cluster
+
+    model = cluster.load(make_checkpoint("llama"))
+    m = model.init_continuous_batching(continuous_batching_config=cluster.ContinuousBatchingConfig(page_size=16))
+    put = m.inbox.put
+
+    def slow_add(item, *a, **k):
+        if isinstance(item, tuple) and item[0] == "add":
+            threading.Timer(0.3, put, (item,)).start()
+        else:
+            put(item, *a, **k)
+
+    m.inbox.put = slow_add
+    m.start()
+    try:
+        rid = m.add_request([1, 2, 3], max_new_tokens=5)
+        m.cancel_request(rid)
+        finals = []
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            out = m.get_result(rid, timeout=0.2)
+            if out is not None and out.is_finished():
+                finals.append(out)
+        assert [o.status for o in finals] == [RequestStatus.CANCELLED], finals
+        assert m.stats()["running"] == 0 and m.stats()["waiting"] == 0
+    finally:
+        m.stop()
+        m.destroy()
