@@ -19,7 +19,7 @@ from tests.conftest import read_json, run_ranks
 FULL = SamplingParams(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=3)
 OTHERS = [SamplingParams(), SamplingParams(repetition_penalty=1.5), SamplingParams(do_sample=True, seed=9),
           SamplingParams(do_sample=True, temperature=1.7, top_k=2), SamplingParams(do_sample=True, top_p=0.3),
-          SamplingParams(do_sample=True, temperature=0.5, top_k=-1, top_p=0.99, repetition_penalty=0.8),
+          SamplingParams(do_sample=True, temperature=0.5, top_k=0, top_p=0.99, repetition_penalty=0.8),
           SamplingParams(do_sample=True, top_k=1)]
 
 
@@ -32,12 +32,20 @@ def step_logits(step: int, rows: int, vocab: int = 97) -> torch.Tensor:
     return (torch.randn(vocab, generator=torch.Generator().manual_seed(step)) * 3).expand(rows, vocab).clone()
 
 
+def outcomes(sampler: Sampler, logits: torch.Tensor, reqs: list[Request]) -> list[tuple]:
+    """(token, logprob, error) per row; an older sampler that returned (tokens, logprobs) reads the same."""
+    got = sampler(logits, reqs)
+    if isinstance(got, tuple) and len(got) == 2 and len(got[0]) == len(reqs):
+        return [(tok, lp, None) for tok, lp in zip(*got)]
+    return [(d.token, d.logprob, d.error) for d in got]
+
+
 def run(sampler: Sampler, reqs: list[Request], steps: int, first_step: int = 0) -> None:
     for step in range(first_step, first_step + steps):
-        for req, draw in zip(reqs, sampler(step_logits(step, len(reqs)), reqs)):
-            assert draw.error is None, draw.error
-            req.generated.append(draw.token)
-            req.logprobs.append(draw.logprob)
+        for req, (token, logprob, error) in zip(reqs, outcomes(sampler, step_logits(step, len(reqs)), reqs)):
+            assert error is None, error
+            req.generated.append(token)
+            req.logprobs.append(logprob)
 
 
 # ---------------------------------------------------------------- (a) batch composition
@@ -64,6 +72,16 @@ def test_the_config_seed_keys_requests_without_their_own():
     assert tokens(None) != tokens(None)  # no seed anywhere: a random key per request
 
 
+def test_top_k_zero_and_minus_one_both_mean_off():
+    def tokens(top_k):
+        req = request("k", SamplingParams(do_sample=True, temperature=1.5, top_k=top_k, seed=8))
+        run(Sampler(seed=None), [req], 10)
+        return req.generated
+
+    assert tokens(-1) == tokens(0) == tokens(97)  # 97: the whole vocabulary
+    assert tokens(-1) != tokens(2)
+
+
 # ---------------------------------------------------------------- (c) restart invariance
 @pytest.mark.parametrize("params", [FULL, SamplingParams(do_sample=True, seed=4)], ids=["all-processors", "plain"])
 def test_a_restarted_request_samples_what_the_uninterrupted_one_did(params):
@@ -84,12 +102,12 @@ def test_the_sampler_makes_nothing_off_the_logits_device():
 
     def draws():
         reqs = [request("target", FULL)] + [request(f"o{i}", p) for i, p in enumerate(OTHERS)]
-        return Sampler(seed=2)(logits, reqs)
+        return outcomes(Sampler(seed=2), logits, reqs)
 
     want = draws()
     with torch.device("meta"):
         got = draws()
-    assert [d.error for d in got] == [None] * len(got)
+    assert [error for _, _, error in got] == [None] * len(got)
     assert got == want
 
 
@@ -108,25 +126,25 @@ def test_picks_are_on_the_logits_device_as_int64_and_float32():
 
 # ---------------------------------------------------------------- the noise itself
 def test_the_noise_hash_is_exact_integer_arithmetic():
-    """noise_bits equals the hash on Python integers (no int64 overflow, nothing device-dependent)."""
-    from driver.counter_noise import C1, C2, GOLDEN, M32, ROW_SALT, S1, S2, S3, VOCAB_SALT, noise_bits, signed64
+    """cn.noise_bits equals the hash on Python integers (no int64 overflow, nothing device-dependent)."""
+    from driver import counter_noise as cn
 
     def mix(x):
-        x ^= x >> S1
-        x = (x * C1) & M32
-        x ^= x >> S2
-        x = (x * C2) & M32
-        return x ^ (x >> S3)
+        x ^= x >> cn.S1
+        x = (x * cn.C1) & cn.M32
+        x ^= x >> cn.S2
+        x = (x * cn.C2) & cn.M32
+        return x ^ (x >> cn.S3)
 
     def absorb(state, word):
-        return mix(((state ^ word) + GOLDEN) & M32)
+        return mix(((state ^ word) + cn.GOLDEN) & cn.M32)
 
     keys = [0, 1, 2 ** 32 - 1, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 0xDEADBEEFCAFEBABE]
     index = [0, 1, 2 ** 31, 2 ** 32 - 1, 17, 5, 123456]
-    bits = noise_bits(torch.tensor([signed64(k) for k in keys]), torch.tensor(index), 300)
+    bits = cn.noise_bits(torch.tensor([cn.signed64(k) for k in keys]), torch.tensor(index), 300)
     for i, (k, n) in enumerate(zip(keys, index)):
-        state = absorb(absorb(absorb(ROW_SALT, k >> 32), k & M32), n)
-        assert bits[i].tolist() == [absorb(state, absorb(VOCAB_SALT, v)) for v in range(300)]
+        state = absorb(absorb(absorb(cn.ROW_SALT, k >> 32), k & cn.M32), n)
+        assert bits[i].tolist() == [absorb(state, absorb(cn.VOCAB_SALT, v)) for v in range(300)]
 
 
 def test_uniforms_never_reach_zero_or_one():
@@ -185,13 +203,13 @@ def test_greedy_rows_take_the_argmax_of_their_penalised_logits():
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(0))
     reqs = [request(f"g{i}", SamplingParams(repetition_penalty=p), prompt=list(range(i * 7, i * 7 + 40)))
             for i, p in enumerate([1.0, 1.3, 0.7, 2.0])]
-    for row, req, draw in zip(logits, reqs, Sampler(seed=None)(logits, reqs)):
+    for row, req, (token, logprob, _) in zip(logits, reqs, outcomes(Sampler(seed=None), logits, reqs)):
         seen = torch.tensor(sorted(set(req.tokens)))
         want = row.clone()
         p = req.sampling.repetition_penalty
         want[seen] = torch.where(row[seen] < 0, row[seen] * p, row[seen] / p)
-        assert draw.token == int(want.argmax())
-        assert draw.logprob == pytest.approx(float(want.log_softmax(-1)[draw.token]), abs=1e-5)
+        assert token == int(want.argmax())
+        assert logprob == pytest.approx(float(want.log_softmax(-1)[token]), abs=1e-5)
 
 
 # ---------------------------------------------------------------- (b) TP=1 and TP=2, through the serving path
@@ -254,8 +272,8 @@ def test_batched_sampler_timing_against_todays_row_loop(capsys):
                          ("top-p", SamplingParams(do_sample=True, temperature=0.8, top_p=0.95))]:
         reqs = [request(f"r{i}", params, prompt=list(range(i, i + 200))) for i in range(64)]
         timings = {}
-        for label, fn in (("batched", lambda: Sampler(seed=1)(logits, reqs)),
-                          ("row_loop", lambda: todays_row_loop(logits, reqs))):
+        for label, fn in (("batched", lambda reqs=reqs: Sampler(seed=1)(logits, reqs)),
+                          ("row_loop", lambda reqs=reqs: todays_row_loop(logits, reqs))):
             fn()
             start = time.perf_counter()
             for _ in range(2):
@@ -264,6 +282,6 @@ def test_batched_sampler_timing_against_todays_row_loop(capsys):
         lines.append(f"sampler 64x32000 {name}: batched={timings['batched']:.1f}ms "
                      f"row_loop={timings['row_loop']:.1f}ms")
         if not params.do_sample:  # greedy: the very tokens of today's loop
-            assert [d.token for d in Sampler(seed=1)(logits, reqs)] == todays_row_loop(logits, reqs)
+            assert [t for t, _, _ in outcomes(Sampler(seed=1), logits, reqs)] == todays_row_loop(logits, reqs)
     with capsys.disabled():
         print("\n" + "\n".join(lines))

@@ -23,14 +23,15 @@ from tests.workloads import mixed_prompts
 CFG = dict(page_size=16, max_batch_tokens=64, num_blocks=8)
 # request id -> sampling parameters; "target" is the request whose tokens must not depend on its company
 MIXED = {
-    "target": dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.1, seed=11),
-    "other_0": dict(do_sample=False),
-    "other_1": dict(do_sample=True, temperature=1.3, seed=5),
-    "other_2": dict(do_sample=True, temperature=0.6, top_k=5),
-    "other_3": dict(do_sample=True, top_p=0.5, seed=7),
-    "other_4": dict(do_sample=False, repetition_penalty=1.5),
-    "other_5": dict(do_sample=True, temperature=0.8, top_k=-1, top_p=0.95, repetition_penalty=0.9, seed=123),
-    "other_6": dict(do_sample=True, temperature=1.0, top_k=1),
+    "target": {"do_sample": True, "temperature": 0.9, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1, "seed": 11},
+    "other_0": {"do_sample": False},
+    "other_1": {"do_sample": True, "temperature": 1.3, "seed": 5},
+    "other_2": {"do_sample": True, "temperature": 0.6, "top_k": 5},
+    "other_3": {"do_sample": True, "top_p": 0.5, "seed": 7},
+    "other_4": {"do_sample": False, "repetition_penalty": 1.5},
+    "other_5": {"do_sample": True, "temperature": 0.8, "top_k": -1, "top_p": 0.95, "repetition_penalty": 0.9,
+                "seed": 123},
+    "other_6": {"do_sample": True, "temperature": 1.0, "top_k": 1},
 }
 MIXED_NEW_TOKENS = 12
 
