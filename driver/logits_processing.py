@@ -72,7 +72,7 @@ def penalise(x: torch.Tensor, seen: list[tuple[int, ...]], penalty: list[float])
     return x.scatter(1, ids, torch.where(score < 0, score * p, score / p))
 
 
-FIRST_CANDIDATES = 256  # top-p on the CPU first ranks only this many of each row's most probable tokens
+CANDIDATES = (256, 4096)  # top-p on the CPU ranks this many of a row's most probable tokens first, then this many
 
 
 def top_p_drops(probs: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -83,25 +83,26 @@ def top_p_drops(probs: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor) -
     return (top_p < 1.0).expand(probs.shape).clone().scatter_(1, order, drop)
 
 
-def ranked_drops(probs: torch.Tensor, top_p: torch.Tensor, least: int) -> torch.Tensor:
-    """top_p_drops, ranking as few tokens as exactness allows: the row's top-k (`least`, when every row has one),
-    else, on the CPU (where reading a value waits on nothing), the FIRST_CANDIDATES most probable where they hold
-    more than top_p and the whole sorted vocabulary for the rows where they do not; elsewhere the whole vocabulary."""
+def ranked_drops(probs: torch.Tensor, top_p: torch.Tensor, least: int,
+                 tries: tuple[int, ...] = CANDIDATES) -> torch.Tensor:
+    """top_p_drops, ranking as few tokens as exactness allows: each row's top-k (`least`, when every row has
+    one); else, on the CPU (where reading a value waits on nothing), the `tries[0]` most probable tokens of the rows
+    where they hold more than top_p and, for the other rows, the next tries, then the whole sorted vocabulary;
+    on other devices the whole sorted vocabulary."""
     vocab = probs.shape[-1]
     if least < vocab:
         return top_p_drops(probs, torch.topk(probs, least, dim=-1).indices, top_p)
-    if probs.device.type != "cpu" or FIRST_CANDIDATES >= vocab:
+    tries = tuple(m for m in tries if m < vocab) if probs.device.type == "cpu" else ()
+    if not tries:
         return top_p_drops(probs, torch.sort(probs, dim=-1, descending=True).indices, top_p)
-    top, order = torch.topk(probs, FIRST_CANDIDATES, dim=-1)
-    short = (~((top.sum(-1, keepdim=True) > top_p) | (top_p >= 1.0)))[:, 0].nonzero()[:, 0].tolist()
+    top, order = torch.topk(probs, tries[0], dim=-1)
+    short = ((top.sum(-1) <= top_p[:, 0]) & (top_p[:, 0] < 1.0)).nonzero()[:, 0].tolist()
 
-    def sorted_rows(_: torch.Tensor, ix: list[int]) -> torch.Tensor:
+    def wider(_: torch.Tensor, ix: list[int]) -> torch.Tensor:
         index = torch.tensor(ix, dtype=torch.long, device=probs.device)
-        rows = probs.index_select(0, index)
-        return top_p_drops(rows, torch.sort(rows, dim=-1, descending=True).indices, top_p.index_select(0, index))
+        return ranked_drops(probs.index_select(0, index), top_p.index_select(0, index), vocab, tries[1:])
 
-    drops = top_p_drops(probs, order, top_p)
-    return on_rows(drops, short, sorted_rows, None)
+    return on_rows(top_p_drops(probs, order, top_p), short, wider, None)
 
 
 def top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -199,6 +199,20 @@ def test_top_k_and_top_p_never_return_masked_tokens():
     assert set(counts.nonzero()[:, 0].tolist()) == set(nucleus.tolist())
 
 
+def test_top_p_on_a_few_candidates_drops_what_the_full_sort_drops():
+    """On the CPU top-p ranks only the most probable tokens where they suffice: the same drops as ranking all."""
+    from driver.logits_processing import ranked_drops
+
+    base = torch.randn(8, 32000, generator=torch.Generator().manual_seed(1))
+    probs = (base * torch.tensor([0.3, 1.0, 3.0, 4.0, 6.0, 10.0, 3.0, 1.0])[:, None]).softmax(-1)  # flat to peaked
+    top_p = torch.tensor([0.9, 0.95, 0.5, 0.95, 0.99, 0.8, 1.0, 0.2])[:, None]
+    got = ranked_drops(probs, top_p, 32000)
+    assert torch.equal(got, ranked_drops(probs, top_p, 32000, tries=()))
+    assert not got[6].any()  # top_p = 1 drops nothing
+    kept = (~got).sum(-1)
+    assert kept.min() < 256 < kept.max()  # some rows fit the first candidates, some need more
+
+
 def test_greedy_rows_take_the_argmax_of_their_penalised_logits():
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(0))
     reqs = [request(f"g{i}", SamplingParams(repetition_penalty=p), prompt=list(range(i * 7, i * 7 + 40)))
