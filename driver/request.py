@@ -46,7 +46,10 @@ class Request:
     start_time: float = -1.0
     end_time: float = -1.0
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
-    generator: object = None  # torch.Generator for seeded sampling, made by the sampler
+    sample_key: int | None = None  # the 64-bit noise key of counter-based sampling, made by the sampler on first use
+    # how many of prompt_ids' last tokens were generated before a restart (a client's resume_tokens): they count in
+    # the token index, so the resumed request samples what the uninterrupted one would have
+    resumed_tokens: int = 0
     sink: object = None  # callable(GenerationOutput) on the loop thread (the front door's), else the ResultRouter
 
     @property
@@ -56,6 +59,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def token_index(self) -> int:
+        """The index of the next token to sample: the tokens generated so far, before and after any restart."""
+        return self.resumed_tokens + len(self.generated)
 
     @property
     def is_finished(self) -> bool:

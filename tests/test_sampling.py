@@ -93,17 +93,16 @@ def test_a_row_that_fails_to_sample_fails_only_its_request(make_checkpoint, monk
 
     real = driver.sampler.process_logits
 
-    def broken(logits, req):
-        if req.request_id == "req_1":
+    def broken(logits, rows):  # any batch holding req_1 raises: the sampler must find req_1 row by row
+        if any(r.request_id == "req_1" for r in rows):
             raise RuntimeError("boom in row req_1")
-        return real(logits, req)
+        return real(logits, rows)
 
     monkeypatch.setattr(driver.sampler, "process_logits", broken)
     model_dir = make_checkpoint("llama")
     model = cluster.load(model_dir)
     prompts = mixed_prompts(model.config.vocab_size)[:4]
     gen = GenerationConfig(do_sample=False, repetition_penalty=1.0, max_new_tokens=6, eos_token_id=None)
-    # return_logprobs sends every row through the per-row path
     out = model.generate_batch(prompts, generation_config=gen,
                                continuous_batching_config=cluster.ContinuousBatchingConfig(return_logprobs=True))
     assert out["req_1"].status == cluster.RequestStatus.FAILED
@@ -122,7 +121,7 @@ def test_sampler_returns_each_rows_failure():
 
     reqs = [Request(f"r{i}", [1, 2], 4, sampling=SamplingParams(do_sample=True)) for i in range(3)]
     logits = torch.randn(3, 32)
-    logits[1] = float("nan")  # multinomial refuses a NaN distribution
+    logits[1] = float("nan")  # NaN logits fail their row (InvalidLogits, a RuntimeError), not the batch
     draws = Sampler(seed=1)(logits, reqs)
     assert draws[1].token is None and isinstance(draws[1].error, RuntimeError)
     assert all(d.error is None and 0 <= d.token < 32 for d in (draws[0], draws[2]))
