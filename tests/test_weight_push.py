@@ -11,7 +11,7 @@ import sys
 
 from cluster.client import Client
 from tests.conftest import REPO, hf_greedy
-from tests.serving import serve
+from tests.serving import rank_pid, serve
 
 PROMPTS = [[1, 4, 9, 16, 25, 36], [1, 2, 3], [7, 7, 7, 7, 7, 7, 7, 7]]
 
@@ -70,6 +70,34 @@ def test_trainer_pushes_weights_tp2(make_checkpoint, tmp_path):
                               str(tmp_path / "missing")], capture_output=True, text=True, timeout=120, env=env)
         # refused: a non-zero exit naming the ranks (a result on stdout, or the client's error on stderr)
         assert bad.returncode != 0 and "rank 1:" in bad.stdout + bad.stderr, (bad.stdout, bad.stderr)
+
+
+def proc_counts(pid: int | str) -> tuple[int, int]:
+    """(threads, open file descriptors) of a process."""
+    return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_pushes_in_a_row_leave_nothing_behind(make_checkpoint, tmp_path):
+    """Eight pushes from this process (the trainer) into a TP=2 server: the update group is torn down on
+    every member after each push, so no rank and not the trainer keeps its threads or sockets; each push
+    is applied (the version moves) and the last one's weights serve."""
+    from safetensors.torch import load_file
+
+    from launch.weight_push import push_weights
+
+    dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
+    states = [load_file(os.path.join(d, "model.safetensors")) for d in (dir_a, dir_b)]
+    with serve(dir_a, tp=2, tmp_path=tmp_path) as s, Client(s.address) as c:
+        pids = ["self"] + [rank_pid(s, r) for r in range(2)]
+        assert push_weights(c, states[1], bucket_bytes=1 << 20)["version"] == 1  # warm: lazily made threads
+        before = [proc_counts(p) for p in pids]
+        for i in range(8):
+            assert push_weights(c, states[i % 2], bucket_bytes=1 << 20)["version"] == i + 2
+        after = [proc_counts(p) for p in pids]
+        for who, (t0, f0), (t1, f1) in zip(("trainer", "rank 0", "rank 1"), before, after):
+            assert t1 <= t0 + 2 and f1 <= f0 + 4, f"{who}: threads {t0} -> {t1}, fds {f0} -> {f1}"
+        assert [c.generate(p, max_new_tokens=8).generated_tokens for p in PROMPTS] == \
+            [t[:8] for t in hf_greedy(dir_b, PROMPTS, 8)]
 
 
 def test_offline_generate_from_jsonl(make_checkpoint, tmp_path):
