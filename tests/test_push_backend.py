@@ -85,7 +85,6 @@ def run_push(models, tensors, bucket_bytes, rank_devices=("cpu", "cpu"), trainer
     for t in threads:
         t.join(JOIN_S)
     assert not any(t.is_alive() for t in threads), "a member of the push hung"
-    del store
     return [out[r] for r in range(TP)], out["trainer"]
 
 
@@ -157,7 +156,7 @@ def test_ten_pushes_leave_no_threads_or_sockets(ckpt):
     run_push(models, tensors_b, 1 << 20)  # warm: torch's own lazily started threads
     threads0, fds0 = counts()
     for _ in range(10):
-        staged, sent = run_push(models, tensors_b, 1 << 20)
+        _, sent = run_push(models, tensors_b, 1 << 20)
         assert sent is True
     time.sleep(0.5)
     threads1, fds1 = counts()
