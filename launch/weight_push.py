@@ -1,24 +1,24 @@
 """Push new weights from a trainer process into a running cluster (RL loops).
 
-The trainer asks the driver for an update through a normal client, then joins a separate process group with
-every serving rank (it is the last member; gloo on CPU, NCCL on CUDA) and broadcasts its tensors in packed
-buckets of one dtype each. Every serving rank takes its own shard of each tensor, and the update is applied
-on every rank or on none. Requires torch in the trainer (cluster.Client alone does not).
+The trainer asks the driver for an update through a normal client, then joins a process group with every
+serving rank for this one push (it is the last member) and broadcasts its tensors in packed buckets of one
+dtype each. The backend is NCCL when the ranks and the trainer's tensors are on CUDA, gloo otherwise (the
+same `push_backend` on both ends; a mismatch is refused, see worker/push.py). Every serving rank keeps only
+its own shard of each bucket, the update is applied on every rank or on none, and the group is torn down
+after the push on every member. Requires torch in the trainer (cluster.Client alone does not).
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from cluster import protocol as P
 from cluster.client import Client
 from cluster.errors import WeightUpdateError
 from launch.torchrun import free_port
-from worker.weights import agree_flag, broadcast
+from worker.push import TRAINER_DEVICE_KEY, open_store, send_buckets
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -41,6 +41,11 @@ def buckets_of(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list
     return out
 
 
+def bucket_meta(tensors: dict[str, torch.Tensor], groups: list[list[str]]) -> list[list[list[Any]]]:
+    """The buckets as the update call carries them: [[name, shape, dtype name], ...] per bucket."""
+    return [[[n, list(tensors[n].shape), DTYPE_NAMES[tensors[n].dtype]] for n in names] for names in groups]
+
+
 def push_weights(client: Client, tensors: dict[str, torch.Tensor], kv_policy: str = "keep",
                  bucket_bytes: int = 64 << 20, host: str = "127.0.0.1", timeout_s: float = 120.0) -> dict[str, Any]:
     """Send `tensors` (full, unsharded, transformers' names) to the cluster behind `client`; returns the
@@ -49,22 +54,29 @@ def push_weights(client: Client, tensors: dict[str, torch.Tensor], kv_policy: st
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name}: dtype {t.dtype} cannot be pushed")
+    device = trainer_device(tensors)
     tp = client.health()["world_size"]
-    world = tp + 1
     port = free_port()
-    store = dist.TCPStore(host, port, world, is_master=True, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
-    groups = buckets_of(tensors, bucket_bytes)
-    meta = [[[n, list(tensors[n].shape), DTYPE_NAMES[tensors[n].dtype]] for n in names] for names in groups]
-    reply = client.io.call(P.UPDATE_WEIGHTS, source="push", store=f"{host}:{port}", buckets=meta,
-                           kv_policy=kv_policy)
-    pg = dist.ProcessGroupGloo(store, tp, world, timedelta(seconds=timeout_s))
-    if agree_flag(pg, True):
-        for names in groups:
-            flat = torch.cat([tensors[n].detach().reshape(-1).cpu() for n in names])
-            broadcast(pg, flat, root=tp)
-    result = reply.result(timeout_s)["data"]
-    del store
+    store = open_store(f"{host}:{port}", tp + 1, timeout_s, master=True)
+    try:
+        store.set(TRAINER_DEVICE_KEY, device.type)
+        groups = buckets_of(tensors, bucket_bytes)
+        meta = bucket_meta(tensors, groups)
+        reply = client.io.call(P.UPDATE_WEIGHTS, source="push", store=f"{host}:{port}", buckets=meta,
+                               kv_policy=kv_policy)
+        send_buckets(store, tp, tensors, groups, device, timeout_s, gave_up=reply.done)
+        result = reply.result(timeout_s)["data"]
+    finally:
+        del store  # the TCPStore server (and its thread) goes with the last reference
     if not result.get("ok"):
         raise WeightUpdateError(result.get("error", "refused"), result.get("rank"), result)
     return result
+
+
+def trainer_device(tensors: dict[str, torch.Tensor]) -> torch.device:
+    """The trainer's side of the backend choice: CUDA when every tensor is on CUDA (the first one's device),
+    the CPU otherwise (gloo; CUDA tensors are then copied to the CPU one bucket at a time)."""
+    devices = {t.device for t in tensors.values()}
+    if devices and all(d.type == "cuda" for d in devices):
+        return next(iter(tensors.values())).device
+    return torch.device("cpu")

@@ -1,5 +1,6 @@
 """Weight updates from outside the cluster: a trainer process pushing tensors through the update group at
-TP=2, and `lockstep update-weights` from the command line; `lockstep generate` offline from JSONL."""
+TP=2 (applied, refused, a rank's peak memory bounded by its shard plus one bucket, nothing left behind after
+pushes in a row), and `lockstep update-weights` from the command line; `lockstep generate` offline from JSONL."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cluster.client import Client
 from tests.conftest import REPO, hf_greedy
-from tests.serving import serve
+from tests.serving import rank_pid, serve
 
 PROMPTS = [[1, 4, 9, 16, 25, 36], [1, 2, 3], [7, 7, 7, 7, 7, 7, 7, 7]]
 
@@ -70,6 +73,73 @@ def test_trainer_pushes_weights_tp2(make_checkpoint, tmp_path):
                               str(tmp_path / "missing")], capture_output=True, text=True, timeout=120, env=env)
         # refused: a non-zero exit naming the ranks (a result on stdout, or the client's error on stderr)
         assert bad.returncode != 0 and "rank 1:" in bad.stdout + bad.stderr, (bad.stdout, bad.stderr)
+
+
+BIG = dict(hidden_size=512, intermediate_size=4096)  # about 110 MB of float32: memory shows above the noise
+
+
+@pytest.fixture(scope="module")
+def big(make_checkpoint, tmp_path_factory):
+    """A TP=2 server on checkpoint A (BIG) and this process as the trainer: (server, client, dirs, states)."""
+    from safetensors.torch import load_file
+
+    dirs = [make_checkpoint("llama", **BIG), make_checkpoint("llama", seed=1, **BIG)]
+    states = [load_file(os.path.join(d, "model.safetensors")) for d in dirs]
+    with serve(dirs[0], tp=2, tmp_path=tmp_path_factory.mktemp("big")) as s, Client(s.address) as c:
+        yield s, c, dirs, states
+
+
+def proc_status(pid: int, key: str) -> int:
+    """A size field of /proc/PID/status (VmRSS, VmHWM), in bytes."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def test_a_push_stages_a_shard_plus_one_bucket(big):
+    """Each rank's peak resident memory during a push (VmHWM, reset just before) grows by about its shard of
+    the model plus one bucket, not by the whole model received into new tensors."""
+    from launch.weight_push import push_weights
+
+    s, c, dirs, states = big
+    pids = [rank_pid(s, r) for r in range(2)]
+    model_bytes = sum(t.nbytes for t in states[1].values())
+    bucket = 1 << 20
+    bound = model_bytes // 2 + bucket + (20 << 20)  # a rank's shard (norms are tiny) + one bucket + noise
+    for i in range(2):
+        rss = []
+        for p in pids:
+            with open(f"/proc/{p}/clear_refs", "w") as f:
+                f.write("5")  # reset the peak to the current resident size
+            rss.append(proc_status(p, "VmRSS"))
+        assert push_weights(c, states[1 - i], bucket_bytes=bucket)["ok"]
+        extra = [proc_status(p, "VmHWM") - r for p, r in zip(pids, rss)]
+        assert max(extra) <= bound, f"push {i}: peak grew by {[e >> 20 for e in extra]} MB, bound {bound >> 20} MB"
+
+
+def proc_counts(pid: int | str) -> tuple[int, int]:
+    """(threads, open file descriptors) of a process."""
+    return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_pushes_in_a_row_leave_nothing_behind(big):
+    """Eight pushes from this process (the trainer) into a TP=2 server: the update group is torn down on
+    every member after each push, so no rank and not the trainer keeps its threads or sockets; each push
+    is applied (the version moves) and the last one's weights serve."""
+    from launch.weight_push import push_weights
+
+    s, c, dirs, states = big
+    pids = ["self"] + [rank_pid(s, r) for r in range(2)]
+    first = push_weights(c, states[1], bucket_bytes=1 << 20)["version"]  # warm: lazily made threads
+    before = [proc_counts(p) for p in pids]
+    for i in range(8):
+        assert push_weights(c, states[i % 2], bucket_bytes=1 << 20)["version"] == first + i + 1
+    after = [proc_counts(p) for p in pids]
+    for who, (t0, f0), (t1, f1) in zip(("trainer", "rank 0", "rank 1"), before, after):
+        assert t1 <= t0 + 2 and f1 <= f0 + 4, f"{who}: threads {t0} -> {t1}, fds {f0} -> {f1}"
+    assert [c.generate(p, max_new_tokens=8).generated_tokens for p in PROMPTS] == \
+        [t[:8] for t in hf_greedy(dirs[1], PROMPTS, 8)]
 
 
 def test_offline_generate_from_jsonl(make_checkpoint, tmp_path):

@@ -41,25 +41,34 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
+def stage_one(model: CausalLM, name: str, src: Any, where: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(parameter storage, a copy of this rank's shard of `src`) for one named tensor, checked; None when the
+    name is not one of the model's. Only the shard is copied (a pushed bucket's buffer is reused after)."""
+    tgt = model.target(name)
+    if tgt is None:
+        return None
+    layer, part, kind = tgt
+    try:
+        dst, value = layer.shard_of(part, kind, src)
+    except ValueError as e:
+        raise ValueError(f"{where}: tensor {name}: {e}") from None
+    if value.shape != dst.shape:
+        raise ValueError(f"{where}: tensor {name}: shard shape {list(value.shape)}, expected {list(dst.shape)}")
+    if value.is_floating_point() != dst.is_floating_point():
+        raise ValueError(f"{where}: tensor {name}: dtype {value.dtype} cannot replace {dst.dtype}")
+    return dst, value.to(dst.dtype, copy=True)
+
+
 def stage_named(model: CausalLM, tensors: Iterable[tuple[str, Any]], where: str) -> Staged:
     """This rank's shard of every named tensor (safetensors slices or full tensors), checked, as copies."""
     expected = model.expected_tensors()
     staged: Staged = []
     found: set[str] = set()
     for name, src in tensors:
-        tgt = model.target(name)
-        if tgt is None:
+        one = stage_one(model, name, src, where)
+        if one is None:
             continue
-        layer, part, kind = tgt
-        try:
-            dst, value = layer.shard_of(part, kind, src)
-        except ValueError as e:
-            raise ValueError(f"{where}: tensor {name}: {e}") from None
-        if value.shape != dst.shape:
-            raise ValueError(f"{where}: tensor {name}: shard shape {list(value.shape)}, expected {list(dst.shape)}")
-        if value.is_floating_point() != dst.is_floating_point():
-            raise ValueError(f"{where}: tensor {name}: dtype {value.dtype} cannot replace {dst.dtype}")
-        staged.append((dst, value.to(dst.dtype).clone()))
+        staged.append(one)
         found.add(name)
     missing = expected - found
     if missing:

@@ -1,17 +1,16 @@
 """Hot weight updates on every rank: stage the new shard, agree, then copy in place (all or none).
 
 Sources: a checkpoint directory (each rank reads its own slices), tensors in this process (inside a pause),
-or tensors pushed by a trainer process that joins a separate update group (gloo on CPU, NCCL on GPU) and
-broadcasts them in packed buckets. Whatever the source, no rank copies a byte before every rank has staged
-its shard without error; one failure anywhere leaves every rank on the old weights, and the error names the
-rank and the problem.
+or tensors pushed by a trainer process that joins a separate update group for one push (NCCL when both ends
+hold CUDA tensors, gloo otherwise) and broadcasts them in packed buckets (worker/push.py). Whatever the
+source, no rank copies a byte before every rank has staged its shard without error; one failure anywhere
+leaves every rank on the old weights, and the error names the rank and the problem.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from cluster.dist import DRIVER, Groups, agree_all_ok, agree_messages
 from cluster.errors import Code, LockstepError
 from worker.loader import Staged, apply, stage_checkpoint, stage_named
 from worker.model import CausalLM
+from worker.push import stage_pushed
 
 
 class WeightsDiverged(LockstepError, RuntimeError):
@@ -33,9 +33,6 @@ class WeightsDiverged(LockstepError, RuntimeError):
     def __init__(self, message: str, ranks: list[int]):
         super().__init__(message)
         self.ranks = ranks
-
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -52,51 +49,6 @@ class UpdateCall:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-def update_group(store_addr: str, rank: int, world: int, timeout_s: float, device: torch.device) -> Any:
-    """A process group of the serving ranks (0..tp-1) and the trainer (rank tp), outside the default group."""
-    host, port = store_addr.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=timeout_s))
-    if device.type == "cuda":
-        return dist.ProcessGroupNCCL(store, rank, world, timedelta(seconds=timeout_s))
-    return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
-
-
-def broadcast(pg: Any, tensor: torch.Tensor, root: int) -> None:
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = root, 0
-    pg.broadcast([tensor], opts).wait()
-
-
-def agree_flag(pg: Any, ok: bool) -> bool:
-    """True when every member of `pg` (trainer included) says ok."""
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    pg.allreduce([flag]).wait()
-    return int(flag.item()) == 0
-
-
-def stage_pushed(model: CausalLM, groups: Groups, call: UpdateCall) -> Staged:
-    """Receive the trainer's buckets. Every serving rank calls it, the trainer runs `cluster.weight_push`."""
-    world = groups.world_size + 1
-    pg = update_group(call.store, groups.rank, world, call.timeout_s, groups.device)
-    trainer = world - 1
-    expected = model.expected_tensors()
-    names = {entry[0] for bucket in call.buckets for entry in bucket}
-    problem = ""
-    if expected - names:
-        problem = f"the push lacks {len(expected - names)} tensor(s), e.g. {sorted(expected - names)[:3]}"
-    if not agree_flag(pg, not problem):
-        raise ValueError(problem or "another member of the update group refused the push")
-    pairs = []
-    for bucket in call.buckets:
-        dtype = DTYPES[bucket[0][2]]
-        sizes = [int(torch.Size(shape).numel()) for _, shape, _ in bucket]
-        flat = torch.empty(sum(sizes), dtype=dtype, device=groups.device)
-        broadcast(pg, flat, trainer)
-        for (name, shape, _), part in zip(bucket, flat.split(sizes)):
-            pairs.append((name, part.view(shape)))
-    return stage_named(model, pairs, "pushed weights")
 
 
 def agree_votes(ok: bool, message: str, groups: Groups) -> list[tuple[bool, str]]:
@@ -134,7 +86,7 @@ def stage(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, to
     if call.source == "checkpoint":
         return stage_checkpoint(model, call.path)
     if call.source == "push":
-        return stage_pushed(model, groups, call)
+        return stage_pushed(model, groups.rank, groups.world_size, groups.device, call)
     if call.source == "tensors":
         if local is None:
             raise ValueError("no tensors were handed to this rank")

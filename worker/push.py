@@ -1,0 +1,233 @@
+"""The trainer's weight push, as both ends of it run: one backend, a handshake, bounded staging, teardown.
+
+A push is a process group of the serving ranks (0..tp-1) and the trainer (rank tp), made for one push on the
+trainer's TCPStore and torn down after it on every member. In order:
+
+1. Backend. `push_backend(rank_device_type, trainer_device_type)` is NCCL when both ends are CUDA, gloo
+   otherwise; the trainer and every rank compute it. Every tensor sent over the group lives on that
+   backend's device (CUDA for NCCL, the CPU for gloo).
+2. Handshake, through the store, before any group exists: the trainer posts its device type; every rank
+   posts a verdict {device, backend, error} (error: the push's names, shapes or dtypes do not fit this rank's
+   model, checked on meta tensors). `agreed_backend` over all verdicts gives every member the same answer:
+   one backend, or a refusal that names the rank and why (a mismatch, ranks that disagree). A refused push
+   makes no group, so nobody waits on a peer that will not come.
+3. Buckets, one at a time, into one reusable receive buffer of the largest bucket's size; each rank keeps
+   only its own slices of each bucket. Staging memory on a rank is its shard of the model plus one bucket.
+4. A last agreement over the update group (an int tensor on the backend's device): every member received
+   or sent every bucket without error. Then the group is shut down and the store released, on every member.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cluster import faults
+from worker.loader import Staged, stage_named, stage_one
+from worker.memory import use_device
+from worker.model import CausalLM
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TRAINER_DEVICE_KEY = "push/trainer_device"
+
+
+def push_backend(rank_device_type: str, trainer_device_type: str) -> str:
+    """The update group's backend: "nccl" when the ranks and the trainer both hold CUDA tensors, else "gloo"."""
+    return "nccl" if rank_device_type == "cuda" and trainer_device_type == "cuda" else "gloo"
+
+
+def backend_device(backend: str, local: torch.device) -> torch.device:
+    """Where tensors sent over a group of `backend` must live on this member (`local`: its own device)."""
+    return local if backend == "nccl" else torch.device("cpu")
+
+
+def verdict_key(rank: int) -> str:
+    return f"push/verdict/{rank}"
+
+
+def agreed_backend(verdicts: list[dict[str, str]], trainer_device_type: str) -> tuple[str, str]:
+    """(backend, "") when every rank's verdict is clean and they agree; ("", why) otherwise. Every member of a
+    push (ranks and trainer) calls it on the same verdicts, so all take the same branch."""
+    problems = [f"rank {r}: {v['error']}" for r, v in enumerate(verdicts) if v["error"]]
+    if problems:
+        return "", "; ".join(problems)
+    for r, v in enumerate(verdicts):
+        expected = push_backend(v["device"], trainer_device_type)
+        if v["backend"] != expected:
+            return "", (f"rank {r}: backend mismatch: it offered {v['backend']}, but a rank on {v['device']} and a "
+                        f"trainer on {trainer_device_type} push over {expected}")
+    chosen = {v["backend"] for v in verdicts}
+    if len(chosen) > 1:
+        return "", "the ranks disagree on the push backend: " + ", ".join(
+            f"rank {r} {v['backend']} ({v['device']})" for r, v in enumerate(verdicts))
+    return verdicts[0]["backend"], ""
+
+
+def read_verdicts(store: Any, tp: int) -> list[dict[str, str]]:
+    """Every rank's posted verdict (blocks up to the store's timeout for the missing ones)."""
+    return [json.loads(store.get(verdict_key(r))) for r in range(tp)]
+
+
+def open_store(addr: str, world: int, timeout_s: float, master: bool = False) -> Any:
+    host, port = addr.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), world, is_master=master, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+@contextmanager
+def update_group(store: Any, rank: int, world: int, backend: str, device: torch.device,
+                 timeout_s: float) -> Iterator[Any]:
+    """The push's process group of the serving ranks (0..tp-1) and the trainer (rank tp), outside the default
+    group; shut down when the block ends (also after an error). Every member enters it once per push.
+    `device`: the backend's device on this member (made this thread's CUDA device for NCCL: a rank's update
+    may run in its loop thread)."""
+    prefixed = dist.PrefixStore("push/group", store)
+    if backend == "nccl":  # as torch's own new_group builds one
+        use_device(device)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout_s))
+    try:
+        yield pg
+    finally:
+        pg.shutdown()
+        del pg
+
+
+def broadcast(pg: Any, tensor: torch.Tensor, root: int) -> None:
+    """`tensor` from `root` to every member of `pg`. Every member calls it, with a tensor of the same size."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    pg.broadcast([tensor], opts).wait()
+
+
+def agree_flag(pg: Any, ok: bool, device: torch.device) -> bool:
+    """True when every member of `pg` (trainer included) says ok. Every member calls it; `device` is the
+    backend's device on this member (a CUDA tensor for NCCL)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+    pg.allreduce([flag]).wait()
+    return int(flag.item()) == 0
+
+
+def bucket_bytes(bucket: list[list[Any]]) -> int:
+    itemsize = DTYPES[bucket[0][2]].itemsize
+    return sum(int(torch.Size(shape).numel()) * itemsize for _, shape, _ in bucket)
+
+
+def receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """The one reusable receive buffer of a push on a rank (the largest bucket's bytes)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def preflight(model: CausalLM, buckets: list[list[list[Any]]]) -> str:
+    """Why this rank cannot take a push of these buckets ("" if it can): names, shapes and dtypes checked
+    against the model on meta tensors, before a byte moves."""
+    try:
+        for bucket in buckets:
+            if bucket[0][2] not in DTYPES:
+                return f"dtype {bucket[0][2]!r} cannot be pushed"
+        pairs = ((name, torch.empty(shape, dtype=DTYPES[dt], device="meta"))
+                 for bucket in buckets for name, shape, dt in bucket)
+        stage_named(model, pairs, "the push")
+    except ValueError as e:
+        return str(e).removeprefix("the push: ")
+    except Exception as e:  # posted as this rank's verdict: the others must not wait for it
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def receive_buckets(model: CausalLM, pg: Any, buckets: list[list[list[Any]]], root: int, device: torch.device,
+                    rank: int = 0) -> tuple[Staged, str]:
+    """Receive every bucket from `root` into one buffer, keeping this rank's slices of each: (staged, error).
+    A rank that fails on a bucket still receives the rest, so every member runs the same broadcasts. Every
+    serving rank of the update group calls it while the trainer runs `send_buckets`."""
+    buf = receive_buffer(max(bucket_bytes(b) for b in buckets), device)
+    staged: Staged = []
+    error = ""
+    for i, bucket in enumerate(buckets):
+        dtype = DTYPES[bucket[0][2]]
+        flat = buf[:bucket_bytes(bucket)].view(dtype)
+        broadcast(pg, flat, root)
+        if error:
+            continue
+        try:
+            faults.hit("push_bucket", rank=rank, bucket=i)
+            sizes = [int(torch.Size(shape).numel()) for _, shape, _ in bucket]
+            for (name, shape, _), part in zip(bucket, flat.split(sizes)):
+                one = stage_one(model, name, part.view(shape), "pushed weights")
+                if one is not None:
+                    staged.append(one)
+        except Exception as e:  # this rank's vote against, after the remaining broadcasts
+            error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+    del buf
+    return staged, error
+
+
+def stage_pushed(model: CausalLM, rank: int, tp: int, device: torch.device, call: Any) -> Staged:
+    """This rank's shard of the trainer's push (`call`: an UpdateCall with source "push"); the model is not
+    touched. Every serving rank calls it while the trainer runs `launch.weight_push.push_weights`. Holds at
+    most this rank's shard plus one bucket; raises ValueError (the push refused, the rank named) on any
+    problem, after the update group, if one was made, is torn down on every member."""
+    world, trainer = tp + 1, tp
+    store = open_store(call.store, world, call.timeout_s)
+    try:
+        trainer_device = store.get(TRAINER_DEVICE_KEY).decode()
+        mine = {"device": device.type, "backend": push_backend(device.type, trainer_device),
+                "error": preflight(model, call.buckets)}
+        store.set(verdict_key(rank), json.dumps(mine))
+        backend, why = agreed_backend(read_verdicts(store, tp), trainer_device)
+        if not backend:
+            raise ValueError(mine["error"] or f"the push was refused: {why}")
+        local = backend_device(backend, device)
+        with update_group(store, rank, world, backend, local, call.timeout_s) as pg:
+            staged, error = receive_buckets(model, pg, call.buckets, trainer, local, rank)
+            if not agree_flag(pg, not error, local) and not error:
+                error = "another member of the update group failed during the push"
+        if error:
+            raise ValueError(error)
+        return staged
+    finally:
+        del store
+
+
+def wait_verdicts(store: Any, tp: int, deadline: float, gave_up: Callable[[], bool]) -> list[dict] | None:
+    """The trainer's wait for every rank's verdict: None when `gave_up()` (the cluster answered already, e.g.
+    refused before dialling the store); TimeoutError past `deadline`."""
+    keys = [verdict_key(r) for r in range(tp)]
+    while not store.check(keys):
+        if gave_up():
+            return None
+        if time.monotonic() > deadline:
+            raise TimeoutError("the serving ranks did not answer the push within its timeout")
+        time.sleep(0.01)
+    return read_verdicts(store, tp)
+
+
+def send_buckets(store: Any, tp: int, tensors: dict[str, torch.Tensor], groups: list[list[str]],
+                 device: torch.device, timeout_s: float, gave_up: Callable[[], bool] = lambda: False) -> bool:
+    """The trainer's side of one push (rank tp of the update group), after its device type is in the store
+    and the update call went out: wait for the verdicts, then, if the ranks agreed, broadcast each bucket
+    (one at a time, on the backend's device) and agree. True when every member took every bucket; False when
+    the push was refused or a rank failed (the cluster's answer says why). The group is torn down on return."""
+    verdicts = wait_verdicts(store, tp, time.monotonic() + timeout_s, gave_up)
+    if verdicts is None:
+        return False
+    backend, _ = agreed_backend(verdicts, device.type)
+    if not backend:
+        return False
+    local = backend_device(backend, device)
+    with update_group(store, tp, tp + 1, backend, local, timeout_s) as pg:
+        for names in groups:
+            flat = torch.cat([tensors[n].detach().reshape(-1).to(local) for n in names])
+            broadcast(pg, flat, root=tp)
+            del flat
+        return agree_flag(pg, True, local)
