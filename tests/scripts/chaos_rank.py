@@ -136,7 +136,7 @@ def worker_dies(model, rec: dict) -> None:
     else:  # this rank's caller lives on (as a user's script would) while its loop is dead
         m.join(timeout=40)
         rec["worker_loop_error"] = repr(m.loop_error)
-        time.sleep(12)
+        time.sleep(8)
     rec["worker_dies_s"] = time.monotonic() - t0
 
 
