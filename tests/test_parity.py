@@ -3,6 +3,8 @@ under chunked prefill, prefix sharing and preemption."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import cluster
@@ -37,20 +39,35 @@ def test_tp1_matches_transformers(arch, make_checkpoint):
                        model.last_stats, hf_greedy(model_dir, prompts))
 
 
-@pytest.mark.parametrize("arch,overrides", [(a, {}) for a in ARCHS] + [("llama", {"num_key_value_heads": 1})],
-                         ids=ARCHS + ["llama-kv1"])
-def test_tp2_matches_transformers(arch, overrides, make_checkpoint, tmp_path):
-    model_dir = make_checkpoint(arch, **overrides)
-    out_path = tmp_path / "out.json"
-    proc = run_ranks("parity_rank.py", [str(model_dir), str(out_path)])
-    assert proc.returncode == 0, proc.stdout[-4000:]
+TP2_CASES = {a: (a, {}) for a in ARCHS} | {"llama-kv1": ("llama", {"num_key_value_heads": 1})}
+
+
+@pytest.fixture(scope="module")
+def tp2_outputs(make_checkpoint, tmp_path_factory):
+    """Every TP=2 case in one torchrun launch (tests/scripts/parity_rank.py); each test reads its own files."""
+    prefix = tmp_path_factory.mktemp("parity") / "out"
+    dirs = {case: make_checkpoint(arch, **overrides) for case, (arch, overrides) in TP2_CASES.items()}
+    proc = run_ranks("parity_rank.py", [str(prefix), *(f"{case}={d}" for case, d in dirs.items())], timeout=600)
+    return prefix, dirs, proc
+
+
+@pytest.mark.parametrize("case", list(TP2_CASES))
+def test_tp2_matches_transformers(case, tp2_outputs):
+    prefix, dirs, proc = tp2_outputs
+    out_path = f"{prefix}.{case}.json"
+    assert os.path.exists(out_path), proc.stdout[-4000:]
     results = read_json(out_path)
-    rank1 = read_json(str(out_path) + ".rank1")
+    rank1 = read_json(out_path + ".rank1")
+    model_dir = dirs[case]
     vocab = cluster.load(model_dir).config.vocab_size
     for name, (_, kind) in SCENARIOS.items():
         r = results[name]
         check_scenario(name, r["tokens"], r["status"], r["stats"], hf_greedy(model_dir, prompts_for(kind, vocab)))
         assert rank1[name] == r["tokens"], "rank 1 got different results from rank 0"
+
+
+def test_tp2_launch_exits_cleanly(tp2_outputs):
+    assert tp2_outputs[2].returncode == 0, tp2_outputs[2].stdout[-4000:]
 
 
 def test_sliding_window_matches_transformers(make_checkpoint):

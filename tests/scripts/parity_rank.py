@@ -1,4 +1,9 @@
-"""One rank of the TP parity test: run every scenario through generate_batch, rank 0 writes the outputs."""
+"""One torchrun launch of the TP parity test for several checkpoints: every rank runs every scenario of every
+checkpoint through generate_batch; rank 0 writes the outputs, rank 1 its own tokens. One launch for all of them
+saves a process start, an import of torch and a group rendezvous per checkpoint.
+
+    parity_rank.py OUT_PREFIX NAME=DIR [NAME=DIR ...]   ->   OUT_PREFIX.NAME.json and OUT_PREFIX.NAME.json.rank1
+"""
 
 import json
 import sys
@@ -6,23 +11,29 @@ import sys
 import cluster
 from tests.workloads import NEW_TOKENS, SCENARIOS, prompts_for
 
-model_dir, out_path = sys.argv[1], sys.argv[2]
-model = cluster.load(model_dir)
-results = {}
-for name, (fields, kind) in SCENARIOS.items():
-    prompts = prompts_for(kind, model.config.vocab_size)
-    out = model.generate_batch(prompts, continuous_batching_config=cluster.ContinuousBatchingConfig(**fields),
-                               max_new_tokens=NEW_TOKENS)
-    results[name] = {"tokens": [o.generated_tokens for o in out.values()],
-                     "status": [int(o.status) for o in out.values()], "stats": model.last_stats}
-    # every rank gets the same dict
-    assert len(out) == len(prompts), (model.groups.rank, name, len(out))
-    if model.groups.rank == 1:
-        results[name]["tokens_rank1"] = [o.generated_tokens for o in out.values()]
-if model.groups.rank == 1:
-    with open(out_path + ".rank1", "w") as f:
-        json.dump({k: v["tokens_rank1"] for k, v in results.items()}, f)
-if model.groups.rank == 0:
-    with open(out_path, "w") as f:
-        json.dump(results, f)
-print(f"rank {model.groups.rank} done")
+
+def run(model_dir: str, out_path: str) -> None:
+    model = cluster.load(model_dir)
+    results = {}
+    for name, (fields, kind) in SCENARIOS.items():
+        prompts = prompts_for(kind, model.config.vocab_size)
+        out = model.generate_batch(prompts, continuous_batching_config=cluster.ContinuousBatchingConfig(**fields),
+                                   max_new_tokens=NEW_TOKENS)
+        results[name] = {"tokens": [o.generated_tokens for o in out.values()],
+                         "status": [int(o.status) for o in out.values()], "stats": model.last_stats}
+        assert len(out) == len(prompts), (model.groups.rank, name, len(out))  # every rank gets the same dict
+    rank = model.groups.rank
+    if rank == 1:
+        with open(out_path + ".rank1", "w") as f:
+            json.dump({k: v["tokens"] for k, v in results.items()}, f)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    print(f"rank {rank} done with {model_dir}", flush=True)
+
+
+if __name__ == "__main__":
+    prefix = sys.argv[1]
+    for spec in sys.argv[2:]:
+        name, model_dir = spec.split("=", 1)
+        run(model_dir, f"{prefix}.{name}.json")
