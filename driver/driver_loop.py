@@ -160,13 +160,11 @@ class DriverLoop:
         with m._lock:
             m.closed = True
             left = list(m.requests.values())
-        while True:  # what was queued before the door closed
-            try:
-                item = m.inbox.get_nowait()
+        while True:  # what was queued before the door closed: adds end below (they are in m.requests);
+            try:     # queued updates are answered by WeightUpdates.loop_ended once this loop has returned
+                m.inbox.get_nowait()
             except queue.Empty:
                 break
-            if item is not None and item[0] == "update":
-                item[1][2].set_result({"ok": False, "error": f"not applied: {error}", "rank": None})
         for req in left:
             if not req.is_finished:
                 self.engine.end(req, status, error)
