@@ -193,11 +193,11 @@ class Frontend:
             self._send(ident, P.REPLY, mid=mid, data={"paused": False})
         elif kind == P.STATS:
             self._send(ident, P.REPLY, mid=mid, data=self.manager.stats() | {
-                "frontend": self._frontend_stats(), "restart_count": getattr(self.manager, "restart_count", 0)})
+                "frontend": self._frontend_stats(), "restart_count": self.manager.restart_count})
         elif kind == P.HEALTH:
             self._send(ident, P.REPLY, mid=mid, data={
                 "ok": self.desk.loop_answers(), "world_size": self.manager.groups.world_size,
-                "restart_count": getattr(self.manager, "restart_count", 0), "failure": self.manager.failure})
+                "restart_count": self.manager.restart_count, "failure": self.manager.failure})
         elif kind == P.UPDATE_WEIGHTS:
             self._update_weights(ident, msg, mid)
         elif kind == P.BYE:

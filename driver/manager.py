@@ -60,6 +60,7 @@ class ContinuousBatchingManager:
         self.loop_error: BaseException | None = None
         self.failure: str | None = None  # what the loop died of, naming the rank when it can
         self.failure_code: str | None = None  # cluster.errors.Code of that failure (rank_failed, driver_failed)
+        self.restart_count = 0  # the launcher's restarts of this group so far (launch/serve.py sets it)
         self.liveness: Liveness | None = None
         self.wants_results = False  # a worker whose caller reads results asks the driver for them
         self.updates = WeightUpdates(self)

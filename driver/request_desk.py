@@ -47,8 +47,7 @@ class RequestDesk:
         self.admission = Admission()
         self.in_manager = 0  # tickets handed to manager.submit whose final has not come back
         self.outputs: deque[tuple[Ticket, GenerationOutput]] = deque()
-        self.last_failure_code: str | None = None  # the code of the loop's last FAILED output
-        self.loop_deadline_s = (getattr(manager.config, "cpu_group_timeout", None) or 300.0) + LOOP_GRACE_S
+        self.loop_deadline_s = (manager.effective_config.cpu_group_timeout or 300.0) + LOOP_GRACE_S
 
     def client(self, ident: bytes) -> ClientState:
         """The client's record, refreshed: it just sent something."""
@@ -134,8 +133,6 @@ class RequestDesk:
                 self.in_manager -= 1
             if self.tickets.get(ticket.rid) is ticket:
                 del self.tickets[ticket.rid]
-            if out.status == RequestStatus.FAILED and out.error_code:
-                self.last_failure_code = out.error_code
         if ticket.answered or ticket.ident is None:
             return  # its owner is gone, or it was already answered: a stale output
         if not finished:
@@ -147,18 +144,10 @@ class RequestDesk:
         self._settle(ticket)
         self.counters["finished"] += 1
         if out.status == RequestStatus.FAILED:
-            self.send(ticket.ident, P.ERROR, request_id=ticket.rid, code=out.error_code or self._uncoded_failure(),
+            self.send(ticket.ident, P.ERROR, request_id=ticket.rid, code=out.error_code or Code.INTERNAL,
                       message=out.error or "")
         else:
             self.send(ticket.ident, P.FINAL, output=out.to_dict())
-
-    def _uncoded_failure(self) -> str:
-        """The code of a FAILED output that carries none: the loop's failure if it died (the manager's own code
-        when it gives one, else rank_failed as before codes travelled with outputs), else internal."""
-        m = self.manager
-        if m.failure:
-            return getattr(m, "failure_code", None) or Code.RANK_FAILED
-        return Code.INTERNAL
 
     def _settle(self, ticket: Ticket) -> None:
         """The ticket is answered: its owner no longer counts it."""
@@ -218,7 +207,7 @@ class RequestDesk:
             return Code.DRIVER_FAILED  # alive but stuck past its deadline
         if m.loop_error is None and m.failure is None:
             return Code.STOPPED
-        return self.last_failure_code or getattr(m, "failure_code", None) or Code.DRIVER_FAILED
+        return m.failure_code or Code.DRIVER_FAILED
 
     def check_loop(self) -> None:
         """Fail every outstanding request here if the loop died or has not come round within its deadline."""
