@@ -71,10 +71,8 @@ class DriverLoop:
                     self._send(Command.PUBLISH)
                 if time.monotonic() - self.last_plan >= IDLE_HEARTBEAT_S:
                     self._send(Command.IDLE)  # by the clock, not by an empty inbox
-            if m.hard:
-                self._close(RequestStatus.FAILED, "the manager was stopped with hard_stop=True", Code.STOPPED)
-            else:
-                self._close(RequestStatus.FAILED, "the manager stopped before this request ran", Code.STOPPED)
+            why = "the manager was stopped with hard_stop=True" if m.hard else "the manager stopped before it ran"
+            self._close(RequestStatus.FAILED, why, Code.STOPPED)
             self._send(Command.STOP)
         except BaseException as e:  # the loop must never die silently
             self._fail(e)
