@@ -184,3 +184,17 @@ def test_small_pool_swaps_some_and_recomputes_others(make_checkpoint):
     assert stats["num_host_blocks"] == 6
     assert stats["swapped_out_requests"] > 0 and stats["recomputed_tokens"] > 0
     assert stats["swapped_out_requests"] < stats["preemptions"]
+
+
+def test_slots_a_swap_in_reads_are_not_reused_in_the_same_plan():
+    from driver.host_pool import HostPool
+
+    pool = HostPool(2)
+    r1, r2 = req("r1", [3]), req("r2", [4])
+    assert pool.swap_out(r1, [5, 6])
+    pool.take()
+    pool.swap_in(r1, [1, 2])
+    assert not pool.swap_out(r2, [3])  # both slots are still to be read by this plan's swap-ins
+    out, into = pool.take()
+    assert out.size == 0 and into.tolist() == [[0, 1], [1, 2]]
+    assert pool.swap_out(r2, [3]) and pool.take()[0].tolist() == [[3, 0]]
