@@ -163,6 +163,8 @@ class ResolvedConfig:
     # elements one chunk of the paged SDPA attention may gather (keys, values and scores together); the
     # attention workspace bound (worker.attention.attention_workspace_bytes) follows from it
     attn_chunk_elements: int = ATTN_CHUNK_ELEMENTS["cpu"]
+    # overlapped scheduling (use_async_batching): step N+1 is scheduled, broadcast and prepared while step N runs
+    overlap: bool = False
 
     @property
     def max_tokens_padded(self) -> int:
@@ -218,8 +220,9 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
                                            page_size=page)
     if flash_note:
         notes.append(flash_note)
-    if cfg.use_async_batching:
-        notes.append("use_async_batching -> False: the step loop is synchronous")
+    # overlapped scheduling hides the host's step work behind an asynchronous forward; the CPU's forward is
+    # synchronous, so there it would only add one collective a step
+    overlap = cfg.use_async_batching if cfg.use_async_batching is not None else device_kind == "cuda"
     if cfg.cpu_offload_space:
         notes.append("cpu_offload_space -> 0: preemption recomputes instead of offloading")
     if cfg.default_compile_level or cfg.varlen_compile_config or cfg.decode_compile_config:
@@ -232,7 +235,8 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         use_cuda_graph=graphs, use_flash_attn=use_flash, scheduler_type=cfg.scheduler_type,
         allow_block_sharing=cfg.allow_block_sharing,
         safety_margin=cfg.safety_margin if cfg.safety_margin is not None else 0.0,
-        cpu_group_timeout=cfg.cpu_group_timeout, notes=notes, attn_chunk_elements=ATTN_CHUNK_ELEMENTS[device_kind])
+        cpu_group_timeout=cfg.cpu_group_timeout, notes=notes, attn_chunk_elements=ATTN_CHUNK_ELEMENTS[device_kind],
+        overlap=bool(overlap))
 
 
 def graph_decision(asked: bool | tuple[bool, bool] | None, device_kind: str) -> tuple[tuple[bool, bool], list[str]]:

@@ -43,7 +43,7 @@ class H(IntEnum):
     PAYLOAD_LEN = 7
     WEIGHT_VERSION = 8
     DATA_LEN = 9
-    RESERVED_10 = 10
+    SHARE_TOKENS = 10  # 1: overlapped step (see StepPlan.share_tokens)
     RESERVED_11 = 11
 
 
@@ -69,6 +69,9 @@ class StepPlan:
     sample: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [B] 1: return last logits
     block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [B, NB]
     data: bytes = b""
+    # overlapped scheduling: every rank broadcasts this step's sampled tokens on the device group after its
+    # forward, and the NEXT step's input ids may read them: an id -(1 + j) is sampled row j of this step
+    share_tokens: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +103,7 @@ class StepPlan:
         h[H.PAYLOAD_LEN] = payload_len(h)
         h[H.WEIGHT_VERSION] = self.weight_version
         h[H.DATA_LEN] = len(self.data)
+        h[H.SHARE_TOKENS] = int(self.share_tokens)
         return h
 
     def payload(self) -> np.ndarray:
@@ -118,7 +122,7 @@ def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> S
         raise RuntimeError(f"control channel out of step: header magic {int(h[H.MAGIC]):#x}")
     t, b, nb = int(h[H.NUM_TOKENS]), int(h[H.NUM_SEQS]), int(h[H.TABLE_WIDTH])
     plan = StepPlan(command=Command(int(h[H.COMMAND])), step=int(h[H.STEP]),
-                    weight_version=int(h[H.WEIGHT_VERSION]), data=data)
+                    weight_version=int(h[H.WEIGHT_VERSION]), data=data, share_tokens=bool(h[H.SHARE_TOKENS]))
     if payload is not None and payload.size:
         o = 0
         plan.input_ids = payload[o:o + t]; o += t

@@ -4,6 +4,11 @@
 waiting requests with what is left of the budget. `prefill_first` admits waiting requests first. When a
 running request needs a page and none is free, the newest other running request is preempted: its pages
 are freed and it goes back to the front of the queue to be recomputed (prompt + tokens so far) later.
+
+Overlapped scheduling: a request sampled by the step in flight has a pending token (`Request.num_pending`), not
+on the host yet. It runs as a one-token decode that reads that token on the device; it is not scheduled once its
+tokens so far reach its limits (it ends when the step in flight is collected), and it is never admitted (after a
+preemption) until its pending token has arrived, since admission reads all its tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ class Scheduled:
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, so its last logits give the next token."""
-        return self.req.num_computed + self.num_tokens == self.req.num_tokens
+        return self.req.num_computed + self.num_tokens == self.req.num_tokens_ahead
 
 
 class Scheduler:
@@ -64,10 +69,10 @@ class Scheduler:
         for req in list(self.running):
             if not self._room(batch, budget):
                 return
-            if req not in self.running or id(req) in scheduled:
+            if req not in self.running or id(req) in scheduled or (req.num_pending and self._at_limit(req)):
                 continue
             scheduled.add(id(req))
-            n = min(req.num_tokens - req.num_computed, budget[0])
+            n = min(req.num_tokens_ahead - req.num_computed, budget[0])
             while not self.blocks.allocate(req, req.num_computed + n):
                 victims = [r for r in self.running if r is not req and id(r) not in scheduled]
                 if victims:
@@ -86,6 +91,8 @@ class Scheduler:
     def _admit(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
         while self.waiting and self._room(batch, budget):
             req = self.waiting[0]
+            if req.num_pending:  # preempted while a token was in flight: admit it once the token is here
+                return
             self.blocks.match_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget[0])
             keep = self.keep_free if self.running else 0
@@ -103,6 +110,11 @@ class Scheduler:
                 req.status = RequestStatus.PREFILLING
             batch.append(Scheduled(req, n))
             budget[0] -= n
+
+    def _at_limit(self, req: Request) -> bool:
+        """Its generated and pending tokens reach max_new_tokens or the model's length: no step is left to run."""
+        return (len(req.generated) + req.num_pending >= req.max_new_tokens
+                or req.num_tokens_ahead >= self.rc.max_model_len)
 
     def preempt(self, req: Request) -> None:
         """Free the request's pages and queue it first, to be recomputed from its tokens so far."""
