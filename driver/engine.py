@@ -111,7 +111,7 @@ class Engine:
         batch.sort(key=lambda s: s.num_tokens != 1)  # the decode group goes first
         plan = self._plan(batch)
         plan.data = data
-        sampled = [s.req for s in batch if s.samples]
+        sampled = [s.req for s, m in zip(batch, plan.sample) if m]
         plan.share_tokens = self.rc.overlap and bool(sampled)
         self.rank_states = send_plan(plan, self.groups)
         logits = self.runner.launch(plan)
@@ -135,10 +135,14 @@ class Engine:
         return events
 
     def _register(self, batch: list[Scheduled]) -> None:
-        """Make the batch's newly full blocks findable, for requests whose tokens are all on the host."""
+        """Make the batch's newly full blocks findable, for requests whose tokens are all on the host (only those
+        that completed a block: registering copies the request's tokens)."""
+        if not self.rc.allow_block_sharing:
+            return
+        page = self.rc.page_size
         for s in batch:
             r = s.req
-            if not r.is_finished and r.num_computed <= r.num_tokens:
+            if r.num_computed // page > len(r.block_hashes) and not r.is_finished and r.num_computed <= r.num_tokens:
                 self.blocks.register_full_blocks(r)
 
     def _apply(self, sampled: list[Request], draws: list[Draw | None], version: int,
@@ -147,10 +151,11 @@ class Engine:
         `pending`: the tokens were counted in `num_pending` until now."""
         events = []
         now = time.perf_counter()
+        max_len, tokens = self.rc.max_model_len, 0
         for req, draw in zip(sampled, draws):
             if pending:
                 req.num_pending -= 1
-            if draw is None or req.is_finished:
+            if draw is None or req.status >= RequestStatus.FINISHED:  # ended meanwhile: the token is dropped
                 continue
             if draw.error is not None:  # this request alone fails; the rest of the batch gets its tokens
                 self.end(req, RequestStatus.FAILED, f"request {req.request_id}: sampling failed: {draw.error!r}",
@@ -160,7 +165,8 @@ class Engine:
             tok = draw.token
             if req.start_time < 0:
                 req.start_time = now
-            req.note_version(version)
+            if not req.weight_versions or req.weight_versions[-1][1] != version:
+                req.note_version(version)
             req.generated.append(tok)
             if draw.logprob is not None:
                 req.logprobs.append(draw.logprob)
@@ -169,10 +175,11 @@ class Engine:
             if req.status != RequestStatus.PENDING:  # PENDING: preempted while the token was in flight
                 req.status = RequestStatus.DECODING
             if (tok in req.eos_token_ids or len(req.generated) >= req.max_new_tokens
-                    or req.num_tokens >= self.rc.max_model_len):
+                    or len(req.prompt_ids) + len(req.generated) >= max_len):
                 self.end(req, RequestStatus.FINISHED)
             events.append(req)
-            self.num_tokens_generated += 1
+            tokens += 1
+        self.num_tokens_generated += tokens
         return events
 
     def _plan(self, batch: list[Scheduled]) -> StepPlan:
@@ -180,24 +187,28 @@ class Engine:
         step in flight, which the ranks read on the device."""
         ids: list[int] = []
         row_of = self.in_flight.row_of if self.in_flight is not None else {}
-        for s in batch:
+        n = len(batch)
+        q_lens, kv_lens, sample = [0] * n, [0] * n, [0] * n
+        width = max(len(s.req.block_ids) for s in batch)
+        for i, s in enumerate(batch):  # one pass: at hundreds of sequences a step, every pass costs
             r = s.req
             start, stop = r.num_computed, r.num_computed + s.num_tokens
-            known = r.num_tokens
-            p = len(r.prompt_ids)
-            if start >= p:
-                ids.extend(r.generated[start - p:min(stop, known) - p])
-            else:
-                ids.extend((r.prompt_ids + r.generated[:max(0, min(stop, known) - p)])[start:stop])
-            if stop > known:  # its pending token (the scheduler runs it alone, as a one-token decode)
+            p, known = len(r.prompt_ids), len(r.prompt_ids) + len(r.generated)
+            if start == known:  # a one-token decode of its pending token
                 ids.append(-1 - row_of[id(r)])
-        width = max(len(s.req.block_ids) for s in batch)
-        tables = np.zeros((len(batch), width), np.int32)
-        for i, s in enumerate(batch):
-            tables[i, :len(s.req.block_ids)] = s.req.block_ids
-        return StepPlan(
-            command=Command.STEP, step=self.step_no, weight_version=self.weight_version,
-            input_ids=np.asarray(ids, np.int32),
-            q_lens=np.asarray([s.num_tokens for s in batch], np.int32),
-            kv_lens=np.asarray([s.req.num_computed + s.num_tokens for s in batch], np.int32),
-            sample=np.asarray([s.samples for s in batch], np.int32), block_tables=tables)
+            elif stop == known and start == known - 1 and start >= p:  # a one-token decode, on the host
+                ids.append(r.generated[start - p])
+            else:
+                if start >= p:
+                    ids.extend(r.generated[start - p:min(stop, known) - p])
+                else:
+                    ids.extend((r.prompt_ids + r.generated[:max(0, min(stop, known) - p)])[start:stop])
+                if stop > known:  # its pending token (the scheduler runs it alone, as a one-token decode)
+                    ids.append(-1 - row_of[id(r)])
+            q_lens[i], kv_lens[i] = s.num_tokens, stop
+            sample[i] = int(stop == known + r.num_pending)
+        tables = np.asarray([s.req.block_ids + [0] * (width - len(s.req.block_ids)) for s in batch], np.int32)
+        return StepPlan(command=Command.STEP, step=self.step_no, weight_version=self.weight_version,
+                        input_ids=np.asarray(ids, np.int32), q_lens=np.asarray(q_lens, np.int32),
+                        kv_lens=np.asarray(kv_lens, np.int32), sample=np.asarray(sample, np.int32),
+                        block_tables=tables)

@@ -66,17 +66,23 @@ class Scheduler:
 
     def _continue(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
         scheduled = {id(s.req) for s in batch}
-        for req in list(self.running):
-            if not self._room(batch, budget):
+        gone: set[int] = set()  # preempted by this loop (a set: `in self.running` would make the loop quadratic)
+        cap, max_len, allocate = self.rc.max_requests_per_batch, self.rc.max_model_len, self.blocks.allocate
+        for req in list(self.running):  # the hottest loop of the driver: hundreds of requests a step
+            if budget[0] <= 0 or len(batch) >= cap:
                 return
-            if req not in self.running or id(req) in scheduled or (req.num_pending and self._at_limit(req)):
+            if id(req) in gone or id(req) in scheduled:
                 continue
+            ahead = len(req.prompt_ids) + len(req.generated) + req.num_pending
+            if req.num_pending and (ahead - len(req.prompt_ids) >= req.max_new_tokens or ahead >= max_len):
+                continue  # its tokens so far reach its limits: it ends when the step in flight is collected
             scheduled.add(id(req))
-            n = min(req.num_tokens_ahead - req.num_computed, budget[0])
-            while not self.blocks.allocate(req, req.num_computed + n):
+            n = min(ahead - req.num_computed, budget[0])
+            while not allocate(req, req.num_computed + n):
                 victims = [r for r in self.running if r is not req and id(r) not in scheduled]
                 if victims:
                     self.preempt(victims[-1])
+                    gone.add(id(victims[-1]))
                     continue
                 if not batch:  # alone and still too big: it can never run
                     self.running.remove(req)
@@ -110,11 +116,6 @@ class Scheduler:
                 req.status = RequestStatus.PREFILLING
             batch.append(Scheduled(req, n))
             budget[0] -= n
-
-    def _at_limit(self, req: Request) -> bool:
-        """Its generated and pending tokens reach max_new_tokens or the model's length: no step is left to run."""
-        return (len(req.generated) + req.num_pending >= req.max_new_tokens
-                or req.num_tokens_ahead >= self.rc.max_model_len)
 
     def preempt(self, req: Request) -> None:
         """Free the request's pages and queue it first, to be recomputed from its tokens so far."""
