@@ -84,7 +84,7 @@ class Engine:
     def flush(self) -> list[Request]:
         """Collect the step in flight, if any; returns the requests that got a token or ended."""
         f, self.in_flight = self.in_flight, None
-        return [] if f is None else self._apply(f.sampled, self.sampler.collect(f.launched.result()),
+        return [] if f is None else self._apply(f.sampled, self.sampler.collect(f.launched.value()),
                                                 f.weight_version, pending=True)
 
     def abandon(self) -> None:
@@ -120,7 +120,7 @@ class Engine:
         if not plan.share_tokens:  # in series: every token so far is on the host after this step
             events += self.flush()
             self._register(batch)
-            events += self._apply(sampled, self.sampler(logits.result(), sampled), self.weight_version)
+            events += self._apply(sampled, self.sampler(logits.value(), sampled), self.weight_version)
             self.step_no += 1
             return events
         for req in sampled:

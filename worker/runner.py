@@ -231,7 +231,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one step and wait for it. Every rank calls it with the same plan; the driver gets [sampled seqs,
         vocab] logits."""
-        return self.launch(plan).result()
+        return self.launch(plan).value()
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Handle[torch.Tensor | None]:

@@ -46,7 +46,16 @@ class Handle(Generic[T]):
             raise self._error
         return self._value
 
+    def value(self) -> T:
+        """Wait for the function itself (a ThreadStream's thread), not for device work it queued on CUDA: what
+        the serial paths need, since whatever reads the value queues behind that work anyway."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
     def result(self) -> T:
+        """The value, once the function and the device work it queued (on CUDA) are done."""
         self._done.wait()
         if self._error is not None:
             raise self._error
