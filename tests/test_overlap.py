@@ -74,30 +74,55 @@ def test_overlap_same_tokens_tp2(make_checkpoint, tmp_path):
     check_modes(read_json(tmp_path / "rec.rank0"), model_dir, VOCAB)
 
 
+def run_engine(runner, rc, groups, prompts, limits) -> tuple[list[list[int]], list]:
+    """Greedy requests through a bare Engine until it has no work: (their tokens, every STEP plan). Nothing is
+    left in flight, pending or allocated at the end."""
+    engine = Engine(runner, rc, groups, seed=None)
+    plans = []
+    launch = runner.launch
+    runner.launch = lambda plan: plans.append(plan) or launch(plan)
+    reqs = [Request(f"r{i}", p, max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, limits))]
+    for r in reqs:
+        engine.add(r)
+    while engine.has_work():
+        engine.step()
+    assert engine.in_flight is None and engine.blocks.num_free == rc.num_blocks
+    assert all(r.num_pending == 0 and r.status == RequestStatus.FINISHED for r in reqs)
+    return [r.generated for r in reqs], plans
+
+
 def test_next_plan_reads_the_previous_steps_tokens_on_the_device(make_checkpoint):
     """Overlapped, a decode's input id is -(1 + its row among the previous step's samples), resolved from the
     shared tokens; a request at its limit is not scheduled again; the result equals transformers'."""
     model_dir = make_checkpoint("llama")
     model = cluster.load(model_dir)
     runner, rc, groups = model.build_runner(ContinuousBatchingConfig(page_size=16, use_async_batching=True))
-    engine = Engine(runner, rc, groups, seed=None)
-    plans = []
-    launch = runner.launch
-    runner.launch = lambda plan: plans.append(plan) or launch(plan)
     prompts = mixed_prompts(2048)[2:5]
-    reqs = [Request(f"r{i}", p, max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, [4, 1, 6]))]
-    for r in reqs:
-        engine.add(r)
-    while engine.has_work():
-        engine.step()
-    assert [r.generated for r in reqs] == [t[:n] for t, n in zip(hf_greedy(model_dir, prompts), [4, 1, 6])]
-    assert all(p.share_tokens for p in plans) and engine.in_flight is None
+    tokens, plans = run_engine(runner, rc, groups, prompts, [4, 1, 6])
+    assert tokens == [t[:n] for t, n in zip(hf_greedy(model_dir, prompts), [4, 1, 6])]
+    assert all(p.share_tokens for p in plans)
     assert plans[0].input_ids.min() >= 0  # the prefill: every token on the host
     assert plans[1].input_ids.tolist() == [-1, -3]  # rows 0 and 2 of step 0 (r1 had its one token)
     assert plans[2].input_ids.tolist() == [-1, -2]
     assert len(plans) == 6  # r2 runs for 5 steps after its prefill, its last token is sampled, never run
-    assert all(r.num_pending == 0 and r.status == RequestStatus.FINISHED for r in reqs)
-    assert engine.blocks.num_free == rc.num_blocks
+
+
+def test_overlapped_decode_graphs_read_the_shared_tokens(make_checkpoint):
+    """Decode steps replayed from (stand-in) graphs resolve the shared tokens into the captured input buffer."""
+    from worker.graphs import EagerStandIn
+    from worker.model import KVHeads, head_dim_of
+    from worker.runner import ModelRunner
+
+    model_dir = make_checkpoint("llama")
+    model = cluster.load(model_dir)
+    _, rc, groups = model.build_runner(ContinuousBatchingConfig(page_size=16, max_requests_per_batch=4,
+                                                                use_async_batching=True))
+    runner = ModelRunner(model.model, rc, KVHeads(model.config, model.model.shard).kv_local,
+                         head_dim_of(model.config), model.dtype, model.device, graph_factory=EagerStandIn())
+    prompts, limits = mixed_prompts(2048)[3:6], [9, 4, 7]
+    tokens, plans = run_engine(runner, rc, groups, prompts, limits)
+    assert tokens == [t[:n] for t, n in zip(hf_greedy(model_dir, prompts), limits)]
+    assert runner.graph_stats["replays"] >= 6 and any(p.input_ids.min() < 0 for p in plans)
 
 
 def test_streams_run_in_order_and_keep_errors():
