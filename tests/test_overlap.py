@@ -147,3 +147,20 @@ def test_shared_token_ids_resolve_on_the_device(make_checkpoint):
     runner._resolve_ids(ids)
     assert ids.tolist() == [5, 11, 33, 0, 22]
     assert np.array_equal(runner.shared_tokens[:3].numpy(), [11, 22, 33])
+
+
+def test_control_plane_benchmark_prints_one_line_per_configuration():
+    """A reduced run of benchmarks/control_plane.py (2 ranks, 8 sequences, a few steps), for its output format."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "control_plane.py"), "--tp", "2", "--seqs", "8",
+                           "--step-ms", "1", "--warmup", "2", "--steps", "5"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = re.findall(r"^busy=(\d+\.\d) step_ms=1 seqs=8 tp=2 overlap=(on|off)$", proc.stdout, re.M)
+    assert sorted(mode for _, mode in lines) == ["off", "off", "on", "on"]  # as it goes, and in the summary
+    assert all(float(busy) > 0 for busy, _ in lines)
