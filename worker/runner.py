@@ -243,7 +243,7 @@ class ModelRunner:
             bucket = self.graphs.bucket(plan.num_seqs) if plan.num_decode == plan.num_seqs else None
             if bucket is not None:
                 ids, meta, _ = self.prepare(plan, bucket=bucket)
-                rows = torch.from_numpy(np.nonzero(plan.sample)[0]).to(self.device, non_blocking=True)
+                rows = torch.from_numpy(np.nonzero(plan.sample)[0]).to(self.device)
                 refs = bool(plan.num_tokens) and int(plan.input_ids.min()) < 0
 
                 def replay() -> torch.Tensor | None:
@@ -277,8 +277,9 @@ class ModelRunner:
     def share(self, tokens: Callable[[], torch.Tensor] | None) -> Handle[None]:
         """Queue, after this step's forward (and on the driver its sampling), the broadcast of the step's sampled
         tokens from rank 0 into every rank's `shared_tokens`, on the device group: the next step's inputs read
-        them there, with no trip through the host. The driver passes the handle of the tokens (in logits row
-        order, read in stream order); the other ranks pass None. Every rank calls it for a plan whose `share_tokens` is set."""
+        them there, with no trip through the host. The driver passes a function that gives the tokens (in logits
+        row order; it runs in stream order), the other ranks None. Every rank calls it for a plan whose
+        `share_tokens` is set, after `launch`."""
         shard = self.model.lm_head.shard
 
         def broadcast() -> None:
