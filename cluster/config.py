@@ -166,6 +166,8 @@ class ResolvedConfig:
     # pages of the pinned host pool preempted requests' KV is swapped to (cpu_offload_space); 0: recompute.
     # resolve_config gives this rank's proposal; the group takes the minimum (cluster.dist.agree_min)
     num_host_blocks: int = 0
+    # overlapped scheduling (use_async_batching): step N+1 is scheduled, broadcast and prepared while step N runs
+    overlap: bool = False
 
     @property
     def max_tokens_padded(self) -> int:
@@ -222,8 +224,9 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
                                            page_size=page)
     if flash_note:
         notes.append(flash_note)
-    if cfg.use_async_batching:
-        notes.append("use_async_batching -> False: the step loop is synchronous")
+    # overlapped scheduling hides the host's step work behind an asynchronous forward; the CPU's forward is
+    # synchronous, so there it would only add one collective a step
+    overlap = cfg.use_async_batching if cfg.use_async_batching is not None else device_kind == "cuda"
     num_host_blocks = host_pool_pages(cfg, kv_bytes_per_token * page, system_ram, notes)
     if cfg.default_compile_level or cfg.varlen_compile_config or cfg.decode_compile_config:
         notes.append("compile configs -> not applied: the forward runs eagerly (it is compile-safe)")
@@ -236,7 +239,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         allow_block_sharing=cfg.allow_block_sharing,
         safety_margin=cfg.safety_margin if cfg.safety_margin is not None else 0.0,
         cpu_group_timeout=cfg.cpu_group_timeout, notes=notes, attn_chunk_elements=ATTN_CHUNK_ELEMENTS[device_kind],
-        num_host_blocks=num_host_blocks)
+        num_host_blocks=num_host_blocks, overlap=bool(overlap))
 
 
 GIB = 1 << 30

@@ -43,7 +43,7 @@ class H(IntEnum):
     PAYLOAD_LEN = 7
     WEIGHT_VERSION = 8
     DATA_LEN = 9
-    RESERVED_10 = 10
+    SHARE_TOKENS = 10  # 1: overlapped step (see StepPlan.share_tokens)
     RESERVED_11 = 11
     NUM_SWAP_OUT = 12  # KV page copies device -> host pool before the forward (cpu_offload_space)
     NUM_SWAP_IN = 13  # host pool -> device, after the swap-outs
@@ -73,6 +73,9 @@ class StepPlan:
     swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [n, 2] (page, host slot)
     swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [m, 2] (host slot, page)
     data: bytes = b""
+    # overlapped scheduling: every rank broadcasts this step's sampled tokens on the device group after its
+    # forward, and the NEXT step's input ids may read them: an id -(1 + j) is sampled row j of this step
+    share_tokens: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +109,7 @@ class StepPlan:
         h[H.PAYLOAD_LEN] = payload_len(h)
         h[H.WEIGHT_VERSION] = self.weight_version
         h[H.DATA_LEN] = len(self.data)
+        h[H.SHARE_TOKENS] = int(self.share_tokens)
         return h
 
     def payload(self) -> np.ndarray:
@@ -125,7 +129,7 @@ def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> S
         raise RuntimeError(f"control channel out of step: header magic {int(h[H.MAGIC]):#x}")
     t, b, nb = int(h[H.NUM_TOKENS]), int(h[H.NUM_SEQS]), int(h[H.TABLE_WIDTH])
     plan = StepPlan(command=Command(int(h[H.COMMAND])), step=int(h[H.STEP]),
-                    weight_version=int(h[H.WEIGHT_VERSION]), data=data)
+                    weight_version=int(h[H.WEIGHT_VERSION]), data=data, share_tokens=bool(h[H.SHARE_TOKENS]))
     if payload is not None and payload.size:
         o = 0
         plan.input_ids = payload[o:o + t]; o += t

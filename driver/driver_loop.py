@@ -53,6 +53,8 @@ class DriverLoop:
         try:
             while True:
                 m.loop_beat = time.monotonic()
+                if m.held:  # a held loop runs no step: collect the one in flight now, not at the next plan
+                    self._flush()
                 idle = m.held or not engine.has_work()
                 wait = idle and not m.stop_event.is_set() and not m.gate.requested
                 self._drain_inbox(self._until_heartbeat() if wait else 0.0)
@@ -81,9 +83,15 @@ class DriverLoop:
         return max(0.0, self.last_plan + IDLE_HEARTBEAT_S - time.monotonic())
 
     def _send(self, command: Command, **extra: Any) -> None:
-        """A plan that runs no forward, carrying the outbox (and `extra`) to every rank."""
+        """A plan that runs no forward, carrying the outbox (and `extra`) to every rank. The step in flight (if
+        any) is collected first: a pause, a call or a stop never meets a half-collected step."""
+        self._flush()
         self.engine.send(command, self._take_outbox(**extra))
         self.last_plan = time.monotonic()
+
+    def _flush(self) -> None:
+        for req in self.engine.flush():
+            self.emit(req)
 
     def _step(self) -> None:
         engine = self.engine
@@ -172,6 +180,7 @@ class DriverLoop:
     def _fail(self, error: BaseException) -> None:
         m, engine = self.m, self.engine
         m.loop_error = error
+        engine.abandon()  # never wait on a step in flight here: its requests end below
         silent = [] if isinstance(error, LockstepError) or m.liveness is None else m.liveness.silent_ranks()
         if isinstance(error, LockstepError):  # it says itself what went wrong (weights diverged ...)
             code, m.failure = error.code, f"the driver stopped at step {engine.step_no}: {error}"

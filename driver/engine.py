@@ -2,11 +2,18 @@
 
 The engine is single-threaded: only the manager's loop thread calls it, and only it talks on the control
 group, so every rank sees the same sequence of plans.
+
+Overlapped (rc.overlap, `use_async_batching`), step N is scheduled, broadcast and launched while step N-1 is still
+in flight; then N-1 is collected (its tokens, endings, logprobs: the one host sync), step N's sampling is queued
+behind its forward, and every rank broadcasts N's sampled tokens on the device group, where step N+1's inputs
+read them (`StepPlan.share_tokens`). A step returns the requests of the step it collected. Before any plan that
+is not a STEP, the caller flushes (`flush`): no other plan ever meets a step in flight.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,9 +24,20 @@ from cluster.outputs import RequestStatus
 from cluster.plan import Command, S, StepPlan
 from driver.block_manager import BlockManager
 from driver.request import Request
-from driver.sampler import Sampler
+from driver.sampler import Draw, Launched, Sampler
 from driver.scheduler import Scheduled, Scheduler
 from worker.runner import ModelRunner
+from worker.stream import Handle
+
+
+@dataclass
+class InFlight:
+    """An overlapped step whose sampling is queued but not collected."""
+
+    sampled: list[Request]  # one per sampled logits row, in row order
+    launched: Handle[Launched]
+    weight_version: int
+    row_of: dict[int, int] = field(default_factory=dict)  # id(request) -> its row: input id -(1 + row) next step
 
 
 class Engine:
@@ -34,16 +52,17 @@ class Engine:
         self.weight_version = 0
         self.num_tokens_generated = 0
         self.rank_states = None  # every rank's state row, as of the last plan (see cluster.plan.S)
+        self.in_flight: InFlight | None = None  # overlapped: the step launched last, not collected yet
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.in_flight is not None or self.scheduler.has_work()
 
     def end(self, req: Request, status: RequestStatus, error: str | None = None, code: str | None = None) -> None:
-        """Finish, fail or cancel a request: its pages are freed at once. `code` (cluster.errors.Code) says why
-        it failed."""
+        """Finish, fail or cancel a request: its pages are freed at once (a step in flight writes them before
+        any later step can, in device order). `code` (cluster.errors.Code) says why it failed."""
         self.scheduler.finish(req)
         req.status = status
         req.error = error
@@ -51,7 +70,10 @@ class Engine:
         req.end_time = time.perf_counter()
 
     def send(self, command: Command, data: bytes = b"") -> None:
-        """Broadcast a plan that runs no forward. The driver calls it; the workers' loops receive it."""
+        """Broadcast a plan that runs no forward. The driver calls it (after `flush`); the workers' loops
+        receive it."""
+        if self.in_flight is not None:
+            raise RuntimeError(f"a {command.name} plan while step {self.step_no - 1} is in flight: flush first")
         self.rank_states = send_plan(StepPlan(command=command, step=self.step_no,
                                               weight_version=self.weight_version, data=data), self.groups)
 
@@ -59,9 +81,20 @@ class Engine:
         s = self.rank_states
         return s is not None and bool(s[1:, S.WANTS_RESULTS].any())
 
+    def flush(self) -> list[Request]:
+        """Collect the step in flight, if any; returns the requests that got a token or ended."""
+        f, self.in_flight = self.in_flight, None
+        return [] if f is None else self._apply(f.sampled, self.sampler.collect(f.launched.value()),
+                                                f.weight_version, pending=True)
+
+    def abandon(self) -> None:
+        """Drop the step in flight without waiting for it (a failure path: its requests are ended anyway)."""
+        self.in_flight = None
+
     def step(self, data: bytes = b"") -> list[Request]:
-        """Run one step; returns the requests that got a token or ended during it. `data` (outputs owed to the
-        workers) rides along with the plan, or with a PUBLISH plan when nothing can run."""
+        """Run one step; returns the requests that got a token or ended during it (overlapped: during the step
+        it collected). `data` (outputs owed to the workers) rides along with the plan, or with a PUBLISH plan
+        when nothing can run."""
         batch, impossible = self.scheduler.schedule()
         events = []
         for req in impossible:  # validation refuses these at add time; a request built by hand can still get here
@@ -71,6 +104,7 @@ class Engine:
                      Code.EXCEEDS_KV_CACHE)
             events.append(req)
         if not batch:
+            events += self.flush()
             if data:
                 self.send(Command.PUBLISH, data)
             return events
@@ -78,15 +112,52 @@ class Engine:
         plan = self._plan(batch)
         plan.data = data
         plan.swap_out, plan.swap_in = self.scheduler.take_swaps()
+        sampled = [s.req for s, m in zip(batch, plan.sample) if m]
+        plan.share_tokens = self.rc.overlap and bool(sampled)
         self.rank_states = send_plan(plan, self.groups)
-        logits = self.runner.execute(plan)
-        sampled = [s.req for s in batch if s.samples]
+        logits = self.runner.launch(plan)
         for s in batch:
             s.req.num_computed += s.num_tokens
-            self.blocks.register_full_blocks(s.req)
-        draws = self.sampler(logits, sampled)
+        if not plan.share_tokens:  # in series: every token so far is on the host after this step
+            events += self.flush()
+            self._register(batch)
+            events += self._apply(sampled, self.sampler(logits.value(), sampled), self.weight_version)
+            self.step_no += 1
+            return events
+        for req in sampled:
+            req.num_pending += 1
+        events += self.flush()  # the previous step: now every token this step ran is on the host
+        self._register(batch)
+        host_rows = self.sampler.rows([None if r.is_finished else r for r in sampled])
+        launched = self.runner.stream.submit(lambda: self.sampler.launch(logits.in_order(), *host_rows))
+        self.runner.share(lambda: launched.in_order().tokens)
+        self.in_flight = InFlight(sampled, launched, self.weight_version, {id(r): j for j, r in enumerate(sampled)})
+        self.step_no += 1
+        return events
+
+    def _register(self, batch: list[Scheduled]) -> None:
+        """Make the batch's newly full blocks findable, for requests whose tokens are all on the host (only those
+        that completed a block: registering copies the request's tokens)."""
+        if not self.rc.allow_block_sharing:
+            return
+        page = self.rc.page_size
+        for s in batch:
+            r = s.req
+            if r.num_computed // page > len(r.block_hashes) and not r.is_finished and r.num_computed <= r.num_tokens:
+                self.blocks.register_full_blocks(r)
+
+    def _apply(self, sampled: list[Request], draws: list[Draw | None], version: int,
+               pending: bool = False) -> list[Request]:
+        """Append each request's token (ending it on EOS or its limits); a request that ended meanwhile drops it.
+        `pending`: the tokens were counted in `num_pending` until now."""
+        events = []
         now = time.perf_counter()
+        max_len, tokens = self.rc.max_model_len, 0
         for req, draw in zip(sampled, draws):
+            if pending:
+                req.num_pending -= 1
+            if draw is None or req.status >= RequestStatus.FINISHED:  # ended meanwhile: the token is dropped
+                continue
             if draw.error is not None:  # this request alone fails; the rest of the batch gets its tokens
                 self.end(req, RequestStatus.FAILED, f"request {req.request_id}: sampling failed: {draw.error!r}",
                          Code.SAMPLING_FAILED)
@@ -95,38 +166,50 @@ class Engine:
             tok = draw.token
             if req.start_time < 0:
                 req.start_time = now
-            req.note_version(self.weight_version)
+            if not req.weight_versions or req.weight_versions[-1][1] != version:
+                req.note_version(version)
             req.generated.append(tok)
             if draw.logprob is not None:
                 req.logprobs.append(draw.logprob)
             if req.record_timestamps:
                 req.timestamps.append(now)
-            req.status = RequestStatus.DECODING
+            if req.status != RequestStatus.PENDING:  # PENDING: preempted while the token was in flight
+                req.status = RequestStatus.DECODING
             if (tok in req.eos_token_ids or len(req.generated) >= req.max_new_tokens
-                    or req.num_tokens >= self.rc.max_model_len):
+                    or len(req.prompt_ids) + len(req.generated) >= max_len):
                 self.end(req, RequestStatus.FINISHED)
             events.append(req)
-            self.num_tokens_generated += 1
-        self.step_no += 1
+            tokens += 1
+        self.num_tokens_generated += tokens
         return events
 
     def _plan(self, batch: list[Scheduled]) -> StepPlan:
+        """The STEP plan of a batch. A token still in flight is the input id -(1 + j): sampled row j of the
+        step in flight, which the ranks read on the device."""
         ids: list[int] = []
-        for s in batch:
+        row_of = self.in_flight.row_of if self.in_flight is not None else {}
+        n = len(batch)
+        q_lens, kv_lens, sample = [0] * n, [0] * n, [0] * n
+        width = max(len(s.req.block_ids) for s in batch)
+        for i, s in enumerate(batch):  # one pass: at hundreds of sequences a step, every pass costs
             r = s.req
             start, stop = r.num_computed, r.num_computed + s.num_tokens
-            p = len(r.prompt_ids)
-            if start >= p:
-                ids.extend(r.generated[start - p:stop - p])
+            p, known = len(r.prompt_ids), len(r.prompt_ids) + len(r.generated)
+            if start == known:  # a one-token decode of its pending token
+                ids.append(-1 - row_of[id(r)])
+            elif stop == known and start == known - 1 and start >= p:  # a one-token decode, on the host
+                ids.append(r.generated[start - p])
             else:
-                ids.extend((r.prompt_ids + r.generated[:max(0, stop - p)])[start:stop])
-        width = max(len(s.req.block_ids) for s in batch)
-        tables = np.zeros((len(batch), width), np.int32)
-        for i, s in enumerate(batch):
-            tables[i, :len(s.req.block_ids)] = s.req.block_ids
-        return StepPlan(
-            command=Command.STEP, step=self.step_no, weight_version=self.weight_version,
-            input_ids=np.asarray(ids, np.int32),
-            q_lens=np.asarray([s.num_tokens for s in batch], np.int32),
-            kv_lens=np.asarray([s.req.num_computed + s.num_tokens for s in batch], np.int32),
-            sample=np.asarray([s.samples for s in batch], np.int32), block_tables=tables)
+                if start >= p:
+                    ids.extend(r.generated[start - p:min(stop, known) - p])
+                else:
+                    ids.extend((r.prompt_ids + r.generated[:max(0, min(stop, known) - p)])[start:stop])
+                if stop > known:  # its pending token (the scheduler runs it alone, as a one-token decode)
+                    ids.append(-1 - row_of[id(r)])
+            q_lens[i], kv_lens[i] = s.num_tokens, stop
+            sample[i] = int(stop == known + r.num_pending)
+        tables = np.asarray([s.req.block_ids + [0] * (width - len(s.req.block_ids)) for s in batch], np.int32)
+        return StepPlan(command=Command.STEP, step=self.step_no, weight_version=self.weight_version,
+                        input_ids=np.asarray(ids, np.int32), q_lens=np.asarray(q_lens, np.int32),
+                        kv_lens=np.asarray(kv_lens, np.int32), sample=np.asarray(sample, np.int32),
+                        block_tables=tables)

@@ -38,7 +38,10 @@ class Request:
     status: RequestStatus = RequestStatus.PENDING
     error: str | None = None
     error_code: str | None = None  # cluster.errors.Code, set with `error`
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache (or are being computed by the step in flight)
+    # overlapped scheduling: tokens sampled by a step in flight, not on the host yet (the next step reads them on
+    # the device); they count in num_computed once a step has run them, never in `generated`
+    num_pending: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the leading full blocks
     cacheable: bool = True  # False once its KV mixes weight versions: its blocks are never shared
@@ -61,6 +64,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Tokens known on the host plus those sampled but still in flight: where the next token goes."""
+        return len(self.prompt_ids) + len(self.generated) + self.num_pending
 
     @property
     def token_index(self) -> int:

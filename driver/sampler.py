@@ -6,7 +6,8 @@ driver.counter_noise derives from (the request's key, its token index, the token
 (config seed or request seed, request id), or is random when neither gives a seed, and is made once per request
 on the host. So a seeded request samples the same tokens whatever else shares its batches, at any TP size, on
 any device, and after any number of restarts. Greedy rows get no noise: their token is the argmax of their
-(penalised) logits. Nothing waits on the device until the one transfer of (tokens, logprobs) at the end.
+(penalised) logits. Nothing waits on the device until the one transfer of (tokens, logprobs) at the end:
+`launch` starts it and `collect` waits for it, so an overlapped engine collects one step while the next runs.
 
 A row that fails (a bad value that slipped through, NaN logits, an injected fault) fails only its own request:
 the sampler returns the exception for that row and the engine fails that request alone. When the batched
@@ -79,12 +80,36 @@ def sample_row(req: Request, seed: int | None) -> SampleRow:
                      tuple(set(req.tokens)) if p.repetition_penalty != 1.0 else (), req.return_logprobs)
 
 
-def draws(logits: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
-    """pick, then the step's one transfer to the host."""
-    picks = pick(logits, rows)
-    host = torch.stack([picks.tokens.double(), picks.logprobs.double(), picks.invalid.double()]).tolist()
+class Launched(NamedTuple):
+    """One step's sampling, started on the device: `tokens` [rows of logits] int64 stays there (row i: logits row
+    i's token; 0 for a row that failed early); `host` ([3, live rows] float64, pinned on CUDA) fills when `event`
+    fires. `early` holds the rows whose outcome was known at launch (failed rows, or every row when the batch fell
+    back to one row at a time), None elsewhere."""
+
+    tokens: torch.Tensor
+    early: list[Draw | None]
+    live: list[int]
+    rows: list[SampleRow]
+    host: torch.Tensor | None
+    event: object = None
+
+
+def to_host(picks: Picks) -> tuple[torch.Tensor, object]:
+    """Start the one transfer of (tokens, logprobs, invalid) to the host; returns (host tensor, CUDA event)."""
+    stacked = torch.stack([picks.tokens.double(), picks.logprobs.double(), picks.invalid.double()])
+    if stacked.device.type != "cuda":
+        return stacked, None
+    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+    host.copy_(stacked, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def host_draws(host: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
+    """Draws from the transferred (tokens, logprobs, invalid) rows."""
     out = []
-    for row, tok, lp, bad in zip(rows, *host):
+    for row, tok, lp, bad in zip(rows, *host.tolist()):
         if bad:
             out.append(Draw(None, None, InvalidLogits(
                 f"request {row.request_id}: its logits hold NaN or +inf, or no token survived its processors")))
@@ -93,29 +118,68 @@ def draws(logits: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
     return out
 
 
+def draws(logits: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
+    """pick, then the step's one transfer to the host."""
+    return host_draws(to_host(pick(logits, rows))[0], rows)
+
+
 class Sampler:
     def __init__(self, seed: int | None):
         self.seed = seed
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[Draw]:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[Draw | None]:
         """One draw per row of `logits` [N, vocab]; a row's failure is its Draw's `error`, never an exception."""
-        out: list[Draw | None] = [None] * len(reqs)
+        return self.collect(self.launch(logits, *self.rows(reqs)))
+
+    def rows(self, reqs: list[Request | None]) -> tuple[list[Draw | None], list[int], list[SampleRow]]:
+        """The host half of a launch (it reads the requests: call it on the loop thread, once every token
+        before this step is on the host): (early failures, live row numbers, their SampleRows). A None request
+        (one that ended meanwhile) gets no row and no Draw."""
+        early: list[Draw | None] = [None] * len(reqs)
         live: list[int] = []
         rows: list[SampleRow] = []
         for i, req in enumerate(reqs):
+            if req is None:
+                continue
             try:
                 faults.hit("sample", request=req.request_id)
                 rows.append(sample_row(req, self.seed))
                 live.append(i)
             except Exception as e:  # noqa: BLE001  (whatever it is, it belongs to this request alone)
-                out[i] = Draw(None, None, e)
-        if live:
-            mine = logits if len(live) == len(reqs) else logits[torch.tensor(live, device=logits.device)]
-            try:
-                got = draws(mine, rows)
-            except Exception:  # noqa: BLE001  (some row broke the batch: find which, one row at a time)
-                got = [self._alone(mine[j:j + 1], row) for j, row in enumerate(rows)]
-            for i, draw in zip(live, got):
+                early[i] = Draw(None, None, e)
+        return early, live, rows
+
+    def launch(self, logits: torch.Tensor, early: list[Draw | None], live: list[int],
+               rows: list[SampleRow]) -> Launched:
+        """The device half: pick every live row and start the transfer, without waiting on the device (unless
+        some row breaks the batch: then the rows are sampled one at a time, here)."""
+        n = len(early)
+        if not live:
+            return Launched(torch.zeros(n, dtype=torch.int64, device=logits.device), early, live, rows, None)
+        index = None if len(live) == n else torch.tensor(live, device=logits.device)
+        mine = logits if index is None else logits[index]
+        try:
+            picks = pick(mine, rows)
+        except Exception:  # noqa: BLE001  (some row broke the batch: find which, one row at a time)
+            alone = list(early)
+            for j, row in zip(live, rows):
+                alone[j] = self._alone(logits[j:j + 1], row)
+            tokens = torch.tensor([d.token if d is not None and d.token is not None else 0 for d in alone],
+                                  dtype=torch.int64)
+            return Launched(tokens.to(logits.device), alone, [], [], None)
+        tokens = picks.tokens if index is None else torch.zeros(n, dtype=torch.int64, device=logits.device).index_copy_(
+            0, index, picks.tokens)
+        host, event = to_host(picks)
+        return Launched(tokens, early, live, rows, host, event)
+
+    @staticmethod
+    def collect(launched: Launched) -> list[Draw]:
+        """Wait for the transfer (the step's only host sync) and give one Draw per logits row."""
+        out = list(launched.early)
+        if launched.host is not None:
+            if launched.event is not None:
+                launched.event.synchronize()
+            for i, draw in zip(launched.live, host_draws(launched.host, launched.rows)):
                 out[i] = draw
         return out
 

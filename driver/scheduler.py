@@ -6,6 +6,11 @@ running request needs a page and none is free, the newest other running request 
 are freed and it goes back to the front of the queue. With a host pool (`cpu_offload_space`) its computed
 pages are swapped out to it and swapped back in when it is admitted again (driver/host_pool.py); without
 one, or when the pool is full, it is recomputed (prompt + tokens so far) later.
+
+Overlapped scheduling: a request sampled by the step in flight has a pending token (`Request.num_pending`), not
+on the host yet. It runs as a one-token decode that reads that token on the device; it is not scheduled once its
+tokens so far reach its limits (it ends when the step in flight is collected), and it is never admitted (after a
+preemption) until its pending token has arrived, since admission reads all its tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ class Scheduled:
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, so its last logits give the next token."""
-        return self.req.num_computed + self.num_tokens == self.req.num_tokens
+        return self.req.num_computed + self.num_tokens == self.req.num_tokens_ahead
 
 
 class Scheduler:
@@ -68,17 +73,23 @@ class Scheduler:
 
     def _continue(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
         scheduled = {id(s.req) for s in batch}
-        for req in list(self.running):
-            if not self._room(batch, budget):
+        gone: set[int] = set()  # preempted by this loop (a set: `in self.running` would make the loop quadratic)
+        cap, max_len, allocate = self.rc.max_requests_per_batch, self.rc.max_model_len, self.blocks.allocate
+        for req in list(self.running):  # the hottest loop of the driver: hundreds of requests a step
+            if budget[0] <= 0 or len(batch) >= cap:
                 return
-            if req not in self.running or id(req) in scheduled:
+            if id(req) in gone or id(req) in scheduled:
                 continue
+            ahead = len(req.prompt_ids) + len(req.generated) + req.num_pending
+            if req.num_pending and (ahead - len(req.prompt_ids) >= req.max_new_tokens or ahead >= max_len):
+                continue  # its tokens so far reach its limits: it ends when the step in flight is collected
             scheduled.add(id(req))
-            n = min(req.num_tokens - req.num_computed, budget[0])
-            while not self.blocks.allocate(req, req.num_computed + n):
+            n = min(ahead - req.num_computed, budget[0])
+            while not allocate(req, req.num_computed + n):
                 victims = [r for r in self.running if r is not req and id(r) not in scheduled]
                 if victims:
                     self.preempt(victims[-1], offload=True)
+                    gone.add(id(victims[-1]))
                     continue
                 if not batch:  # alone and still too big: it can never run
                     self.running.remove(req)
@@ -93,6 +104,8 @@ class Scheduler:
     def _admit(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
         while self.waiting and self._room(batch, budget):
             req = self.waiting[0]
+            if req.num_pending:  # preempted while a token was in flight: admit it once the token is here
+                return
             swapped = self.host.holds(req)
             cached = self.blocks.attach_cached(req) if swapped else 0
             if not swapped:

@@ -1,5 +1,5 @@
 """Greedy outputs token-identical to transformers' generate (float32, CPU), for every architecture and TP size,
-under chunked prefill, prefix sharing and preemption."""
+under chunked prefill, prefix sharing and preemption, with overlapped scheduling (use_async_batching) off and on."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tests.conftest import hf_greedy, read_json, run_ranks
 from tests.workloads import NEW_TOKENS, SCENARIOS, prompts_for
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+MODES = {"serial": False, "overlap": True}  # mode -> use_async_batching
 
 
 def check_scenario(name: str, tokens: list[list[int]], status: list[int], stats: dict, reference) -> None:
@@ -31,14 +32,15 @@ def check_scenario(name: str, tokens: list[list[int]], status: list[int], stats:
         assert stats["recomputed_tokens"] == 0
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tp1_matches_transformers(arch, make_checkpoint):
+def test_tp1_matches_transformers(arch, mode, make_checkpoint):
     model_dir = make_checkpoint(arch)
     model = cluster.load(model_dir)
     for name, (fields, kind) in SCENARIOS.items():
         prompts = prompts_for(kind, model.config.vocab_size)
-        out = model.generate_batch(prompts, continuous_batching_config=cluster.ContinuousBatchingConfig(**fields),
-                                   max_new_tokens=NEW_TOKENS)
+        config = cluster.ContinuousBatchingConfig(**fields, use_async_batching=MODES[mode])
+        out = model.generate_batch(prompts, continuous_batching_config=config, max_new_tokens=NEW_TOKENS)
         assert list(out) == [f"req_{i}" for i in range(len(prompts))]
         check_scenario(name, [o.generated_tokens for o in out.values()], [o.status for o in out.values()],
                        model.last_stats, hf_greedy(model_dir, prompts))
@@ -56,8 +58,9 @@ def tp2_outputs(make_checkpoint, tmp_path_factory):
     return prefix, dirs, proc
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("case", list(TP2_CASES))
-def test_tp2_matches_transformers(case, tp2_outputs):
+def test_tp2_matches_transformers(case, mode, tp2_outputs):
     prefix, dirs, proc = tp2_outputs
     out_path = f"{prefix}.{case}.json"
     assert os.path.exists(out_path), proc.stdout[-4000:]
@@ -66,9 +69,9 @@ def test_tp2_matches_transformers(case, tp2_outputs):
     model_dir = dirs[case]
     vocab = cluster.load(model_dir).config.vocab_size
     for name, (_, kind) in SCENARIOS.items():
-        r = results[name]
+        r = results[f"{name}/{mode}"]
         check_scenario(name, r["tokens"], r["status"], r["stats"], hf_greedy(model_dir, prompts_for(kind, vocab)))
-        assert rank1[name] == r["tokens"], "rank 1 got different results from rank 0"
+        assert rank1[f"{name}/{mode}"] == r["tokens"], "rank 1 got different results from rank 0"
 
 
 def test_tp2_launch_exits_cleanly(tp2_outputs):

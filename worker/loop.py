@@ -18,7 +18,9 @@ def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate, barrier: C
                 wants_results: Callable[[], bool], liveness: Liveness | None = None) -> Iterator[StepPlan]:
     """Every non-driver rank runs it while its manager is started; it returns at STOP.
 
-    Plans that carry data (results, calls) are yielded to the caller; the rest is handled here.
+    Plans that carry data (results, calls) are yielded to the caller; the rest is handled here. An overlapped
+    STEP plan (`share_tokens`) is only queued on the runner's stream, so this rank receives the next plan and
+    prepares its inputs while the forward runs; every other plan comes after the driver collected its steps.
     """
     state = np.zeros(len(S), np.int64)
     state[S.MAGIC] = STATE_MAGIC
@@ -32,7 +34,11 @@ def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate, barrier: C
             yield plan
         if plan.command == Command.STEP:
             faults.hit("worker_execute", rank=groups.rank, step=plan.step)
-            runner.execute(plan)
+            if plan.share_tokens:  # overlapped: queue the forward, then the broadcast of its sampled tokens
+                runner.launch(plan)
+                runner.share(None)
+            else:
+                runner.execute(plan)
         elif plan.command == Command.PAUSE:
             gate.park(barrier, lambda: True, groups.lent)
         elif plan.command == Command.STOP:

@@ -12,12 +12,14 @@ the first time the runner executes (the manager's warm-up step), on every rank a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from cluster.config import ResolvedConfig, next_pow2, round_up
+from cluster.dist import DRIVER
 from cluster.plan import StepPlan
 from worker import flash
 from worker.attention import AttnMeta
@@ -30,6 +32,7 @@ from worker.graphs import (
 )
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
+from worker.stream import Handle, InlineStream, Stream
 
 INT32_BUFFERS = ("dec_block_table", "dec_kv_lens", "pre_cu_q", "pre_cu_k", "pre_block_table")  # flash-attn's
 
@@ -86,6 +89,10 @@ class ModelRunner:
             graph_factory = CudaGraphFactory(device)
         self.graphs = None if graph_factory is None else DecodeGraphs(decode_buckets(rc.max_requests_per_batch),
                                                                       graph_factory)
+        # the device queue the forwards (and, overlapped, sampling and the token broadcast) go through
+        self.stream: Stream = InlineStream(device)
+        # overlapped scheduling: the last step's sampled tokens, broadcast from rank 0 (see `share`)
+        self.shared_tokens = torch.zeros(rc.max_requests_per_batch, dtype=torch.int64, device=device)
         self.graph_stats: dict[str, Any] = (self.graphs.stats if self.graphs is not None else
                                             {"captured_buckets": [], "replays": 0, "eager_steps": 0})
 
@@ -221,22 +228,68 @@ class ModelRunner:
         return [] if self.graphs is None else self.graphs.changed_addresses(self.graph_reads())
 
     # ---------------------------------------------------------------- steps
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run one step. Every rank calls it with the same plan; the driver gets [sampled seqs, vocab] logits."""
-        self.cache.apply_swaps(plan.swap_out, plan.swap_in)  # the plan's KV page copies, before its forward
+        """Run one step and wait for it. Every rank calls it with the same plan; the driver gets [sampled seqs,
+        vocab] logits."""
+        return self.launch(plan).value()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Handle[torch.Tensor | None]:
+        """Prepare the plan's inputs here (host) and queue its forward on this runner's stream; the handle's
+        result is what `execute` returns. Input ids -(1 + j) are resolved on the device from `shared_tokens`
+        (row j of the previous step's samples), after the previous step's `share`. Every rank calls it alike."""
         if self.graphs is not None:
             self.capture_graphs()
             bucket = self.graphs.bucket(plan.num_seqs) if plan.num_decode == plan.num_seqs else None
             if bucket is not None:
                 ids, meta, _ = self.prepare(plan, bucket=bucket)
-                local = self.graphs.replay(bucket, static_inputs(ids, meta))
-                logits = self.model.lm_head.gather(local)
-                if logits is None:
-                    return None
-                return logits[torch.from_numpy(np.nonzero(plan.sample)[0]).to(logits.device)].float()
+                rows = torch.from_numpy(np.nonzero(plan.sample)[0]).to(self.device)
+                refs = bool(plan.num_tokens) and int(plan.input_ids.min()) < 0
+
+                def replay() -> torch.Tensor | None:
+                    self.cache.apply_swaps(plan.swap_out, plan.swap_in)  # the plan's KV page copies come first
+                    if refs:
+                        self._resolve_ids(ids)
+                    logits = self.model.lm_head.gather(self.graphs.replay(bucket, static_inputs(ids, meta)))
+                    return None if logits is None else logits[rows].float()
+
+                return self.stream.submit(replay)
         self.graph_stats["eager_steps"] += 1
         ids, meta, n = self.prepare(plan)
-        local = self.model(ids, meta, self.cache.k, self.cache.v)
-        logits = self.model.lm_head.gather(local)
-        return None if logits is None else logits[:n].float()
+        refs = bool(plan.num_tokens) and int(plan.input_ids.min()) < 0
+
+        def forward() -> torch.Tensor | None:
+            self.cache.apply_swaps(plan.swap_out, plan.swap_in)  # the plan's KV page copies come first
+            if refs:
+                self._resolve_ids(ids)
+            logits = self.model.lm_head.gather(self.forward_fn(ids, meta))
+            return None if logits is None else logits[:n].float()
+
+        return self.stream.submit(forward)
+
+    def forward_fn(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """The eager forward: this rank's logits shard for meta's logit rows (benchmarks replace it)."""
+        return self.model(ids, meta, self.cache.k, self.cache.v)
+
+    def _resolve_ids(self, ids: torch.Tensor) -> None:
+        """Replace, in place on the device, every id -(1 + j) by the previous step's sampled token j."""
+        shared = self.shared_tokens
+        ids.copy_(torch.where(ids < 0, shared[(-ids - 1).clamp(0, shared.numel() - 1)], ids))
+
+    def share(self, tokens: Callable[[], torch.Tensor] | None) -> Handle[None]:
+        """Queue, after this step's forward (and on the driver its sampling), the broadcast of the step's sampled
+        tokens from rank 0 into every rank's `shared_tokens`, on the device group: the next step's inputs read
+        them there, with no trip through the host. The driver passes a function that gives the tokens (in logits
+        row order; it runs in stream order), the other ranks None. Every rank calls it for a plan whose
+        `share_tokens` is set, after `launch`."""
+        shard = self.model.lm_head.shard
+
+        def broadcast() -> None:
+            with torch.inference_mode():
+                if tokens is not None:
+                    got = tokens()
+                    self.shared_tokens[:got.numel()].copy_(got)
+                if shard.size > 1:
+                    dist.broadcast(self.shared_tokens, DRIVER, group=shard.group)
+
+        return self.stream.submit(broadcast)

@@ -1,0 +1,135 @@
+"""The device queue, as the host sees it: work is submitted in order and waited for only when its result is needed.
+
+On CUDA, kernel launches are asynchronous already: `InlineStream` runs each submitted function at once (it only
+enqueues device work) and `result()` waits on an event recorded after it. On the CPU every op runs when it is
+called, so `InlineStream` simply runs the function. `ThreadStream` simulates an asynchronous device on the CPU:
+one daemon thread runs the submitted functions in order while the host thread goes on (benchmarks/control_plane.py
+uses it with a fixed-time stand-in forward). A real forward on a ThreadStream would read the static input
+buffers while the host prepares the next step into them, so only stand-in forwards that read no buffers run there.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, Generic, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class Handle(Generic[T]):
+    """The outcome of one submitted function: `result()` waits for it (and re-raises what it raised)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._event: Any = None  # a CUDA event recorded after the function's device work
+
+    def _set(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._done.set()
+
+    def done(self) -> bool:
+        """The host part has run (the device part may still be queued, on CUDA)."""
+        return self._done.is_set()
+
+    def in_order(self) -> T:
+        """The value, for a function submitted after this one on the same stream: stream order makes it ready,
+        so nothing waits (on CUDA its device work is queued ahead of the caller's)."""
+        if not self._done.is_set():
+            raise RuntimeError("in_order() read a handle before its function ran: submit on the same stream")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def value(self) -> T:
+        """Wait for the function itself (a ThreadStream's thread), not for device work it queued on CUDA: what
+        the serial paths need, since whatever reads the value queues behind that work anyway."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def result(self) -> T:
+        """The value, once the function and the device work it queued (on CUDA) are done."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        if self._event is not None:
+            self._event.synchronize()
+        return self._value
+
+
+def ready(value: T) -> Handle[T]:
+    """A handle whose result is already known."""
+    h: Handle[T] = Handle()
+    h._set(value)
+    return h
+
+
+class InlineStream:
+    """Runs each function now, on the calling thread; on CUDA `result()` waits for the device work it queued."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.busy_s = 0.0  # host seconds spent inside submitted functions (the CPU device's busy time)
+
+    def submit(self, fn: Callable[[], T]) -> Handle[T]:
+        h: Handle[T] = Handle()
+        t0 = time.perf_counter()
+        try:
+            value = fn()
+        finally:
+            self.busy_s += time.perf_counter() - t0
+        if self.device.type == "cuda":
+            h._event = torch.cuda.Event()
+            h._event.record()
+        h._set(value)
+        return h
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadStream:
+    """One daemon thread runs the submitted functions in order: a simulated asynchronous device. `busy_s` sums
+    the time it spent running them."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.busy_s = 0.0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="lockstep-device", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> Handle[T]:
+        h: Handle[T] = Handle()
+        self._queue.put((fn, h))
+        return h
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, h = item
+            t0 = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    h._set(fn())
+            except BaseException as e:  # noqa: BLE001  (handed to whoever waits on the handle)
+                h._set(error=e)
+            self.busy_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the thread after what is queued (it is a daemon: a hung collective does not block exit)."""
+        self._queue.put(None)
+
+
+Stream = InlineStream | ThreadStream
