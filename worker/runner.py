@@ -21,6 +21,7 @@ from cluster.config import ResolvedConfig, next_pow2, round_up
 from cluster.plan import StepPlan
 from worker import flash
 from worker.attention import AttnMeta
+from worker.compiled import ForwardFn
 from worker.graphs import (
     CudaGraphFactory,
     DecodeGraphs,
@@ -82,6 +83,7 @@ class ModelRunner:
         self.cache = KVCache(model.config.num_hidden_layers, rc.num_blocks, rc.page_size, kv_heads, head_dim,
                              dtype, device)
         self.buffers = StaticBuffers(rc, device)
+        self.forward_fn = ForwardFn(model, rc)  # the model, or its compiled decode/varlen forwards
         if graph_factory is None and rc.use_cuda_graph[1] and device.type == "cuda":
             graph_factory = CudaGraphFactory(device)
         self.graphs = None if graph_factory is None else DecodeGraphs(decode_buckets(rc.max_requests_per_batch),
@@ -209,7 +211,7 @@ class ModelRunner:
 
         def prepare(bucket: int):
             ids, meta, _ = self.prepare(self.warmup_plan(bucket), bucket=bucket)
-            return (lambda: self.model(ids, meta, self.cache.k, self.cache.v)), static_inputs(ids, meta)
+            return (lambda: self.forward_fn(ids, meta, self.cache.k, self.cache.v)), static_inputs(ids, meta)
 
         with torch.inference_mode():
             self.graphs.capture_all(prepare, self.graph_reads)
@@ -224,6 +226,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one step. Every rank calls it with the same plan; the driver gets [sampled seqs, vocab] logits."""
+        self.forward_fn.warm_up(self)  # the first time: compile what the compile configs ask for
         if self.graphs is not None:
             self.capture_graphs()
             bucket = self.graphs.bucket(plan.num_seqs) if plan.num_decode == plan.num_seqs else None
@@ -236,6 +239,6 @@ class ModelRunner:
                 return logits[torch.from_numpy(np.nonzero(plan.sample)[0]).to(logits.device)].float()
         self.graph_stats["eager_steps"] += 1
         ids, meta, n = self.prepare(plan)
-        local = self.model(ids, meta, self.cache.k, self.cache.v)
+        local = self.forward_fn(ids, meta, self.cache.k, self.cache.v)
         logits = self.model.lm_head.gather(local)
         return None if logits is None else logits[:n].float()
