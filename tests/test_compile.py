@@ -122,6 +122,24 @@ def test_warm_up_compiles_every_bucket_and_steps_take_their_forward(tiny):
     assert (decode.graphs, varlen.graphs) == (2, 3)
 
 
+def test_decode_graphs_capture_the_compiled_decode_forward(tiny):
+    """The CUDA path's bookkeeping, with the CPU stand-in for a graph: capture compiles each bucket at its graph
+    shapes (the full KV width) through the decode forward, and the warm-up does not compile them again."""
+    from worker.graphs import EagerStandIn
+    from worker.model import KVHeads, head_dim_of
+    from worker.runner import ModelRunner
+
+    decode = CountingBackend()
+    _, rc, _ = tiny.build_runner(ContinuousBatchingConfig(page_size=16, num_blocks=16, max_requests_per_batch=2,
+                                                          decode_compile_config={"backend": decode, "mode": None}))
+    runner = ModelRunner(tiny.model, rc, KVHeads(tiny.config, tiny.model.shard).kv_local, head_dim_of(tiny.config),
+                         tiny.dtype, tiny.device, graph_factory=EagerStandIn())
+    runner.execute(runner.warmup_plan())
+    assert runner.graph_stats["captured_buckets"] == [1, 2] and decode.graphs == 2
+    assert all(f"decode=({b}, {rc.max_kv_padded})" in shape
+               for b, shape in zip([2, 1], runner.forward_fn.decode.compile_s))  # captured largest first
+
+
 def test_compile_failure_is_a_typed_error_naming_the_config(tiny):
     manager = tiny.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(
         page_size=16, num_blocks=16, max_requests_per_batch=1,

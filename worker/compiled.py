@@ -9,7 +9,7 @@ same one, and dynamo's guards (shapes again) make every rank compile the same gr
 The forward specialises on its shapes (the attention's chunking is computed from them in Python), so each
 padded shape is one compiled graph, whatever `dynamic` says: a decode batch bucket at one KV width, a
 varlen step's (tokens, decode rows, prefill rows x query width, KV width, logit rows). Dynamo's recompile
-limit (8) would silently run every further shape eagerly; calls here raise it to `RECOMPILE_LIMIT`.
+limit (8) would silently run every further shape eagerly; it is raised to `RECOMPILE_LIMIT`, process-wide.
 
 Warm-up (`warm_up`, run by the runner's first `execute`, the manager's warm-up step, on every rank alike):
 every decode bucket (graphs.decode_buckets) at the eager layout's shortest KV width, unless decode graphs
@@ -78,6 +78,15 @@ def _varlen_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: 
 ENTRIES: dict[str, Callable[..., torch.Tensor]] = {"decode": _decode_entry, "varlen": _varlen_entry}
 
 
+def raise_recompile_limit() -> None:
+    """Let every forward hold `RECOMPILE_LIMIT` graphs. Process-wide (dynamo reads its config at each compile;
+    patching it around every call costs milliseconds); only ever raised, so no other compiled function loses
+    graphs by it."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)
+
+
 def shape_of_step(ids: torch.Tensor, meta: AttnMeta) -> str:
     """The shapes a compiled graph is specialised on, in words."""
     return (f"tokens={ids.shape[0]} decode={tuple(meta.dec_kv_slots.shape)} "
@@ -89,9 +98,11 @@ class CompiledForward:
     time it took, and turns a compile error into `CompileFailed`. Every rank of the device group calls it."""
 
     def __init__(self, name: str, model: torch.nn.Module, settings: CompileSettings):
-        self.name, self.model, self.settings = name, model, settings
+        self.name, self.settings = name, settings
+        self.model = weakref.ref(model)  # weak: the per-model cache below must not keep its key alive
         self.config = f"{name}_compile_config"
         self.compile_s: dict[str, float] = {}  # shape -> seconds its first call took (compile and run)
+        raise_recompile_limit()
         try:
             self.fn = torch.compile(ENTRIES[name], **settings.torch_kwargs())
         except (RuntimeError, TypeError, ValueError) as e:  # torch.compile refuses its arguments
@@ -102,9 +113,7 @@ class CompiledForward:
         first = shape not in self.compile_s
         start = time.perf_counter()
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                            accumulated_recompile_limit=RECOMPILE_LIMIT):
-                out = self.fn(self.model, ids, meta, k, v)
+            out = self.fn(self.model(), ids, meta, k, v)
         except torch._dynamo.exc.TorchDynamoException as e:
             raise CompileFailed(self.config, self.settings, shape, e) from e
         if first:
