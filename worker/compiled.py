@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -109,7 +109,7 @@ class CompiledForward:
             raise CompileFailed(self.config, settings, "any shape", e) from e
 
     def __call__(self, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
-        shape = shape_of_step(ids, meta)
+        shape = f"{shape_of_step(ids, meta)} cache_slots={k[0].shape[0] if k else 0}"
         first = shape not in self.compile_s
         start = time.perf_counter()
         try:
@@ -202,10 +202,3 @@ def warm_up_plans(runner: ModelRunner, *, decode: bool, varlen: bool) -> list[tu
         plans.append((f"1 decode + prefill of {mixed_q} tokens", scratch_plan(runner, [1, mixed_q], [1, 1])))
     return plans
 
-
-def compile_report(forward: Any) -> dict[str, Any]:
-    """What was compiled and how long it took: shapes per forward and the warm-up's seconds."""
-    if not isinstance(forward, ForwardFn):
-        return {}
-    return {"warm_up_s": round(forward.warm_up_s, 2),
-            **{f"{name}_shapes": len(f.compile_s) for name, f in forward.compiled.items()}}
