@@ -94,7 +94,7 @@ def tiny(make_checkpoint):
     return cluster.load(make_checkpoint("llama"))
 
 
-def test_warm_up_compiles_every_bucket_and_steps_take_their_forward(tiny):
+def test_warm_up_compiles_every_bucket_and_steps_take_their_forward(tiny, monkeypatch):
     decode, varlen = CountingBackend(), CountingBackend()
     runner, rc, _ = tiny.build_runner(ContinuousBatchingConfig(
         page_size=16, num_blocks=16, max_requests_per_batch=2, decode_compile_config={"backend": decode, "mode": None},
@@ -120,6 +120,16 @@ def test_warm_up_compiles_every_bucket_and_steps_take_their_forward(tiny):
                             kv_lens=np.array([40], np.int32), sample=np.ones(1, np.int32),
                             block_tables=np.array([[2, 3, 4]], np.int32)))
     assert (decode.graphs, varlen.graphs) == (2, 3)
+    # a later runner of this model (a new manager) reuses the compiled forwards: its warm-up runs nothing
+    again, _, _ = tiny.build_runner(ContinuousBatchingConfig(
+        page_size=16, num_blocks=16, max_requests_per_batch=2, decode_compile_config={"backend": decode, "mode": None},
+        varlen_compile_config={"backend": varlen, "mode": None}))
+    assert again.forward_fn.decode is fwd.decode
+    calls = []
+    original = CompiledForward.__call__
+    monkeypatch.setattr(CompiledForward, "__call__", lambda self, *a: calls.append(self.name) or original(self, *a))
+    again.execute(again.warmup_plan())
+    assert calls == ["decode"] and (decode.graphs, varlen.graphs) == (2, 3)  # only the warm-up step itself
 
 
 def test_decode_graphs_capture_the_compiled_decode_forward(tiny):

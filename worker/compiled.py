@@ -108,8 +108,12 @@ class CompiledForward:
         except (RuntimeError, TypeError, ValueError) as e:  # torch.compile refuses its arguments
             raise CompileFailed(self.config, settings, "any shape", e) from e
 
+    @staticmethod
+    def shape_key(ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor]) -> str:
+        return f"{shape_of_step(ids, meta)} cache_slots={k[0].shape[0] if k else 0}"
+
     def __call__(self, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
-        shape = f"{shape_of_step(ids, meta)} cache_slots={k[0].shape[0] if k else 0}"
+        shape = self.shape_key(ids, meta, k)
         first = shape not in self.compile_s
         start = time.perf_counter()
         try:
@@ -158,7 +162,8 @@ class ForwardFn:
     def warm_up(self, runner: ModelRunner) -> None:
         """Compile every decode bucket and the smallest varlen shapes, once. Every rank calls it at the same
         point (the runner's first `execute`): the forwards all-reduce. Steps read and write only the scratch
-        block."""
+        block. A shape an earlier runner of this model compiled is skipped: which shapes a forward compiled
+        follows from the plans every rank ran since the model was loaded, so every rank skips the same."""
         if self.warmed:
             return
         self.warmed = True
@@ -170,6 +175,9 @@ class ForwardFn:
         log.info("compile warm-up: %d steps (%s)", len(plans), ", ".join(name for name, _ in plans))
         for i, (name, plan) in enumerate(plans):
             ids, meta, _ = runner.prepare(plan)
+            fn = self.decode if meta.pre_q_pos.shape[0] == 0 else self.varlen
+            if isinstance(fn, CompiledForward) and fn.shape_key(ids, meta, runner.cache.k) in fn.compile_s:
+                continue  # compiled for an earlier runner of this model (the same on every rank: see warm_up)
             log.info("compile warm-up %d/%d: %s", i + 1, len(plans), name)
             self(ids, meta, runner.cache.k, runner.cache.v)
         if runner.device.type == "cuda":
