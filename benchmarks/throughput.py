@@ -126,7 +126,8 @@ def run_lockstep(args, prompts, warm) -> dict:
 
     cb = lambda: cluster.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens,  # noqa: E731
                                                   num_blocks=args.num_blocks, page_size=PAGE,
-                                                  use_cuda_graph=args.use_cuda_graph)
+                                                  use_cuda_graph=args.use_cuda_graph,
+                                                  default_compile_level=args.compile_level)
 
     ModelRunner.execute = recording_execute
     try:
@@ -256,6 +257,8 @@ def main() -> int:
     p.add_argument("--cpu-offload", type=float, default=None, metavar="GIB",
                    help="instead of the comparison: Lockstep with cpu_offload_space 0 and GIB under --num-blocks "
                         "(benchmarks/offload_report.py)")
+    p.add_argument("--compile-level", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="Lockstep's default_compile_level (its warm-up call compiles; transformers runs eagerly)")
     args = p.parse_args()
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")

@@ -16,6 +16,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.compile_settings import CompileSettings, compile_decision
+
 # Defaults where the seed says "inferred" and there is no GPU memory to infer from.
 CPU_KV_CACHE_BYTES = 1 << 30  # KV budget on a CPU rank when num_blocks is None (1 GiB)
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
@@ -101,6 +103,11 @@ class ContinuousBatchingConfig:
                 bad(name, "must be a non-negative integer")
         if self.default_compile_level not in (0, 1, 2, 3):
             bad("default_compile_level", "must be 0, 1, 2 or 3")
+        for name in ("varlen_compile_config", "decode_compile_config"):
+            try:
+                CompileSettings.from_any(getattr(self, name))
+            except (TypeError, ValueError) as e:
+                bad(name, str(e))
         if self.scheduler_type not in SCHEDULERS:
             bad("scheduler_type", f"must be one of {SCHEDULERS}")
         if self.safety_margin is not None and not 0 <= self.safety_margin < 1:
@@ -160,6 +167,10 @@ class ResolvedConfig:
     safety_margin: float
     cpu_group_timeout: float | None
     notes: list[str] = field(default_factory=list)
+    # torch.compile settings of the varlen (prefill and mixed steps) and decode (decode-only steps) forwards;
+    # None: that forward runs eagerly (see `compile_decision`)
+    varlen_compile: CompileSettings | None = None
+    decode_compile: CompileSettings | None = None
     # elements one chunk of the paged SDPA attention may gather (keys, values and scores together); the
     # attention workspace bound (worker.attention.attention_workspace_bytes) follows from it
     attn_chunk_elements: int = ATTN_CHUNK_ELEMENTS["cpu"]
@@ -228,8 +239,13 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
     # synchronous, so there it would only add one collective a step
     overlap = cfg.use_async_batching if cfg.use_async_batching is not None else device_kind == "cuda"
     num_host_blocks = host_pool_pages(cfg, kv_bytes_per_token * page, system_ram, notes)
-    if cfg.default_compile_level or cfg.varlen_compile_config or cfg.decode_compile_config:
-        notes.append("compile configs -> not applied: the forward runs eagerly (it is compile-safe)")
+    varlen_compile, decode_compile, compile_notes = compile_decision(
+        cfg.varlen_compile_config, cfg.decode_compile_config, cfg.default_compile_level, use_flash_attn=use_flash)
+    notes += compile_notes
+    if graphs[1] and decode_compile is not None and decode_compile.uses_cudagraphs:
+        graphs = (False, False)
+        notes.append(f"use_cuda_graph -> {graphs}: decode_compile_config mode {decode_compile.mode!r} captures "
+                     "the decode forward in inductor's own CUDA graphs (no second capture)")
     return ResolvedConfig(
         device_kind=device_kind, page_size=page, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_requests, max_model_len=max_model_len, max_blocks_per_request=max_blocks,
@@ -239,7 +255,8 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         allow_block_sharing=cfg.allow_block_sharing,
         safety_margin=cfg.safety_margin if cfg.safety_margin is not None else 0.0,
         cpu_group_timeout=cfg.cpu_group_timeout, notes=notes, attn_chunk_elements=ATTN_CHUNK_ELEMENTS[device_kind],
-        num_host_blocks=num_host_blocks, overlap=bool(overlap))
+        num_host_blocks=num_host_blocks, overlap=bool(overlap), varlen_compile=varlen_compile,
+        decode_compile=decode_compile)
 
 
 GIB = 1 << 30

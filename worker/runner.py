@@ -23,6 +23,7 @@ from cluster.dist import DRIVER
 from cluster.plan import StepPlan
 from worker import flash
 from worker.attention import AttnMeta
+from worker.compiled import ForwardFn
 from worker.graphs import (
     CudaGraphFactory,
     DecodeGraphs,
@@ -85,6 +86,7 @@ class ModelRunner:
         self.cache = KVCache(model.config.num_hidden_layers, rc.num_blocks, rc.page_size, kv_heads, head_dim,
                              dtype, device, rc.num_host_blocks)
         self.buffers = StaticBuffers(rc, device)
+        self.forwards = ForwardFn(model, rc)  # the model, or its compiled decode/varlen forwards
         if graph_factory is None and rc.use_cuda_graph[1] and device.type == "cuda":
             graph_factory = CudaGraphFactory(device)
         self.graphs = None if graph_factory is None else DecodeGraphs(decode_buckets(rc.max_requests_per_batch),
@@ -216,7 +218,7 @@ class ModelRunner:
 
         def prepare(bucket: int):
             ids, meta, _ = self.prepare(self.warmup_plan(bucket), bucket=bucket)
-            return (lambda: self.model(ids, meta, self.cache.k, self.cache.v)), static_inputs(ids, meta)
+            return (lambda: self.forward_fn(ids, meta)), static_inputs(ids, meta)
 
         with torch.inference_mode():
             self.graphs.capture_all(prepare, self.graph_reads)
@@ -238,6 +240,7 @@ class ModelRunner:
         """Prepare the plan's inputs here (host) and queue its forward on this runner's stream; the handle's
         result is what `execute` returns. Input ids -(1 + j) are resolved on the device from `shared_tokens`
         (row j of the previous step's samples), after the previous step's `share`. Every rank calls it alike."""
+        self.forwards.warm_up(self)  # the first time: compile what the compile configs ask for
         if self.graphs is not None:
             self.capture_graphs()
             bucket = self.graphs.bucket(plan.num_seqs) if plan.num_decode == plan.num_seqs else None
@@ -268,8 +271,9 @@ class ModelRunner:
         return self.stream.submit(forward)
 
     def forward_fn(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        """The eager forward: this rank's logits shard for meta's logit rows (benchmarks replace it)."""
-        return self.model(ids, meta, self.cache.k, self.cache.v)
+        """The forward (eager, or compiled as the compile configs ask): this rank's logits shard for meta's logit
+        rows. benchmarks/control_plane.py replaces it with a stand-in."""
+        return self.forwards(ids, meta, self.cache.k, self.cache.v)
 
     def _resolve_ids(self, ids: torch.Tensor) -> None:
         """Replace, in place on the device, every id -(1 + j) by the previous step's sampled token j."""

@@ -1,0 +1,212 @@
+"""The compiled forwards: the seed's `decode_compile_config` and `varlen_compile_config`, applied.
+
+`ForwardFn` is what the runner calls instead of the model: a decode-only step (every sequence one query token,
+no prefill group) goes to the decode forward, any other step (prefill, mixed) to the varlen forward, each
+`torch.compile`d with its resolved settings (cluster/compile_settings.py) or, when it has none, the eager
+model. Which forward runs follows from the step's shapes, which follow from the plan: every rank takes the
+same one, and dynamo's guards (shapes again) make every rank compile the same graphs in the same order.
+
+The forward specialises on its shapes (the attention's chunking is computed from them in Python), so each
+padded shape is one compiled graph, whatever `dynamic` says: a decode batch bucket at one KV width, a
+varlen step's (tokens, decode rows, prefill rows x query width, KV width, logit rows). Dynamo's recompile
+limit (8) would silently run every further shape eagerly; it is raised to `RECOMPILE_LIMIT`, process-wide.
+
+Warm-up (`warm_up`, run by the runner's first `execute`, the manager's warm-up step, on every rank alike):
+every decode bucket (graphs.decode_buckets) at the eager layout's shortest KV width, unless decode graphs
+are on, in which case capturing them compiles each bucket at its fixed graph shapes; then the varlen forward
+at the smallest prefill step and the smallest mixed step. Varlen shapes are too many to enumerate (and on
+CPU the decode KV width grows with the context): a shape not warmed up compiles the first time a step has it,
+on every rank at once, logged like the warm-up. A compile that fails raises `CompileFailed` naming the config;
+nothing falls back to eager (transformers does not either: its warm-up logs the failure and the first real
+step raises it).
+
+With a mode whose inductor options turn on CUDA graphs ("reduce-overhead", "max-autotune") the resolution
+turns the runner's own decode graphs off, so the compiled decode forward is never captured twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from cluster.compile_settings import CompileSettings
+from cluster.config import ResolvedConfig
+from cluster.errors import Code, LockstepError
+from cluster.plan import StepPlan
+from worker.attention import AttnMeta
+from worker.graphs import decode_buckets
+
+if TYPE_CHECKING:
+    from worker.runner import ModelRunner
+
+log = logging.getLogger("lockstep")
+
+RECOMPILE_LIMIT = 4096  # distinct shapes (graphs) one compiled forward may hold before dynamo runs it eagerly
+
+# model -> {(forward name, settings): its CompiledForward}: a later manager of the same model (generate_batch
+# makes one a call) reuses the graphs compiled for an earlier one instead of compiling them again
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class CompileFailed(LockstepError, RuntimeError):
+    """torch.compile could not compile a forward: `config` names the seed's field whose settings failed."""
+
+    code = Code.INTERNAL
+
+    def __init__(self, config: str, settings: CompileSettings, shape: str, cause: BaseException):
+        super().__init__(f"{config} ({settings.describe()}) failed to compile the forward for {shape}: "
+                         f"{type(cause).__name__}: {cause}")
+        self.config, self.settings, self.shape = config, settings, shape
+
+
+def _decode_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor],
+                  v: list[torch.Tensor]) -> torch.Tensor:
+    return model(ids, meta, k, v)
+
+
+def _varlen_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor],
+                  v: list[torch.Tensor]) -> torch.Tensor:
+    return model(ids, meta, k, v)
+
+
+# one function (code object) each, so the two forwards keep separate dynamo caches and recompile counts
+ENTRIES: dict[str, Callable[..., torch.Tensor]] = {"decode": _decode_entry, "varlen": _varlen_entry}
+
+
+def raise_recompile_limit() -> None:
+    """Let every forward hold `RECOMPILE_LIMIT` graphs. Process-wide (dynamo reads its config at each compile;
+    patching it around every call costs milliseconds); only ever raised, so no other compiled function loses
+    graphs by it."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)
+
+
+def shape_of_step(ids: torch.Tensor, meta: AttnMeta) -> str:
+    """The shapes a compiled graph is specialised on, in words."""
+    return (f"tokens={ids.shape[0]} decode={tuple(meta.dec_kv_slots.shape)} "
+            f"prefill={tuple(meta.pre_q_pos.shape)}x{meta.pre_kv_slots.shape[-1]} logits={meta.logits_idx.shape[0]}")
+
+
+class CompiledForward:
+    """One forward compiled with its settings. Logs each shape it meets first (that call compiles) with the
+    time it took, and turns a compile error into `CompileFailed`. Every rank of the device group calls it."""
+
+    def __init__(self, name: str, model: torch.nn.Module, settings: CompileSettings):
+        self.name, self.settings = name, settings
+        self.model = weakref.ref(model)  # weak: the per-model cache below must not keep its key alive
+        self.config = f"{name}_compile_config"
+        self.compile_s: dict[str, float] = {}  # shape -> seconds its first call took (compile and run)
+        raise_recompile_limit()
+        try:
+            self.fn = torch.compile(ENTRIES[name], **settings.torch_kwargs())
+        except (RuntimeError, TypeError, ValueError) as e:  # torch.compile refuses its arguments
+            raise CompileFailed(self.config, settings, "any shape", e) from e
+
+    @staticmethod
+    def shape_key(ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor]) -> str:
+        return f"{shape_of_step(ids, meta)} cache_slots={k[0].shape[0] if k else 0}"
+
+    def __call__(self, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
+        shape = self.shape_key(ids, meta, k)
+        first = shape not in self.compile_s
+        start = time.perf_counter()
+        try:
+            out = self.fn(self.model(), ids, meta, k, v)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            raise CompileFailed(self.config, self.settings, shape, e) from e
+        if first:
+            self.compile_s[shape] = time.perf_counter() - start
+            log.info("compiled the %s forward for %s in %.1fs (%d shapes so far)", self.name, shape,
+                     self.compile_s[shape], len(self.compile_s))
+        return out
+
+
+def compiled_forward(name: str, model: torch.nn.Module, settings: CompileSettings | None
+                     ) -> Callable[..., torch.Tensor]:
+    """The model itself when `settings` is None, else this model's compiled forward for those settings
+    (made once per model and settings)."""
+    if settings is None:
+        return model
+    kept = _COMPILED.setdefault(model, {})
+    key = (name, repr(settings))
+    if key not in kept:
+        kept[key] = CompiledForward(name, model, settings)
+    return kept[key]
+
+
+class ForwardFn:
+    """The runner's forward: decode-only steps to the decode forward, others to the varlen forward."""
+
+    def __init__(self, model: torch.nn.Module, rc: ResolvedConfig):
+        self.model = model
+        self.decode = compiled_forward("decode", model, rc.decode_compile)
+        self.varlen = compiled_forward("varlen", model, rc.varlen_compile)
+        self.warmed = False
+        self.warm_up_s = 0.0
+
+    @property
+    def compiled(self) -> dict[str, CompiledForward]:
+        return {f.name: f for f in (self.decode, self.varlen) if isinstance(f, CompiledForward)}
+
+    def __call__(self, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank of the device group calls it (the forward all-reduces)."""
+        fn = self.decode if meta.pre_q_pos.shape[0] == 0 else self.varlen
+        return fn(ids, meta, k, v)
+
+    def warm_up(self, runner: ModelRunner) -> None:
+        """Compile every decode bucket and the smallest varlen shapes, once. Every rank calls it at the same
+        point (the runner's first `execute`): the forwards all-reduce. Steps read and write only the scratch
+        block. A shape an earlier runner of this model compiled is skipped: which shapes a forward compiled
+        follows from the plans every rank ran since the model was loaded, so every rank skips the same."""
+        if self.warmed:
+            return
+        self.warmed = True
+        plans = warm_up_plans(runner, decode="decode" in self.compiled and runner.graphs is None,
+                              varlen="varlen" in self.compiled)
+        if not plans:
+            return
+        start = time.perf_counter()
+        log.info("compile warm-up: %d steps (%s)", len(plans), ", ".join(name for name, _ in plans))
+        for i, (name, plan) in enumerate(plans):
+            ids, meta, _ = runner.prepare(plan)
+            fn = self.decode if meta.pre_q_pos.shape[0] == 0 else self.varlen
+            if isinstance(fn, CompiledForward) and fn.shape_key(ids, meta, runner.cache.k) in fn.compile_s:
+                continue  # compiled for an earlier runner of this model (the same on every rank: see warm_up)
+            log.info("compile warm-up %d/%d: %s", i + 1, len(plans), name)
+            self(ids, meta, runner.cache.k, runner.cache.v)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        self.warm_up_s = time.perf_counter() - start
+        log.info("compile warm-up done in %.1fs", self.warm_up_s)
+
+
+def scratch_plan(runner: ModelRunner, q_lens: list[int], sample: list[int]) -> StepPlan:
+    """A step whose sequences (contexts as long as their queries) read and write only the scratch block."""
+    q = np.array(q_lens, np.int32)
+    width = max(1, -(-int(q.max()) // runner.rc.page_size))
+    return StepPlan(input_ids=np.zeros(int(q.sum()), np.int32), q_lens=q, kv_lens=q.copy(),
+                    sample=np.array(sample, np.int32),
+                    block_tables=np.full((len(q_lens), width), runner.cache.scratch_block, np.int32))
+
+
+def warm_up_plans(runner: ModelRunner, *, decode: bool, varlen: bool) -> list[tuple[str, StepPlan]]:
+    """(name, plan) of each warm-up step: every decode bucket, then one prefill and one mixed step at the
+    smallest padded query length, as far as the config's batch limits allow."""
+    rc: ResolvedConfig = runner.rc
+    plans: list[tuple[str, StepPlan]] = []
+    if decode:
+        plans += [(f"decode bucket {b}", runner.warmup_plan(b)) for b in decode_buckets(rc.max_requests_per_batch)]
+    q = min(max(rc.q_padding, 2), rc.max_batch_tokens)
+    if varlen and q >= 2:
+        plans.append((f"prefill of {q} tokens", scratch_plan(runner, [q], [1])))
+    mixed_q = min(q, rc.max_batch_tokens - 1)
+    if varlen and rc.max_requests_per_batch >= 2 and mixed_q >= 2:
+        plans.append((f"1 decode + prefill of {mixed_q} tokens", scratch_plan(runner, [1, mixed_q], [1, 1])))
+    return plans
+
