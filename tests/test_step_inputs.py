@@ -107,3 +107,39 @@ def test_a_step_larger_than_the_buffer_is_refused():
     buf.begin()
     with pytest.raises(RuntimeError, match="static buffer"):
         buf.alloc((capacity_entries(rc) + 1,))
+
+
+def test_rope_and_masks_are_computed_once_a_step(make_checkpoint, monkeypatch):
+    """The rope table is gathered once a step and the decode masks made once a step, not once a layer;
+    the rotation equals the rotate-half formula."""
+    import cluster
+    from worker import model as model_module
+    from worker.rope import RotaryTable, rotate_half
+
+    model = cluster.load(make_checkpoint("mistral"))  # sliding-window layers: a mask per window size
+    runner, _, _ = model.build_runner(ContinuousBatchingConfig(page_size=16, num_blocks=64))
+    calls = {"at": 0, "masks": 0}
+    at, masks = RotaryTable.at, model_module.step_masks
+
+    def counted_at(self, *a):
+        calls["at"] += 1
+        return at(self, *a)
+
+    def counted_masks(*a):
+        calls["masks"] += 1
+        return masks(*a)
+
+    monkeypatch.setattr(RotaryTable, "at", counted_at)
+    monkeypatch.setattr(model_module, "step_masks", counted_masks)
+    plan = StepPlan(input_ids=np.arange(5, 27, dtype=np.int32), q_lens=np.array([1, 1, 20], np.int32),
+                    kv_lens=np.array([9, 40, 20], np.int32), sample=np.array([1, 1, 1], np.int32),
+                    block_tables=np.array([[0, 1, 2], [3, 4, 5], [6, 7, 8]], np.int32))
+    runner.execute(plan)
+    assert model.config.num_hidden_layers > 1 and calls == {"at": 1, "masks": 1}
+
+    rope = runner.model.rope
+    positions = torch.tensor([0, 3, 17, 100])
+    x = torch.randn(4, 5, rope.cos.shape[1])
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    torch.testing.assert_close(rope.at(positions, x.dtype).apply(x), x * cos + rotate_half(x) * sin,
+                               rtol=0, atol=0)
