@@ -89,7 +89,7 @@ class Attention(nn.Module):
                 v_cache: torch.Tensor) -> torch.Tensor:
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         qkv = self.qkv_proj(x)
-        v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         if self.qk_norm:
             q, k = rope.apply(self.q_norm(qkv[:, :hq * d].view(t, hq, d))), \
                 rope.apply(self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)))
@@ -116,7 +116,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.rows, self.rows], dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(nn.functional.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
