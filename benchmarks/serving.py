@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # nothing heavy at module level: the spawned client process imports this file
 
 from benchmarks.serving_common import NUM_WARM, PAGE, WARM_TOKENS, CpuWindow, say, speed_probe  # noqa: E402
+from benchmarks.serving_report import report  # noqa: E402
 from benchmarks.serving_transformers import run_transformers  # noqa: E402
 
 
@@ -179,92 +180,6 @@ def run_lockstep(args, prompts, warm, arrivals) -> dict:
     return result
 
 
-# ------------------------------------------------------------------------------------------------ transformers
-# ------------------------------------------------------------------------------------------------ report
-def pct(values: list[float], q: float) -> float:
-    """The q-th percentile, linear between closest ranks (numpy's default)."""
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def summarize(args, r: dict) -> dict:
-    recs = r["records"]
-    ok = [x for x in recs if x.get("first") is not None and x.get("last") is not None]
-    ttft = [1000 * (x["first"] - x["arrival"]) for x in ok]
-    tpot = [1000 * (x["last"] - x["first"]) / (x["n"] - 1) for x in ok if x["n"] > 1]
-    tokens = sum(x.get("n", 0) for x in recs)
-    span = (max(x["last"] for x in ok) - min(x["arrival"] for x in recs)) if ok else float("nan")
-    counts = [x.get("n", 0) for x in recs]
-    lag = [1000 * (x["submit"] - x["arrival"]) for x in recs if "submit" in x]
-    hop = {}
-    srv = [x for x in ok if x.get("srv_first", -1e9) > x["arrival"] - 1]  # Lockstep: the server's timestamps
-    if srv:
-        hop = {"submit -> server add_request": [1000 * (x["srv_created"] - x["submit"]) for x in srv],
-               "server: add_request -> 1st token sampled": [1000 * (x["srv_first"] - x["srv_created"]) for x in srv],
-               "1st token sampled -> client": [1000 * (x["first"] - x["srv_first"]) for x in srv],
-               "last token sampled -> client": [1000 * (x["last"] - x["srv_end"]) for x in srv]}
-    return dict(hop=hop, ttft50=pct(ttft, 50), ttft99=pct(ttft, 99), tpot50=pct(tpot, 50), tpot99=pct(tpot, 99),
-                ttft_mean=sum(ttft) / max(1, len(ttft)), tpot_mean=sum(tpot) / max(1, len(tpot)),
-                tps=tokens / span, tokens=tokens, span=span, counts=counts, max_lag=max(lag) if lag else float("nan"),
-                exact=len(counts) == args.num_requests and all(n == args.new_tokens for n in counts)
-                and all(x.get("status") == "FINISHED" for x in recs),
-                errors=[x["error"] for x in recs if x.get("error")])
-
-
-def report(args, results: list[dict]) -> bool:
-    say(f"\nworkload: {args.num_requests} requests at {args.rate:g}/s (arrival i/{args.rate:g} s), prompt lengths "
-        f"U[{args.min_len}, {args.max_len}] (seed {args.seed}), {args.new_tokens} new tokens each, greedy, EOS "
-        f"disabled; both engines: page_size={PAGE} num_blocks={args.num_blocks} max_batch_tokens="
-        f"{args.max_batch_tokens} (None = each engine's default); warm-up {NUM_WARM} x {WARM_TOKENS} tokens")
-    args.probes.append(speed_probe())
-    say(f"cpus={os.cpu_count()}, load average (1 min) {args.load_before:.2f} at start, {os.getloadavg()[0]:.2f} "
-        f"at end; speed probe {' / '.join(f'{x:.1f}' for x in args.probes)} ms (start / between engines / end; "
-        f"lower is faster)\n")
-    say(f"{'engine':<13} {'TP':>2} {'threads':>7} {'requests':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
-        f"{'TPOT p99':>9} {'tok/s':>7}")
-    say(f"{'':<13} {'':>2} {'':>7} {'':>8} {'ms':>9} {'ms':>9} {'ms':>9} {'ms':>9} {'':>7}")
-    all_exact = True
-    for r in results:
-        s = r["s"] = summarize(args, r)
-        say(f"{r['engine']:<13} {r['tp']:>2} {r['threads']:>7} {len(r['records']):>8} {s['ttft50']:>9.1f} "
-            f"{s['ttft99']:>9.1f} {s['tpot50']:>9.1f} {s['tpot99']:>9.1f} {s['tps']:>7.1f}")
-    say("")
-    for r in results:
-        s = r["s"]
-        all_exact &= s["exact"]
-        others, wall = r["others"]
-        say(f"{r['engine']}: tokens per request min {min(s['counts'])} max {max(s['counts'])} over "
-            f"{len(s['counts'])} requests ({'all exactly' if s['exact'] else 'NOT all'} {args.new_tokens}, "
-            f"{s['tokens']} in all); first arrival to last token {s['span']:.2f} s; TTFT mean {s['ttft_mean']:.1f} "
-            f"ms, TPOT mean {s['tpot_mean']:.1f} ms; latest submit {s['max_lag']:.1f} ms after its arrival time")
-        say(f"    {r['note']}; other processes' CPU while this engine ran: {others:.1f} s over {wall:.0f} s")
-        if s["hop"]:
-            say("    where TTFT goes (server timestamps, same clock), p50 / p99 ms: " + "; ".join(
-                f"{k} {pct(v, 50):.1f} / {pct(v, 99):.1f}" for k, v in s["hop"].items()))
-        for e in s["errors"][:3]:
-            say(f"    error: {e}")
-    by = {r["engine"]: r["s"] for r in results}
-    if "lockstep" in by and "transformers" in by:
-        a, b = by["lockstep"], by["transformers"]
-        ra, rb = ([x.get("tokens") for x in r["records"]] for r in results[:2])
-        same = sum(x is not None and x == y for x, y in zip(ra, rb))
-        say(f"same generated tokens in both engines: {same}/{len(ra)} requests (greedy, float32; a random model's "
-            f"near-tied logits may still flip a token)")
-        say(f"lockstep/transformers: TTFT p50 ratio {a['ttft50'] / b['ttft50']:.2f}, TTFT p99 ratio "
-            f"{a['ttft99'] / b['ttft99']:.2f}, TPOT p50 ratio {a['tpot50'] / b['tpot50']:.2f}, TPOT p99 ratio "
-            f"{a['tpot99'] / b['tpot99']:.2f}, throughput ratio {a['tps'] / b['tps']:.2f} (below 1 = lockstep "
-            f"faster, except throughput)")
-    if args.json:
-        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "s"}
-                                               | {"summary": {k: v for k, v in r["s"].items() if k != "hop"}}
-                                               for r in results], indent=1))
-    return all_exact
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="checkpoint directory (llama/small written there if missing)")
@@ -286,12 +201,15 @@ def main() -> int:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for the server to print `ready`")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds for one engine's timed run")
+    p.add_argument("--runs", type=int, default=1,
+                   help="pairs of runs, engines alternating (lockstep, transformers, lockstep, ...); the report "
+                        "gives each pair's ratios and their medians")
     p.add_argument("--json", help="also write every request's timestamps here")
     args = p.parse_args()
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")
-    if args.new_tokens < 2 or args.rate <= 0 or args.num_requests < 1:
-        p.error("need --new-tokens >= 2, --rate > 0, --num-requests >= 1")
+    if args.new_tokens < 2 or args.rate <= 0 or args.num_requests < 1 or args.runs < 1:
+        p.error("need --new-tokens >= 2, --rate > 0, --num-requests >= 1, --runs >= 1")
 
     args.load_before = os.getloadavg()[0]
     args.probes = [speed_probe()]
@@ -312,12 +230,14 @@ def main() -> int:
     arrivals = [i / args.rate for i in range(args.num_requests)]
 
     results = []
-    if not args.skip_lockstep:
-        results.append(run_lockstep(args, prompts, warm, arrivals))
-        args.probes.append(speed_probe())
-        say(f"load average (1 min) after lockstep: {os.getloadavg()[0]:.2f}; speed probe {args.probes[-1]:.1f} ms")
-    if not args.skip_transformers:
-        results.append(run_transformers(args, prompts, warm, arrivals))
+    for run in range(1, args.runs + 1):
+        engines = [] if args.skip_lockstep else [("lockstep", run_lockstep)]
+        engines += [] if args.skip_transformers else [("transformers", run_transformers)]
+        for name, engine in engines:
+            say(f"--- run {run} of {args.runs}: {name}")
+            results.append(engine(args, prompts, warm, arrivals) | {"run": run})
+            args.probes.append(speed_probe())
+            say(f"load average (1 min) after {name}: {os.getloadavg()[0]:.2f}; speed probe {args.probes[-1]:.1f} ms")
     ok = report(args, results)
     return 0 if ok else 1
 

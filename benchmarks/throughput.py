@@ -283,6 +283,9 @@ def main() -> int:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV pages of 256 tokens, passed to both engines (default: enough for every request at "
                         "once; 0: each engine's own default, which for transformers on CPU is 60%% of RAM per rank)")
+    p.add_argument("--cpu-offload", type=float, default=None, metavar="GIB",
+                   help="instead of the comparison: Lockstep with cpu_offload_space 0 and GIB under --num-blocks "
+                        "(benchmarks/offload_report.py)")
     args = p.parse_args()
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")
@@ -306,6 +309,9 @@ def main() -> int:
     say(f"rank 0 of {WORLD}: torch {torch.__version__}, torch threads {torch.get_num_threads()}, device {args.device}, "
         f"dtype {args.dtype}, cuda graphs {args.cuda_graph}")
 
+    if args.cpu_offload is not None:
+        from benchmarks.offload_report import run_offload_report
+        return run_offload_report(args, prompts, warm, say, barrier, gen_config)
     pairs = []
     for _ in range(args.pairs):  # each engine's models are freed before the other's run
         pair = [run_lockstep(args, prompts, warm)]

@@ -163,6 +163,9 @@ class ResolvedConfig:
     # elements one chunk of the paged SDPA attention may gather (keys, values and scores together); the
     # attention workspace bound (worker.attention.attention_workspace_bytes) follows from it
     attn_chunk_elements: int = ATTN_CHUNK_ELEMENTS["cpu"]
+    # pages of the pinned host pool preempted requests' KV is swapped to (cpu_offload_space); 0: recompute.
+    # resolve_config gives this rank's proposal; the group takes the minimum (cluster.dist.agree_min)
+    num_host_blocks: int = 0
 
     @property
     def max_tokens_padded(self) -> int:
@@ -184,8 +187,9 @@ def next_pow2(x: int) -> int:
 
 def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model_len: int,
                    kv_bytes_per_token: int, free_bytes: int | None, flash_available: bool,
-                   dtype: Any = None, head_dim: int | None = None) -> ResolvedConfig:
+                   dtype: Any = None, head_dim: int | None = None, system_ram: int | None = None) -> ResolvedConfig:
     """Fill in what the user left to us. `kv_bytes_per_token` is this rank's K+V bytes per token, all layers.
+    `system_ram` (bytes; None: unknown) caps the host KV pool at cpu_offload_space_safety_threshold of it.
 
     `dtype` (a torch dtype or its name) and `head_dim` decide whether flash-attn can run (see
     `flash_decision`); left out, flash-attn stays off. `num_blocks` computed here is only this rank's
@@ -220,8 +224,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         notes.append(flash_note)
     if cfg.use_async_batching:
         notes.append("use_async_batching -> False: the step loop is synchronous")
-    if cfg.cpu_offload_space:
-        notes.append("cpu_offload_space -> 0: preemption recomputes instead of offloading")
+    num_host_blocks = host_pool_pages(cfg, kv_bytes_per_token * page, system_ram, notes)
     if cfg.default_compile_level or cfg.varlen_compile_config or cfg.decode_compile_config:
         notes.append("compile configs -> not applied: the forward runs eagerly (it is compile-safe)")
     return ResolvedConfig(
@@ -232,7 +235,26 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         use_cuda_graph=graphs, use_flash_attn=use_flash, scheduler_type=cfg.scheduler_type,
         allow_block_sharing=cfg.allow_block_sharing,
         safety_margin=cfg.safety_margin if cfg.safety_margin is not None else 0.0,
-        cpu_group_timeout=cfg.cpu_group_timeout, notes=notes, attn_chunk_elements=ATTN_CHUNK_ELEMENTS[device_kind])
+        cpu_group_timeout=cfg.cpu_group_timeout, notes=notes, attn_chunk_elements=ATTN_CHUNK_ELEMENTS[device_kind],
+        num_host_blocks=num_host_blocks)
+
+
+GIB = 1 << 30
+
+
+def host_pool_pages(cfg: ContinuousBatchingConfig, page_bytes: int, system_ram: int | None, notes: list[str]) -> int:
+    """Pages of this rank's shard the host KV pool holds: cpu_offload_space GiB (None or 0: off), capped at
+    cpu_offload_space_safety_threshold of the system's RAM when that is known."""
+    want = int((cfg.cpu_offload_space or 0) * GIB)
+    if want and system_ram is not None and want > cfg.cpu_offload_space_safety_threshold * system_ram:
+        capped = int(cfg.cpu_offload_space_safety_threshold * system_ram)
+        notes.append(f"cpu_offload_space -> {capped / GIB:.2f} GiB: capped at "
+                     f"cpu_offload_space_safety_threshold={cfg.cpu_offload_space_safety_threshold} of the RAM")
+        want = capped
+    pages = want // page_bytes if page_bytes > 0 else 0
+    if want and not pages:
+        notes.append("cpu_offload_space -> 0: smaller than one KV page; preemption recomputes")
+    return pages
 
 
 def graph_decision(asked: bool | tuple[bool, bool] | None, device_kind: str) -> tuple[tuple[bool, bool], list[str]]:

@@ -17,7 +17,7 @@ from enum import IntEnum
 import numpy as np
 
 PLAN_MAGIC = 0x10C5
-HEADER_LEN = 12
+HEADER_LEN = 14
 
 
 class Command(IntEnum):
@@ -45,6 +45,8 @@ class H(IntEnum):
     DATA_LEN = 9
     RESERVED_10 = 10
     RESERVED_11 = 11
+    NUM_SWAP_OUT = 12  # KV page copies device -> host pool before the forward (cpu_offload_space)
+    NUM_SWAP_IN = 13  # host pool -> device, after the swap-outs
 
 
 class S(IntEnum):
@@ -68,6 +70,8 @@ class StepPlan:
     kv_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [B] context after the step
     sample: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [B] 1: return last logits
     block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [B, NB]
+    swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [n, 2] (page, host slot)
+    swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [m, 2] (host slot, page)
     data: bytes = b""
 
     @property
@@ -97,6 +101,8 @@ class StepPlan:
         h[H.NUM_SEQS] = self.num_seqs
         h[H.NUM_DECODE] = self.num_decode
         h[H.TABLE_WIDTH] = self.block_tables.shape[1] if self.block_tables.ndim == 2 else 0
+        h[H.NUM_SWAP_OUT] = self.swap_out.shape[0]
+        h[H.NUM_SWAP_IN] = self.swap_in.shape[0]
         h[H.PAYLOAD_LEN] = payload_len(h)
         h[H.WEIGHT_VERSION] = self.weight_version
         h[H.DATA_LEN] = len(self.data)
@@ -104,12 +110,13 @@ class StepPlan:
 
     def payload(self) -> np.ndarray:
         return np.concatenate([self.input_ids, self.q_lens, self.kv_lens, self.sample,
-                               self.block_tables.reshape(-1)]).astype(np.int32, copy=False)
+                               self.block_tables.reshape(-1), self.swap_out.reshape(-1),
+                               self.swap_in.reshape(-1)]).astype(np.int32, copy=False)
 
 
 def payload_len(h: np.ndarray) -> int:
     t, b, nb = int(h[H.NUM_TOKENS]), int(h[H.NUM_SEQS]), int(h[H.TABLE_WIDTH])
-    return t + 3 * b + b * nb
+    return t + 3 * b + b * nb + 2 * (int(h[H.NUM_SWAP_OUT]) + int(h[H.NUM_SWAP_IN]))
 
 
 def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> StepPlan:
@@ -125,5 +132,8 @@ def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> S
         plan.q_lens = payload[o:o + b]; o += b
         plan.kv_lens = payload[o:o + b]; o += b
         plan.sample = payload[o:o + b]; o += b
-        plan.block_tables = payload[o:o + b * nb].reshape(b, nb)
+        plan.block_tables = payload[o:o + b * nb].reshape(b, nb); o += b * nb
+        n_out, n_in = int(h[H.NUM_SWAP_OUT]), int(h[H.NUM_SWAP_IN])
+        plan.swap_out = payload[o:o + 2 * n_out].reshape(n_out, 2); o += 2 * n_out
+        plan.swap_in = payload[o:o + 2 * n_in].reshape(n_in, 2)
     return plan

@@ -24,6 +24,7 @@ from cluster.outputs import GenerationOutput
 from driver.manager import ContinuousBatchingManager
 from worker.attention import attention_workspace_bytes
 from worker.kv_cache import kv_bytes_per_token
+from worker.kv_offload import system_ram_bytes
 from worker.memory import CACHE_LEDGER, describe, propose_num_blocks, tensor_bytes, use_device
 from worker.model import CausalLM, KVHeads, head_dim_of
 from worker.named_shards import named_shards, shard_of
@@ -119,7 +120,8 @@ class ClusterModel:
         cuda = self.device.type == "cuda"
         rc = resolve_config(cb, device_kind=self.device.type, max_model_len=self.max_model_len,
                             kv_bytes_per_token=per_token, free_bytes=None if cuda else available_host_memory(),
-                            flash_available=flash_attn_available(), dtype=self.dtype, head_dim=d)
+                            flash_available=flash_attn_available(), dtype=self.dtype, head_dim=d,
+                            system_ram=system_ram_bytes())
         if cuda and cb.num_blocks is None:
             workspace = attention_workspace_bytes(rc, heads.q_local, heads.kv_local, d, self.dtype)
             rc.num_blocks, breakdown = propose_num_blocks(
@@ -128,6 +130,7 @@ class ClusterModel:
                 attention_workspace_bytes=workspace)  # one layer at a time: its bound is the peak
             rc.notes.append(describe(breakdown))
         rc.num_blocks = agree_min(rc.num_blocks, self.groups)
+        rc.num_host_blocks = agree_min(rc.num_host_blocks, self.groups)  # the driver's slots exist on every rank
         groups = self.groups
         if self.groups.distributed and cb.cpu_group_timeout != self.groups.control_timeout:
             groups = make_control_group(self.groups, cb.cpu_group_timeout)

@@ -19,6 +19,16 @@ def chain_hash(prev: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(prev + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
+def token_slice(req: Request, start: int, stop: int) -> list[int]:
+    """req.tokens[start:stop] without building the whole token list (its cost follows stop - start)."""
+    prompt, n = req.prompt_ids, len(req.prompt_ids)
+    if stop <= n:
+        return prompt[start:stop]
+    if start >= n:
+        return req.generated[start - n:stop - n]
+    return prompt[start:] + req.generated[:stop - n]
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, page_size: int, allow_sharing: bool):
         self.num_blocks = num_blocks
@@ -42,10 +52,10 @@ class BlockManager:
         """Attach cached blocks holding a prefix of the request's tokens; at least one token stays to compute."""
         if not self.allow_sharing or req.block_ids:
             return
-        tokens, page = req.tokens, self.page_size
+        page = self.page_size
         h = b""
-        for i in range((len(tokens) - 1) // page):
-            h = chain_hash(h, tokens[i * page:(i + 1) * page])
+        for i in range((req.num_tokens - 1) // page):
+            h = chain_hash(h, token_slice(req, i * page, (i + 1) * page))
             b = self.hash_to_block.get(h)
             if b is None:
                 break
@@ -74,8 +84,9 @@ class BlockManager:
             req.block_ids.append(b)
         return True
 
-    def release(self, req: Request) -> None:
-        """Drop the request's references; blocks nobody holds go back to the free list."""
+    def release(self, req: Request, keep_hashes: bool = False) -> None:
+        """Drop the request's references; blocks nobody holds go back to the free list. `keep_hashes`: the
+        request keeps its blocks' hashes (its KV went to the host pool and comes back with them)."""
         for b in reversed(req.block_ids):
             self.ref[b] -= 1
             if self.ref[b] == 0:
@@ -83,18 +94,44 @@ class BlockManager:
                 if self.block_hash[b] is None:
                     self.free.move_to_end(b, last=False)
         req.block_ids = []
-        req.block_hashes = []
+        if not keep_hashes:
+            req.block_hashes = []
 
     def register_full_blocks(self, req: Request) -> None:
         """Make the request's newly completed blocks findable by later requests with the same prefix."""
-        if not self.allow_sharing or not req.cacheable:
-            return
-        tokens, page = req.tokens, self.page_size
+        page = self.page_size
+        if not self.allow_sharing or not req.cacheable or len(req.block_hashes) >= req.num_computed // page:
+            return  # the common decode step: no block completed, nothing to hash
         for i in range(len(req.block_hashes), req.num_computed // page):
             prev = req.block_hashes[-1] if req.block_hashes else b""
-            h = chain_hash(prev, tokens[i * page:(i + 1) * page])
+            h = chain_hash(prev, token_slice(req, i * page, (i + 1) * page))
             req.block_hashes.append(h)
             b = req.block_ids[i]
+            if h not in self.hash_to_block:
+                self.hash_to_block[h] = b
+                self.block_hash[b] = h
+
+    def attach_cached(self, req: Request) -> int:
+        """Before a swap-in: attach the cached blocks that still hold the request's leading full blocks (by its
+        kept hashes), so only the rest is copied back. Returns the blocks attached."""
+        if not self.allow_sharing or not req.cacheable or req.block_ids:
+            return 0
+        for h in req.block_hashes:
+            b = self.hash_to_block.get(h)
+            if b is None:
+                break
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+            req.block_ids.append(b)
+        return len(req.block_ids)
+
+    def register_swapped_in(self, req: Request) -> None:
+        """After a swap-in: the request's full blocks (its kept hashes) are findable again in its new pages,
+        where no other block holds the same prefix."""
+        if not self.allow_sharing or not req.cacheable:
+            return
+        for h, b in zip(req.block_hashes, req.block_ids):
             if h not in self.hash_to_block:
                 self.hash_to_block[h] = b
                 self.block_hash[b] = h

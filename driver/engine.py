@@ -77,6 +77,7 @@ class Engine:
         batch.sort(key=lambda s: s.num_tokens != 1)  # the decode group goes first
         plan = self._plan(batch)
         plan.data = data
+        plan.swap_out, plan.swap_in = self.scheduler.take_swaps()
         self.rank_states = send_plan(plan, self.groups)
         logits = self.runner.execute(plan)
         sampled = [s.req for s in batch if s.samples]

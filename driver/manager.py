@@ -156,6 +156,7 @@ class ContinuousBatchingManager:
                 "preemptions": e.scheduler.num_preemptions, "prefix_hit_blocks": e.blocks.prefix_hit_blocks,
                 "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                 "free_blocks": e.blocks.num_free, "num_blocks": e.blocks.num_blocks,
+                "num_host_blocks": e.scheduler.host.num_slots, **e.scheduler.offload_stats(),
                 "cuda_graphs": dict(self.runner.graph_stats)}
 
     # ---------------------------------------------------------------- requests (driver)

@@ -51,6 +51,8 @@ class Request:
     # the token index, so the resumed request samples what the uninterrupted one would have
     resumed_tokens: int = 0
     sink: object = None  # callable(GenerationOutput) on the loop thread (the front door's), else the ResultRouter
+    # one copy of prompt_ids that every output of this request shares, so a streamed token costs no prompt copy
+    prompt_out: list[int] | None = field(default=None, repr=False)
 
     @property
     def tokens(self) -> list[int]:
@@ -75,8 +77,12 @@ class Request:
             self.weight_versions.append((len(self.generated), version))
 
     def output(self) -> GenerationOutput:
+        """A snapshot of the request. Its outputs share one copy of the prompt (never the request's own list);
+        the rest is copied, so its cost follows the tokens generated, not the prompt."""
+        if self.prompt_out is None:
+            self.prompt_out = list(self.prompt_ids)
         return GenerationOutput(
-            request_id=self.request_id, prompt_ids=list(self.prompt_ids), generated_tokens=list(self.generated),
+            request_id=self.request_id, prompt_ids=self.prompt_out, generated_tokens=list(self.generated),
             logprobs=list(self.logprobs), error=self.error, status=self.status, created_time=self.created_time,
             lifespan=(self.start_time, self.end_time),
             timestamps=list(self.timestamps) if self.record_timestamps else None,

@@ -3,7 +3,9 @@
 `fifo` serves running requests first (decodes and unfinished prefill chunks, oldest first), then admits
 waiting requests with what is left of the budget. `prefill_first` admits waiting requests first. When a
 running request needs a page and none is free, the newest other running request is preempted: its pages
-are freed and it goes back to the front of the queue to be recomputed (prompt + tokens so far) later.
+are freed and it goes back to the front of the queue. With a host pool (`cpu_offload_space`) its computed
+pages are swapped out to it and swapped back in when it is admitted again (driver/host_pool.py); without
+one, or when the pool is full, it is recomputed (prompt + tokens so far) later.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from cluster.config import ResolvedConfig
 from cluster.outputs import RequestStatus
 from driver.block_manager import BlockManager
+from driver.host_pool import HostPool
 from driver.request import Request
 
 
@@ -36,6 +41,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.keep_free = int(rc.safety_margin * rc.num_blocks)
         self.num_preemptions = 0
+        self.host = HostPool(rc.num_host_blocks)
+        self.dropped: dict[Request, int] = {}  # preempted without a host copy -> tokens it had computed
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -71,13 +78,13 @@ class Scheduler:
             while not self.blocks.allocate(req, req.num_computed + n):
                 victims = [r for r in self.running if r is not req and id(r) not in scheduled]
                 if victims:
-                    self.preempt(victims[-1])
+                    self.preempt(victims[-1], offload=True)
                     continue
                 if not batch:  # alone and still too big: it can never run
                     self.running.remove(req)
                     impossible.append(req)
                 else:
-                    self.preempt(req)
+                    self.preempt(req, offload=True)
                 break
             else:
                 batch.append(Scheduled(req, n))
@@ -86,17 +93,27 @@ class Scheduler:
     def _admit(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
         while self.waiting and self._room(batch, budget):
             req = self.waiting[0]
-            self.blocks.match_prefix(req)
+            swapped = self.host.holds(req)
+            cached = self.blocks.attach_cached(req) if swapped else 0
+            if not swapped:
+                self.blocks.match_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget[0])
             keep = self.keep_free if self.running else 0
             if not self.blocks.allocate(req, req.num_computed + n, keep_free=keep):
-                self.blocks.release(req)
+                self.blocks.release(req, keep_hashes=swapped)
+                if swapped:
+                    return
                 req.num_computed = 0
                 if not self.running and not batch and self.blocks.num_free == self.blocks.num_blocks:
                     self.waiting.popleft()
                     impossible.append(req)
                     continue
                 return
+            if swapped:  # its KV comes back into the first of its new pages, before the forward
+                self.host.swap_in(req, req.block_ids[:self.blocks.blocks_for(req.num_computed)], cached)
+                self.blocks.register_swapped_in(req)
+            elif req in self.dropped:
+                self.host.stats.recomputed_tokens += max(0, self.dropped.pop(req) - req.num_computed)
             self.waiting.popleft()
             self.running.append(req)
             if req.status == RequestStatus.PENDING:
@@ -104,14 +121,34 @@ class Scheduler:
             batch.append(Scheduled(req, n))
             budget[0] -= n
 
-    def preempt(self, req: Request) -> None:
-        """Free the request's pages and queue it first, to be recomputed from its tokens so far."""
-        self.blocks.release(req)
-        req.num_computed = 0
+    def preempt(self, req: Request, offload: bool = False) -> None:
+        """Free the request's pages and queue it first. `offload`: its computed pages go to the host pool when
+        they fit, to come back when it is admitted again; otherwise (or when the pool is short) it is recomputed
+        from its tokens so far. A request already waiting with a host copy drops that copy."""
+        pages = req.block_ids[:self.blocks.blocks_for(req.num_computed)]
+        kept = offload and self.host.enabled and self.host.swap_out(req, pages)
+        self.blocks.release(req, keep_hashes=kept)
+        if not kept:
+            self.host.drop(req)
+            if req.num_computed:
+                self.dropped[req] = self.dropped.get(req, 0) + req.num_computed
+            req.num_computed = 0
         req.status = RequestStatus.PENDING
-        self.running.remove(req)
-        self.waiting.appendleft(req)
-        self.num_preemptions += 1
+        if req in self.running:
+            self.running.remove(req)
+            self.waiting.appendleft(req)
+            self.num_preemptions += 1
+
+    def swapped_out(self) -> list[Request]:
+        """Waiting requests whose KV sits in the host pool."""
+        return list(self.host.held)
+
+    def take_swaps(self) -> tuple[np.ndarray, np.ndarray]:
+        """The page copies the next plan that runs a forward must carry: (swap_out [n, 2], swap_in [m, 2])."""
+        return self.host.take()
+
+    def offload_stats(self) -> dict[str, int]:
+        return self.host.stats.as_dict()
 
     def finish(self, req: Request) -> None:
         """Take a request out of the schedule (finished, failed or cancelled) and free its pages."""
@@ -120,3 +157,5 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.blocks.release(req)
+        self.host.drop(req)
+        self.dropped.pop(req, None)

@@ -187,7 +187,7 @@ class WeightUpdates:
         if result["ok"]:
             e.weight_version += 1
             e.blocks.forget_cached_prefixes()
-            holding = [r for r in e.scheduler.running if r.block_ids]
+            holding = [r for r in e.scheduler.running if r.block_ids] + e.scheduler.swapped_out()  # KV on the host too
             if call.kv_policy == "recompute":
                 for req in reversed(holding):
                     e.scheduler.preempt(req)

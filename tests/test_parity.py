@@ -24,6 +24,11 @@ def check_scenario(name: str, tokens: list[list[int]], status: list[int], stats:
         assert stats["prefix_hit_blocks"] > 0, "the shared-prefix scenario reused no block"
     if name == "preempt":
         assert stats["preemptions"] > 0, "the small-cache scenario preempted nothing"
+        assert stats["recomputed_tokens"] > 0, "without a host pool preempted KV is recomputed"
+    if name == "offload":  # the same preemptions, but the KV went to the host pool and came back: nothing recomputed
+        assert stats["preemptions"] > 0 and stats["swapped_out_requests"] == stats["preemptions"]
+        assert stats["swapped_in_requests"] == stats["swapped_out_requests"] and stats["swapped_out_pages"] > 0
+        assert stats["recomputed_tokens"] == 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)

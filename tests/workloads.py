@@ -31,6 +31,8 @@ SCENARIOS = {
     "chunked": (dict(page_size=16, max_batch_tokens=64), "mixed"),
     "sharing": (dict(page_size=16, allow_block_sharing=True, max_batch_tokens=128), "shared"),
     "preempt": (dict(page_size=16, num_blocks=32, max_batch_tokens=128), "mixed"),
+    # the same small cache with a host pool (50 MiB, far more than the tiny models' preempted pages need)
+    "offload": (dict(page_size=16, num_blocks=32, max_batch_tokens=128, cpu_offload_space=0.05), "mixed"),
 }
 
 

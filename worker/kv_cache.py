@@ -1,4 +1,4 @@
-"""The paged KV cache tensors of one rank.
+"""The paged KV cache tensors of one rank, and its host pool for offloaded pages (worker/kv_offload.py).
 
 Slots are numbered block * page_size + offset. One extra scratch block at the end takes the writes of
 padding tokens (at its first slot) and stands in the block tables of padding rows, so padded shapes never
@@ -7,7 +7,11 @@ touch a real page. worker/flash.py views a layer as [blocks, page, heads, dim] f
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from cluster.errors import LockstepError
+from worker.kv_offload import HostKVPool
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -17,7 +21,8 @@ def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: tor
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0):
+        """`num_host_blocks`: pages of the host pool preempted requests' KV is swapped to (0: none)."""
         self.page_size = page_size
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
@@ -25,3 +30,14 @@ class KVCache:
         shape = ((num_blocks + 1) * page_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.host = (HostKVPool(num_layers, num_host_blocks, page_size, kv_heads, head_dim, dtype,
+                                pin=device.type == "cuda") if num_host_blocks else None)
+
+    def apply_swaps(self, swap_out: np.ndarray, swap_in: np.ndarray) -> None:
+        """Do a plan's page copies (swap-outs, then swap-ins) before its forward. Every rank calls it with the
+        same plan; a plan without copies costs nothing."""
+        if not (swap_out.size or swap_in.size):
+            return
+        if self.host is None:
+            raise LockstepError("the plan swaps KV pages but this rank has no host pool (cpu_offload_space)")
+        self.host.swap(self.k, self.v, self.page_size, swap_out, swap_in)

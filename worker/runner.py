@@ -53,7 +53,7 @@ class ModelRunner:
         self.rc = rc
         self.device = device
         self.cache = KVCache(model.config.num_hidden_layers, rc.num_blocks, rc.page_size, kv_heads, head_dim,
-                             dtype, device)
+                             dtype, device, rc.num_host_blocks)
         self.buffers = StaticBuffers(rc, device)
         if graph_factory is None and rc.use_cuda_graph[1] and device.type == "cuda":
             graph_factory = CudaGraphFactory(device)
@@ -105,6 +105,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one step. Every rank calls it with the same plan; the driver gets [sampled seqs, vocab] logits."""
+        self.cache.apply_swaps(plan.swap_out, plan.swap_in)  # the plan's KV page copies, before its forward
         if self.graphs is not None:
             self.capture_graphs()
             bucket = self.graphs.bucket(plan.num_seqs) if plan.num_decode == plan.num_seqs else None
