@@ -4,13 +4,15 @@
     torchrun --nproc-per-node 2 benchmarks/throughput.py --model models/small      # TP=2, every rank runs it
 
 A missing checkpoint is written first by rank 0 (launch.make_model llama/small, seed 0); other ranks wait.
+--pairs N (default 3) runs lockstep, transformers, lockstep, transformers ... N pairs in one invocation, each
+run loading and freeing its own model, and prints every pair's ratio and their median (the acceptance figure).
 Each engine gets a warm-up call (4 short prompts), then one timed generate_batch call on the workload: `wall s`
 is that call (manager, KV cache and all, as a user pays it), `setup s` its part before the first forward. EOS is
 disabled, so every request must produce exactly --new-tokens tokens: checked, printed, exit status 1 if not.
 Both engines get the same ContinuousBatchingConfig fields (--max-batch-tokens, --num-blocks; None = default).
 
-Lockstep's forward-only figures: every ModelRunner.execute(plan) of the timed call is timed and its plan kept,
-on every rank. "execute() in the run" sums rank 0's (plan -> static buffers, sharded forward, logits gather; no
+Lockstep's forward-only figures: every ModelRunner.launch(plan) of the timed call is timed and its plan kept,
+on every rank (on the CPU, launch runs the forward before it returns; on CUDA it times only the queueing). "execute() in the run" sums rank 0's (plan -> static buffers, sharded forward, logits gather; no
 scheduling, sampling or plan broadcast); "replay" runs the kept plans through execute() again back to back on
 every rank. Thread settings are only printed (torchrun sets OMP_NUM_THREADS=1). See docs/benchmarks.md.
 
@@ -29,6 +31,7 @@ import logging
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -111,9 +114,9 @@ def run_lockstep(args, prompts, warm) -> dict:
     model = cluster.load(args.model, dtype=args.dtype, device=args.device)
     rec = {"on": False, "plans": [], "times": [], "runner": None}
     first_forward: list[float] = []
-    original = ModelRunner.execute
+    original = ModelRunner.launch
 
-    def recording_execute(self, plan):
+    def recording_launch(self, plan):
         t0 = time.perf_counter()
         if not first_forward:
             first_forward.append(t0)
@@ -129,7 +132,7 @@ def run_lockstep(args, prompts, warm) -> dict:
                                                   use_cuda_graph=args.use_cuda_graph,
                                                   default_compile_level=args.compile_level)
 
-    ModelRunner.execute = recording_execute
+    ModelRunner.launch = recording_launch
     try:
         model.generate_batch(warm, generation_config=gen_config(8), continuous_batching_config=cb(),
                              max_new_tokens=8)
@@ -137,7 +140,7 @@ def run_lockstep(args, prompts, warm) -> dict:
         out, wall, setup = timed_call(model, prompts, args, cb, first_forward)
         rec["on"] = False
     finally:
-        ModelRunner.execute = original
+        ModelRunner.launch = original
     # Replay: the same plans, back to back, on every rank (the runner and its cache outlive the manager here).
     runner, plans = rec["runner"], rec["plans"]
     barrier()
@@ -198,40 +201,65 @@ def run_transformers(args, prompts, warm) -> dict:
     return result
 
 
-def report(args, results: list[dict]) -> bool:
+def ratios(pairs: list[list[dict]]) -> list[float]:
+    """Each pair's lockstep/transformers throughput ratio (pairs without transformers are left out)."""
+    found = []
+    for pair in pairs:
+        by = {r["engine"]: r for r in pair}
+        if "lockstep" in by and "transformers" in by:
+            found.append(sum(by["lockstep"]["counts"]) / by["lockstep"]["wall"]
+                         / (sum(by["transformers"]["counts"]) / by["transformers"]["wall"]))
+    return found
+
+
+def report(args, pairs: list[list[dict]]) -> bool:
     """Print the table and notes on rank 0; True when every request produced exactly --new-tokens tokens."""
     say(f"\nworkload: {args.num_prompts} prompts, lengths U[{args.min_len}, {args.max_len}] (seed {args.seed}), "
         f"{args.new_tokens} new tokens each, greedy, EOS disabled; both configs get "
         f"max_batch_tokens={args.max_batch_tokens} num_blocks={args.num_blocks} (None = each engine's default)")
     say(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}, cpus={os.cpu_count()}, load average "
-        f"(1 min) {args.load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end\n")
-    say(f"{'engine':<13} {'TP':>2} {'requests':>8} {'gen tokens':>10} {'wall s':>8} {'setup s':>8} "
+        f"(1 min) {args.load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end; {len(pairs)} pair(s), "
+        f"run alternately\n")
+    say(f"{'pair':>4} {'engine':<13} {'TP':>2} {'requests':>8} {'gen tokens':>10} {'wall s':>8} {'setup s':>8} "
         f"{'tok/s':>8} {'threads':>7}")
-    for r in results:
-        tokens = sum(r["counts"])
-        r["tps"] = tokens / r["wall"]
-        say(f"{r['engine']:<13} {WORLD:>2} {len(r['counts']):>8} {tokens:>10} {r['wall']:>8.2f} "
-            f"{r['setup']:>8.2f} {r['tps']:>8.1f} {r['threads']:>7}")
+    for i, pair in enumerate(pairs):
+        for r in pair:
+            tokens = sum(r["counts"])
+            r["tps"] = tokens / r["wall"]
+            say(f"{i + 1:>4} {r['engine']:<13} {WORLD:>2} {len(r['counts']):>8} {tokens:>10} {r['wall']:>8.2f} "
+                f"{r['setup']:>8.2f} {r['tps']:>8.1f} {r['threads']:>7}")
     say("")
     all_exact = True
-    for r in results:
-        c = r["counts"]
-        exact = all(n == args.new_tokens for n in c) and len(c) == args.num_prompts
-        all_exact &= exact
-        say(f"{r['engine']}: tokens per request min {min(c)} max {max(c)} over {len(c)} requests "
-            f"({'all exactly' if exact else 'NOT all'} {args.new_tokens}); {r['config']}")
-    by = {r["engine"]: r for r in results}
-    if "lockstep" in by and "transformers" in by:
-        say(f"ratio lockstep/transformers: {by['lockstep']['tps'] / by['transformers']['tps']:.2f}x")
-    if "lockstep" in by:
-        r = by["lockstep"]
-        tokens = sum(r["counts"])
-        say(f"lockstep forward-only ({r['steps']} execute() calls, {r['query_tokens']} query tokens):")
-        say(f"  execute() in the run, rank 0: {r['exec_s']:.2f} s = {100 * r['exec_s'] / r['wall']:.0f}% of wall "
-            f"-> {tokens / r['exec_s']:.1f} tok/s if nothing else took time")
-        say(f"  replay of the same plans    : {r['replay_s']:.2f} s -> {tokens / r['replay_s']:.1f} tok/s "
-            f"(pad into static buffers + sharded forward + logits gather, back to back)")
+    for i, pair in enumerate(pairs):
+        for r in pair:
+            c = r["counts"]
+            exact = all(n == args.new_tokens for n in c) and len(c) == args.num_prompts
+            all_exact &= exact
+            if i == 0 or not exact:
+                say(f"{r['engine']}: tokens per request min {min(c)} max {max(c)} over {len(c)} requests "
+                    f"({'all exactly' if exact else 'NOT all'} {args.new_tokens}); {r['config']}")
+    found = ratios(pairs)
+    if found:
+        say("ratio lockstep/transformers by pair: " + ", ".join(f"{x:.2f}x" for x in found))
+        say(f"median ratio over {len(found)} pair(s): {statistics.median(found):.2f}x")
+    for i, pair in enumerate(pairs):
+        for r in (x for x in pair if x["engine"] == "lockstep"):
+            tokens = sum(r["counts"])
+            say(f"pair {i + 1}: lockstep forward-only ({r['steps']} execute() calls, {r['query_tokens']} query tokens):")
+            say(f"  execute() in the run, rank 0: {r['exec_s']:.2f} s = {100 * r['exec_s'] / r['wall']:.0f}% of "
+                f"wall -> {tokens / r['exec_s']:.1f} tok/s if nothing else took time")
+            say(f"  replay of the same plans    : {r['replay_s']:.2f} s -> {tokens / r['replay_s']:.1f} tok/s "
+                f"(pad into static buffers + sharded forward + logits gather, back to back)")
     return all_exact
+
+
+def median_pair(pairs: list[list[dict]]) -> list[dict]:
+    """The pair whose ratio is the median (the lower middle one for an even count); the first without ratios."""
+    found = ratios(pairs)
+    if len(found) != len(pairs) or not found:
+        return pairs[0]
+    order = sorted(range(len(found)), key=found.__getitem__)
+    return pairs[order[(len(order) - 1) // 2]]
 
 
 def main() -> int:
@@ -243,6 +271,8 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--pairs", type=int, default=3,
+                   help="runs of lockstep then transformers, alternating; prints each pair's ratio and the median")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda:LOCAL_RANK where CUDA is available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="both engines' dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -262,6 +292,8 @@ def main() -> int:
     args = p.parse_args()
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")
+    if args.pairs < 1:
+        p.error("need --pairs >= 1")
 
     if args.device is None:
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -283,13 +315,19 @@ def main() -> int:
     if args.cpu_offload is not None:
         from benchmarks.offload_report import run_offload_report
         return run_offload_report(args, prompts, warm, say, barrier, gen_config)
-    results = [run_lockstep(args, prompts, warm)]
-    if not args.skip_transformers:
-        results.append(run_transformers(args, prompts, warm))
-    ok = report(args, results)
-    if args.json and RANK == 0:
-        Path(args.json).write_text(json.dumps({"tp": WORLD, "device": args.device, "dtype": args.dtype,
-                                               "cuda_graph": args.cuda_graph, "all_exact": ok, "results": results}))
+    pairs = []
+    for _ in range(args.pairs):  # each engine's models are freed before the other's run
+        pair = [run_lockstep(args, prompts, warm)]
+        if not args.skip_transformers:
+            pair.append(run_transformers(args, prompts, warm))
+        pairs.append(pair)
+    ok = report(args, pairs)
+    if args.json and RANK == 0:  # "results": the median pair's runs (what benchmarks/gpu_summary.py reads)
+        found = ratios(pairs)
+        Path(args.json).write_text(json.dumps({
+            "tp": WORLD, "device": args.device, "dtype": args.dtype, "cuda_graph": args.cuda_graph, "all_exact": ok,
+            "results": median_pair(pairs), "pairs": pairs, "ratios": found,
+            "median_ratio": statistics.median(found) if found else None}))
     barrier()
     return 0 if ok else 1
 

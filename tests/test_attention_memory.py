@@ -224,6 +224,8 @@ def test_flash_metadata_built_on_the_host(make_checkpoint):
     assert pre.cu_seqlens_q.tolist() == [0, 300, 340, 860] and pre.cu_seqlens_k.tolist() == [0, 300, 340, 860]
     assert (pre.max_seqlen_q, pre.max_seqlen_k, pre.num_tokens) == (520, 520, 860)
     assert meta.dec_block_table is None
-    # the tables' storage is the static buffers', whatever the step
-    assert pre.block_table.data_ptr() == runner.buffers.buffers["pre_block_table"].data_ptr()
-    assert pre.cu_seqlens_q.data_ptr() == runner.buffers.buffers["pre_cu_q"].data_ptr()
+    # the tables' storage is the flat static buffer's, whatever the step
+    flat = runner.buffers.flat.untyped_storage().data_ptr()
+    assert pre.block_table.untyped_storage().data_ptr() == pre.cu_seqlens_q.untyped_storage().data_ptr() == flat
+    # no [B, L] slot lists or padded query grids under flash-attn: the kernels read the block tables
+    assert meta.dec_kv_slots.numel() == meta.pre_kv_slots.numel() == meta.pre_q_gather.numel() == 0

@@ -99,33 +99,66 @@ def attention_workspace_bytes(rc: ResolvedConfig, num_heads: int, num_kv_heads: 
     return chunk * elem + outputs
 
 
+@dataclass
+class StepMasks:
+    """Per-step attention metadata shared by every layer: the decode group's additive masks, one per
+    sliding-window size the model uses (None: full attention), [Bd, 1, 1, Ld] in the model's dtype."""
+
+    dec_bias: dict[int | None, torch.Tensor]
+
+
+def _visible(length: int, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[..., L] bool: key j is visible to a query at position p when j <= p (and p - j < window)."""
+    key_pos = torch.arange(length, device=q_pos.device)
+    mask = key_pos <= q_pos[..., None]
+    if window is not None:
+        mask = mask & (key_pos > q_pos[..., None] - window)
+    return mask
+
+
+def _bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive form of a bool mask: 0 where visible, -inf elsewhere (every row sees its own key)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def step_masks(meta: AttnMeta, windows: list[int | None], dtype: torch.dtype) -> StepMasks:
+    """The step's decode masks, computed once for all layers (empty on the flash-attn path, which needs none)."""
+    if not meta.num_decode or meta.dec_block_table is not None:
+        return StepMasks(dec_bias={})
+    length = meta.dec_kv_slots.shape[1]
+    return StepMasks(dec_bias={w: _bias(_visible(length, meta.dec_q_pos, w), dtype)[:, None, None, :]
+                               for w in dict.fromkeys(windows)})
+
+
+def _gather(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
+    """[B, L] slots -> [B, Hkv, L, D] (a strided view of one index_select over the flattened slots)."""
+    b, length = kv_slots.shape
+    return cache.index_select(0, kv_slots.reshape(-1)).view(b, length, cache.shape[1], cache.shape[2]).transpose(1, 2)
+
+
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,
-            q_pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
-    """One chunk. q: [B, Q, Hq, D]; kv_slots: [B, L]; q_pos: [B, Q]. Returns [B, Q, Hq, D]."""
+            bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """One chunk. q: [B, Q, Hq, D]; kv_slots: [B, L]; bias: additive mask broadcastable to [B, 1, Q, L].
+    Returns [B, Q, Hq, D]."""
     b, nq, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
-    length = kv_slots.shape[1]
-    k = k_cache[kv_slots].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-    v = v_cache[kv_slots].permute(0, 2, 1, 3)
-    key_pos = torch.arange(length, device=q.device)
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]
-    if window is not None:
-        mask = mask & (key_pos[None, None, :] > q_pos[:, :, None] - window)
+    k, v = _gather(k_cache, kv_slots), _gather(v_cache, kv_slots)
     # fold the g query heads of each KV head into the query axis: [B, Hkv, g * Q, D]
     qf = q.view(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * nq, d)
-    maskf = mask[:, None, None].expand(b, 1, g, nq, length).reshape(b, 1, g * nq, length)
-    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=maskf, scale=scale)
+    if nq > 1:  # [B, 1, Q, L] -> [B, 1, g * Q, L]; one query a row (decode) broadcasts as it is
+        bias = bias.unsqueeze(2).expand(b, 1, g, nq, bias.shape[-1]).reshape(b, 1, g * nq, bias.shape[-1])
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=bias, scale=scale)
     return out.view(b, hkv, g, nq, d).permute(0, 3, 1, 2, 4).reshape(b, nq, hq, d)
 
 
 def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                 window: int | None, scale: float) -> torch.Tensor:
-    """q: [Bd, Hq, D], one query a sequence, in chunks of sequences. Returns [Bd, Hq, D]."""
+                 bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [Bd, Hq, D], one query a sequence, in chunks of sequences; bias: [Bd, 1, 1, Ld]. Returns [Bd, Hq, D]."""
     bd, length = meta.dec_kv_slots.shape
     rb, _ = chunk_shape(bd, 1, length, q.shape[1], k_cache.shape[1], q.shape[2], meta.chunk_elements)
-    outs = [_attend(q[r:r + rb].unsqueeze(1), k_cache, v_cache, meta.dec_kv_slots[r:r + rb],
-                    meta.dec_q_pos[r:r + rb, None], window, scale).squeeze(1) for r in range(0, bd, rb)]
+    outs = [_attend(q[r:r + rb].unsqueeze(1), k_cache, v_cache, meta.dec_kv_slots[r:r + rb], bias[r:r + rb],
+                    scale).squeeze(1) for r in range(0, bd, rb)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -145,22 +178,24 @@ def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             idx = gather[r:r + rb, c:c + qc]
             n, m = idx.shape
             qs = q.index_select(0, idx.reshape(-1)).view(n, m, hq, d)
-            res = _attend(qs, k_cache, v_cache, meta.pre_kv_slots[r:r + rb], meta.pre_q_pos[r:r + rb, c:c + qc],
-                          window, scale)
+            bias = _bias(_visible(length, meta.pre_q_pos[r:r + rb, c:c + qc], window), q.dtype).unsqueeze(1)
+            res = _attend(qs, k_cache, v_cache, meta.pre_kv_slots[r:r + rb], bias, scale)
             out.index_copy_(0, scatter[r:r + rb, c:c + qc].reshape(-1), res.reshape(n * m, hq, d))
     return out[:-1]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                    window: int | None, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D] for the whole token batch, after this step's K/V were written. Returns [T, Hq, D]."""
+                    window: int | None, scale: float, masks: StepMasks | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] for the whole token batch, after this step's K/V were written. Returns [T, Hq, D].
+    `masks`: the step's (`step_masks`, computed once for every layer); None: computed here."""
     bd = meta.num_decode
     outs = []
     if bd and meta.dec_block_table is not None:
         outs.append(flash.decode(q[:bd], k_cache, v_cache, meta.dec_block_table, meta.dec_kv_lens,
                                  meta.page_size, window, scale))
     elif bd:
-        outs.append(_decode_sdpa(q[:bd], k_cache, v_cache, meta, window, scale))
+        masks = masks if masks is not None and window in masks.dec_bias else step_masks(meta, [window], q.dtype)
+        outs.append(_decode_sdpa(q[:bd], k_cache, v_cache, meta, masks.dec_bias[window], scale))
     if meta.pre_flash is not None:
         outs.append(flash.prefill(q[bd:], k_cache, v_cache, meta.pre_flash, meta.page_size, window, scale))
     elif meta.pre_q_pos.shape[0]:

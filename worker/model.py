@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.attention import AttnMeta, paged_attention, write_kv
+from worker.attention import AttnMeta, StepMasks, paged_attention, step_masks, write_kv
 from worker.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear, Shard,
                            VocabParallelEmbedding)
-from worker.rope import RotaryTable
+from worker.rope import RotaryTable, StepRotary
 
 SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -85,17 +85,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, meta: AttnMeta, rope: RotaryTable, k_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, meta: AttnMeta, rope: StepRotary, masks: StepMasks, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.reshape(t, self.hkv, self.d)
+        t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
+        qkv = self.qkv_proj(x)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k, meta.positions)
+            q, k = rope.apply(self.q_norm(qkv[:, :hq * d].view(t, hq, d))), \
+                rope.apply(self.k_norm(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)))
+        else:  # q and k are adjacent columns: rotated together, as [T, Hq + Hkv, D]
+            qk = rope.apply(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d))
+            q, k = qk[:, :hq], qk[:, hq:]
         write_kv(k_cache, v_cache, k, v, meta)
-        out = paged_attention(q, k_cache, v_cache, meta, self.window, self.scale)
-        return self.o_proj(out.reshape(t, self.hq * self.d))
+        out = paged_attention(q, k_cache, v_cache, meta, self.window, self.scale, masks)
+        return self.o_proj(out.reshape(t, hq * d))
 
 
 class MLP(nn.Module):
@@ -113,7 +116,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.rows, self.rows], dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(nn.functional.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -124,10 +127,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, shard, dtype)
 
-    def forward(self, h: torch.Tensor, meta: AttnMeta, rope: RotaryTable, k_cache: torch.Tensor,
+    def forward(self, h: torch.Tensor, meta: AttnMeta, rope: StepRotary, masks: StepMasks, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), meta, rope, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn(self.input_layernorm(h), meta, rope, masks, k_cache, v_cache)
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class CausalLM(nn.Module):
@@ -143,7 +146,8 @@ class CausalLM(nn.Module):
 
     def _build(self, config, shard: Shard, dtype: torch.dtype, device: torch.device) -> None:
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, shard, w, dtype) for w in layer_windows(config))
+        self.windows = layer_windows(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, shard, w, dtype) for w in self.windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, shard, dtype)
@@ -153,10 +157,13 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Every rank of the device group calls it: two all-reduces a layer, one for the embedding."""
+        """Every rank of the device group calls it: two all-reduces a layer, one for the embedding.
+        The per-step metadata (rope cos/sin at the step's positions, the decode masks) is computed once here."""
         h = self.embed_tokens(input_ids)
+        rope = self.rope.at(meta.positions, h.dtype)
+        masks = step_masks(meta, self.windows, h.dtype)
         for layer, kc, vc in zip(self.layers, k_caches, v_caches):
-            h = layer(h, meta, self.rope, kc, vc)
+            h = layer(h, meta, rope, masks, kc, vc)
         return self.lm_head(self.norm(h.index_select(0, meta.logits_idx)))
 
     def target(self, name: str) -> tuple[Any, str, str] | None:

@@ -1,4 +1,4 @@
-"""Rotary position embedding: a cos/sin table indexed by position (no per-step recomputation).
+"""Rotary position embedding: a cos/sin table indexed by position, gathered once a step for its positions.
 
 Default RoPE and llama3 scaling only; any other `rope_type` is refused by name.
 """
@@ -6,6 +6,7 @@ Default RoPE and llama3 scaling only; any other `rope_type` is refused by name.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -55,11 +56,26 @@ class RotaryTable(torch.nn.Module):
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D]; rotate both in the rotate-half convention."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> "StepRotary":
+        """The step's cos/sin, gathered once for its positions (every layer reuses them)."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        half = sin.shape[-1] // 2
+        return StepRotary(cos=cos, signed_sin=torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
+
+
+@dataclass
+class StepRotary:
+    """cos and sin at a step's positions, [T, 1, D]; sin with its first half negated, so that
+    rotate_half(x) * sin == x.roll(D / 2, -1) * signed_sin."""
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] rotated in the rotate-half convention."""
+        half = x.shape[-1] // 2
+        return x * self.cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * self.signed_sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

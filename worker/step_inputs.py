@@ -1,0 +1,221 @@
+"""A step's inputs: the plan laid out on the host in one staging buffer, then one copy to the device.
+
+Every integer input of a step (token ids, positions, cache slots, the attention index arithmetic, the
+logit rows, flash-attn's tables) is written with numpy, back to back, into a host staging buffer (pinned
+on CUDA), and reaches the device in ONE copy into one flat int64 device buffer; the forward's inputs are
+views of that buffer. Each input starts at an offset that depends only on the shapes of the inputs laid
+out before it, so a step of the same shapes (a CUDA graph bucket) always gets the same addresses: the
+graphs read them, and the flat buffer itself never moves.
+
+Two staging buffers alternate, so the host can lay out step k+1 while step k's copy is still queued on the
+device; each records a CUDA event after its copy and waits on it before it is refilled. On the CPU the
+copy is a plain synchronous copy (prepare must not then run while a forward reads the device buffer).
+
+Under flash-attn the [B, L] key-slot lists and the padded prefill query grids are not built: the kernels
+read the block tables, so those inputs are zero-size views and the host work does not grow with the
+longest context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cluster.config import ResolvedConfig, next_pow2, round_up
+from cluster.plan import StepPlan
+from worker import flash
+from worker.attention import AttnMeta
+
+ALIGN = 8  # int64 entries (64 bytes): every input starts on such a boundary
+
+
+def _entries(n: int, int32: bool) -> int:
+    """int64 entries (aligned) that `n` values take."""
+    return round_up(-(-n // 2) if int32 else n, ALIGN)
+
+
+def capacity_entries(rc: ResolvedConfig) -> int:
+    """int64 entries the largest step of `rc` can need (each input at its largest, all at once)."""
+    t = rc.max_tokens_padded
+    b = next_pow2(rc.max_requests_per_batch)
+    q = round_up(rc.max_batch_tokens, rc.q_padding)
+    nb = rc.max_blocks_per_request
+    wide = 0 if rc.use_flash_attn else rc.max_kv_padded  # the [B, L] slot lists: SDPA path only
+    grid = 0 if rc.use_flash_attn else b * q  # the padded prefill query grids: SDPA path only
+    int64 = [t, t, t, b * wide, b, grid, grid, b * wide, grid, b]
+    int32 = [b * nb, b, b + 1, b + 1, b * nb]
+    return sum(_entries(n, False) for n in int64) + sum(_entries(n, True) for n in int32)
+
+
+class StaticBuffers:
+    """The flat device buffer, its two host staging buffers and their events."""
+
+    def __init__(self, rc: ResolvedConfig, device: torch.device):
+        self.device = device
+        self.flat = torch.zeros(capacity_entries(rc), dtype=torch.int64, device=device)
+        self.buffers = {"flat": self.flat}  # what graph_reads and the memory accounting see
+        self._staging: list[torch.Tensor] = []  # made on first use (never for the meta device)
+        self._events: list[object | None] = [None, None]
+        self._turn = 0
+        self._host: np.ndarray | None = None
+        self._cursor = 0
+
+    @property
+    def turn(self) -> int:
+        """Which staging buffer (0 or 1) the current or last step was laid out in."""
+        return self._turn
+
+    def begin(self) -> None:
+        """Start laying out a step in the next staging buffer, once its previous copy has completed."""
+        if not self._staging:
+            pin = self.device.type == "cuda"
+            self._staging = [torch.zeros(self.flat.numel(), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._turn ^= 1
+        event = self._events[self._turn]
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
+            self._events[self._turn] = None
+        self._host = self._staging[self._turn].numpy()
+        self._cursor = 0
+
+    def alloc(self, shape: tuple[int, ...], int32: bool = False,
+              fill: int | None = None) -> tuple[np.ndarray, torch.Tensor]:
+        """The next input: (its host array to write, its device view), both of `shape`."""
+        assert self._host is not None, "begin() first"
+        n = int(np.prod(shape, dtype=np.int64))
+        start, size = self._cursor, _entries(n, int32)
+        if start + size > self.flat.numel():
+            raise RuntimeError(f"a step needs more than the {self.flat.numel()} entries of the static buffer")
+        self._cursor += size
+        if int32:
+            host = self._host[start:start + size].view(np.int32)[:n].reshape(shape)
+            dev = self.flat[start:start + size].view(torch.int32)[:n].view(shape)
+        else:
+            host = self._host[start:start + n].reshape(shape)
+            dev = self.flat[start:start + n].view(shape)
+        if fill is not None:
+            host.fill(fill)
+        return host, dev
+
+    def put(self, values: np.ndarray, int32: bool = False) -> torch.Tensor:
+        """Lay `values` out as the next input; returns its device view."""
+        host, dev = self.alloc(values.shape, int32)
+        host[...] = values
+        return dev
+
+    def commit(self) -> None:
+        """The step's one host-to-device copy (everything laid out since begin)."""
+        n, src = self._cursor, self._staging[self._turn]
+        self.flat[:n].copy_(src[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._events[self._turn] = event
+        self._host = None
+
+
+def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch_block: int,
+                 bucket: int | None = None) -> tuple[torch.Tensor, AttnMeta, int]:
+    """Lay `plan` out in the static buffers. Returns (input ids, attention metadata, real logit rows).
+
+    `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes (rows, KV width, one logit
+    row per bucket row); None: the eager layout, padded only as far as this step needs."""
+    page = rc.page_size
+    scratch = scratch_block * page
+    flash_on = rc.use_flash_attn
+    q_lens = plan.q_lens.astype(np.int64)
+    kv_lens = plan.kv_lens.astype(np.int64)
+    tables = plan.block_tables
+    b, bd = plan.num_seqs, plan.num_decode
+    if bucket is not None and (bd != b or bd > bucket):
+        raise ValueError(f"a plan of {b} sequences ({bd} decoding) does not fit decode bucket {bucket}")
+    bd_pad = bucket if bucket is not None else next_pow2(bd) if bd else 0
+    cu = np.zeros(b + 1, np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    total = int(cu[-1])
+    t_pre = total - int(cu[bd])
+    t_pre_pad = round_up(t_pre, rc.q_padding)
+    t_pad = bd_pad + t_pre_pad
+    buf.begin()
+
+    # per token: sequence, position, cache slot; placed in the padded layout (decode rows, then prefill)
+    seq = np.repeat(np.arange(b), q_lens)
+    start = kv_lens - q_lens
+    pos = start[seq] + np.arange(total) - cu[seq]
+    slot = tables[seq, pos // page].astype(np.int64) * page + pos % page
+    where = np.arange(total)
+    where[bd:] += bd_pad - bd
+    ids, ids_dev = buf.alloc((t_pad,), fill=0)
+    positions, positions_dev = buf.alloc((t_pad,), fill=0)
+    slots, slots_dev = buf.alloc((t_pad,), fill=scratch)
+    ids[where], positions[where], slots[where] = plan.input_ids, pos, slot
+
+    # decode group: one query per sequence; padding rows read and write only the scratch block
+    width = 0 if flash_on else rc.max_kv_padded if bucket is not None else \
+        round_up(int(kv_lens[:bd].max()), rc.kv_padding) if bd else 0
+    dec_slots, dec_slots_dev = buf.alloc((bd_pad, width), fill=scratch)
+    dec_q_pos, dec_q_pos_dev = buf.alloc((bd_pad,), fill=0)
+    if bd:
+        if width:
+            dec_slots[:bd] = kv_slots(tables[:bd], kv_lens[:bd], width, page, scratch)
+        dec_q_pos[:bd] = kv_lens[:bd] - 1
+
+    # prefill group: sequences padded to a common query length (the SDPA path's grids)
+    bp = b - bd
+    bp_pad = next_pow2(bp) if bp else 0
+    qp_pad = 0 if flash_on or not bp else round_up(int(q_lens[bd:].max()), rc.q_padding)
+    lp_pad = 0 if flash_on or not bp else round_up(int(kv_lens[bd:].max()), rc.kv_padding)
+    gather, gather_dev = buf.alloc((bp_pad * qp_pad,), fill=0)
+    scatter, scatter_dev = buf.alloc((bp_pad * qp_pad,), fill=t_pre_pad)  # padding queries: the dropped row
+    q_pos, q_pos_dev = buf.alloc((bp_pad, qp_pad), fill=0)
+    pre_slots, pre_slots_dev = buf.alloc((bp_pad, lp_pad), fill=scratch)
+    if bp and qp_pad:
+        p = seq[bd:] - bd  # prefill index of each prefill token
+        i = np.arange(t_pre) - (cu[bd:-1] - cu[bd])[p]  # offset within its sequence
+        flat_idx = p * qp_pad + i
+        gather[flat_idx] = scatter[flat_idx] = np.arange(t_pre)
+        q_pos[p, i] = pos[bd:]
+        pre_slots[:bp] = kv_slots(tables[bd:], kv_lens[bd:], lp_pad, page, scratch)
+
+    sampled = np.flatnonzero(plan.sample)
+    if bucket is not None:  # every bucket row's logits; the sampled rows are picked after the replay
+        logits_idx, logits_dev = buf.alloc((bucket,))
+        logits_idx[:] = np.arange(bucket)
+    else:
+        logits_idx, logits_dev = buf.alloc((next_pow2(len(sampled)) if len(sampled) else 0,), fill=0)
+        logits_idx[:len(sampled)] = where[cu[1:][sampled] - 1]
+
+    meta = AttnMeta(positions=positions_dev, slot_mapping=slots_dev, dec_kv_slots=dec_slots_dev,
+                    dec_q_pos=dec_q_pos_dev, pre_q_gather=gather_dev, pre_q_scatter=scatter_dev,
+                    pre_kv_slots=pre_slots_dev, pre_q_pos=q_pos_dev, logits_idx=logits_dev, page_size=page,
+                    chunk_elements=rc.attn_chunk_elements)
+    if flash_on:
+        _flash_meta(buf, meta, tables, q_lens, kv_lens, bd, bd_pad, rc.max_blocks_per_request, scratch_block)
+    buf.commit()
+    return ids_dev, meta, len(sampled)
+
+
+def _flash_meta(buf: StaticBuffers, meta: AttnMeta, tables: np.ndarray, q_lens: np.ndarray,
+                kv_lens: np.ndarray, bd: int, bd_pad: int, nb: int, scratch_block: int) -> None:
+    """flash-attn's block tables (fixed width max_blocks_per_request) and varlen metadata."""
+    if tables.shape[1] > nb:
+        raise ValueError(f"block table of width {tables.shape[1]} exceeds max_blocks_per_request={nb}")
+    if bd:
+        table, meta.dec_block_table = buf.alloc((bd_pad, nb), int32=True, fill=scratch_block)
+        table[:bd, :tables.shape[1]] = tables[:bd]
+        lens, meta.dec_kv_lens = buf.alloc((bd_pad,), int32=True, fill=1)
+        lens[:bd] = kv_lens[:bd]
+    if len(q_lens) > bd:
+        host = flash.varlen_metadata(q_lens[bd:], kv_lens[bd:], tables[bd:], nb, scratch_block)
+        meta.pre_flash = flash.VarlenMeta(
+            cu_seqlens_q=buf.put(host.cu_seqlens_q, int32=True), cu_seqlens_k=buf.put(host.cu_seqlens_k, int32=True),
+            block_table=buf.put(host.block_table, int32=True), max_seqlen_q=host.max_seqlen_q,
+            max_seqlen_k=host.max_seqlen_k, num_tokens=host.num_tokens)
+
+
+def kv_slots(tables: np.ndarray, kv_lens: np.ndarray, length: int, page: int, scratch: int) -> np.ndarray:
+    """[B, length] cache slots of each sequence's keys in position order; the scratch slot past its end."""
+    j = np.arange(length)
+    cols = np.minimum(j // page, tables.shape[1] - 1)
+    slots = tables[:, cols].astype(np.int64) * page + j % page
+    return np.where(j[None, :] < kv_lens[:, None], slots, scratch)
