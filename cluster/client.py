@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterator
 
 from cluster import protocol as P
-from cluster.client_io import PING_EVERY_S, IOThread, PendingRequest, then  # noqa: F401  (re-exported)
+from cluster.client_io import PING_EVERY_S, RESUMABLE, IOThread, PendingRequest, settle, then  # noqa: F401
 from cluster.client_resume import Resumer
 from cluster.errors import ClientError, RequestLost, ServerGone, WeightUpdateError  # noqa: F401  (re-exported)
 from cluster.outputs import GenerationOutput
@@ -134,14 +134,22 @@ class Client:
             req.resumes = resumes
         io.track(req)  # before the submit leaves, so no token can slip by
 
-        def on_reply(f: Future) -> None:  # runs before the caller hears of a refusal
-            if not f.cancelled() and f.exception() is not None:
-                io.finish(req, error=f.exception())
-                io.forget(req)
+        accepted: Future = Future()
 
-        sent = io.call(P.SUBMIT, **fields)
-        sent.add_done_callback(on_reply)
-        return req, then(sent, lambda msg: rid)
+        def on_reply(f: Future) -> None:  # runs before the caller hears of a refusal
+            error = f.exception() if not f.cancelled() else ClientError(P.Code.CLIENT_CLOSED, "cancelled")
+            if error is None:
+                settle(accepted, rid)
+            elif req.resumable and isinstance(error, ClientError) and error.code in RESUMABLE:
+                io.lose(req, error)  # the server was lost before it answered: the resume submits it again
+                settle(accepted, rid)
+            else:
+                io.finish(req, error=error)
+                io.forget(req)
+                settle(accepted, error=error)
+
+        io.call(P.SUBMIT, **fields).add_done_callback(on_reply)
+        return req, accepted
 
     def pause_future(self, pause: bool) -> Future:
         """Pause (or resume); this client then holds the pause (or not) and pings while it does."""

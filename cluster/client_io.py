@@ -165,9 +165,13 @@ class IOThread:
                 self.open.discard(req.request_id)
 
     def lose(self, req: PendingRequest, error: ClientError) -> None:
-        """The server lost the request: to `on_lost` (it resumes it), or ended with RequestLost."""
+        """The server lost the request: to `on_lost` (it resumes it), or ended with RequestLost. Only a request
+        outstanding here is lost (a second report of the same loss is ignored)."""
+        with self.lock:
+            if self.requests.get(req.request_id) is not req or req.request_id not in self.open:
+                return
+            self.open.discard(req.request_id)
         if req.resumable and self.on_lost is not None and error.code in RESUMABLE:
-            self.set_waiting(req)
             self.on_lost(req, error)
             return
         reason = RequestLost.RESUME_OFF if error.code in RESUMABLE else RequestLost.CLIENT_CLOSED

@@ -38,11 +38,12 @@ RETRY_CODES = frozenset({Code.RANK_FAILED, Code.DRIVER_FAILED, Code.STOPPED, Cod
                          Code.DUPLICATE_REQUEST_ID, Code.QUEUE_FULL, Code.CLIENT_LIMIT, Code.WEIGHTS_DIVERGED})
 
 
-@dataclass
+@dataclass(eq=False)
 class Lost:
     req: PendingRequest
     cause: ClientError  # what ended it on the server (or the connection)
     deadline: float  # give up at this time.monotonic()
+    again: bool = False  # lost again while a resubmit of it was on its way
 
 
 class Resumer:
@@ -52,7 +53,7 @@ class Resumer:
         self.client = client
         self.max_resumes, self.resume_timeout_s = max_resumes, resume_timeout_s
         self.cond = threading.Condition()
-        self.waiting: list[Lost] = []
+        self.waiting: dict[PendingRequest, Lost] = {}  # every request waiting for its resume, once
         self.closed = False
         self.thread: threading.Thread | None = None
         self.resumed = 0  # resumes the server accepted, over this client's life
@@ -60,24 +61,27 @@ class Resumer:
     def lost(self, req: PendingRequest, cause: ClientError) -> None:
         """The server lost `req` (any thread; the I/O thread calls it). It is resumed, or ended with
         RequestLost at once when it already had max_resumes resumes or the client is closed."""
-        if req.resumes >= self.max_resumes:
-            self._give_up(Lost(req, cause, 0.0), RequestLost.MAX_RESUMES)
-            return
         with self.cond:
-            if not self.closed:
-                self.waiting.append(Lost(req, cause, time.monotonic() + self.resume_timeout_s))
+            item = self.waiting.get(req)
+            if item is not None:  # a resubmit is on its way: the round sees this loss when it settles
+                item.again = True
+                return
+            if req.resumes >= self.max_resumes or self.closed:
+                reason = RequestLost.CLIENT_CLOSED if self.closed else RequestLost.MAX_RESUMES
+            else:
+                self.waiting[req] = Lost(req, cause, time.monotonic() + self.resume_timeout_s)
                 if self.thread is None:
                     self.thread = threading.Thread(target=self._run, name="lockstep-resume", daemon=True)
                     self.thread.start()
                 self.cond.notify_all()
                 return
-        self._give_up(Lost(req, cause, 0.0), RequestLost.CLIENT_CLOSED)
+        self._give_up(Lost(req, cause, 0.0), reason)
 
     def close(self) -> None:
         """The client gives up: every request still waiting ends with RequestLost (client_closed)."""
         with self.cond:
             self.closed = True
-            left, self.waiting = self.waiting, []
+            left, self.waiting = list(self.waiting.values()), {}
             self.cond.notify_all()
         for item in left:
             self._give_up(item, RequestLost.CLIENT_CLOSED)
@@ -91,44 +95,57 @@ class Resumer:
                 if self.closed or not self.waiting:
                     self.thread = None  # idle (or closed): a later loss starts a new thread
                     return
-                batch, self.waiting = self.waiting, []
+                batch = list(self.waiting.values())
             try:
-                batch = self._round(batch)
+                self._round(batch)
             except Exception as e:  # never leave a request waiting for a thread that died
                 log.exception("lockstep client: resuming failed")
                 for item in batch:
                     self._give_up(item, RequestLost.REFUSED, f"the resume failed: {type(e).__name__}: {e}")
-                batch = []
             now = time.monotonic()
-            for item in [i for i in batch if i.deadline <= now]:
+            with self.cond:
+                late = [i for i in self.waiting.values() if i.deadline <= now]
+            for item in late:
                 self._give_up(item, RequestLost.NO_SERVER, f"no healthy server at {self.client.address} within "
                                                            f"resume_timeout_s={self.resume_timeout_s:g}")
             with self.cond:
-                self.waiting = [i for i in batch if i.deadline > now] + self.waiting
                 if self.waiting and not self.closed:
                     self.cond.wait(RETRY_S)
 
-    def _round(self, batch: list[Lost]) -> list[Lost]:
-        """One try: if the server is healthy, resubmit every request of `batch`; those still waiting."""
-        batch = [i for i in batch if not (i.req.final.done() or i.req.dropped)]  # ended, or its caller left
+    def _round(self, batch: list[Lost]) -> None:
+        """One try: if the server is healthy, resubmit every request of `batch`."""
+        for item in batch:
+            if item.req.final.done() or item.req.dropped:  # ended meanwhile, or its caller left
+                self._forget(item)
+        batch = [i for i in batch if not (i.req.final.done() or i.req.dropped)]
         if not batch or not self._healthy(min(HEALTH_WAIT_S, max(i.deadline for i in batch) - time.monotonic())):
-            return batch
+            return
+        for item in batch:
+            item.again = False
         sent = [(item, self._resubmit(item.req)) for item in batch]
-        left = []
         for item, fut in sent:
             try:
                 fut.result(SUBMIT_WAIT_S)
             except FutureTimeout:
-                left.append(item)
+                continue
             except ClientError as e:
-                if e.code in RETRY_CODES:
-                    left.append(item)
-                else:
+                if e.code not in RETRY_CODES:
                     self._give_up(item, RequestLost.REFUSED, f"the server refused the resume: {e}")
-            else:
-                item.req.resumes += 1
-                self.resumed += 1
-        return left
+                continue
+            item.req.resumes += 1
+            self.resumed += 1
+            with self.cond:
+                if not item.again:  # resumed; a loss from now on comes through `lost` again
+                    self.waiting.pop(item.req, None)
+                    continue
+                item.again = False
+            if item.req.resumes >= self.max_resumes:
+                self._give_up(item, RequestLost.MAX_RESUMES)
+
+    def _forget(self, item: Lost) -> None:
+        with self.cond:
+            if self.waiting.get(item.req) is item:
+                del self.waiting[item.req]
 
     def _healthy(self, wait: float) -> bool:
         if wait <= 0:
@@ -158,6 +175,7 @@ class Resumer:
         return sent
 
     def _give_up(self, item: Lost, reason: str, why: str | None = None) -> None:
+        self._forget(item)
         req, cause = item.req, item.cause
         message = cause.message if why is None else f"{cause.message}; {why}"
         req.end(RequestLost(cause.code, message, req.request_id, reason, len(req.tokens), req.resumes))
