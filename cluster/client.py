@@ -56,7 +56,8 @@ class Client:
                  resume: bool = True, max_resumes: int = 3, resume_timeout_s: float = 60.0):
         self.address, self.server_key, self.client_keys = address, server_key, client_keys
         self.timeout, self.max_frame_bytes, self.server_timeout_s = timeout, max_frame_bytes, server_timeout_s
-        self.resume, self.max_resumes, self.resume_timeout_s = resume, max_resumes, resume_timeout_s
+        # (`resume()` is the pause's end: the setting is `auto_resume`)
+        self.auto_resume, self.max_resumes, self.resume_timeout_s = resume, max_resumes, resume_timeout_s
         self.resumer = Resumer(self, max_resumes, resume_timeout_s)
         self._io: IOThread | None = None
         self._io_lock = threading.Lock()
@@ -65,7 +66,7 @@ class Client:
     def __getstate__(self) -> dict:
         return {"address": self.address, "server_key": self.server_key, "client_keys": self.client_keys,
                 "timeout": self.timeout, "max_frame_bytes": self.max_frame_bytes,
-                "server_timeout_s": self.server_timeout_s, "resume": self.resume, "max_resumes": self.max_resumes,
+                "server_timeout_s": self.server_timeout_s, "resume": self.auto_resume, "max_resumes": self.max_resumes,
                 "resume_timeout_s": self.resume_timeout_s}
 
     def __setstate__(self, state: dict) -> None:
@@ -78,7 +79,7 @@ class Client:
             if self._io is None or self._io.closed:
                 old = self._io
                 self._io = IOThread(self.address, self.server_key, self.client_keys, self.max_frame_bytes,
-                                    self.server_timeout_s, self.resumer.lost if self.resume else None)
+                                    self.server_timeout_s, self.resumer.lost if self.auto_resume else None)
                 if old is not None:
                     self._io.adopt(old)  # their callers still collect the errors that ended them
                     self._finalizer.detach()
@@ -126,7 +127,7 @@ class Client:
         else:
             fields["input_ids"] = list(input_ids) if input_ids is not None else None
         io = self.io
-        req = PendingRequest(rid, input_ids, dict(fields), resumable=self.resume)
+        req = PendingRequest(rid, input_ids, dict(fields), resumable=self.auto_resume)
         if resume_tokens or resumes:
             fields |= {"resume_tokens": list(resume_tokens or []), "resumes": resumes,
                        "resume_versions": [list(p) for p in resume_versions or []]}

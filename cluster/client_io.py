@@ -36,8 +36,8 @@ CLOSE_LINGER_MS = 1000  # how long close() lets the `bye` (and anything queued b
 FAILED_LINGER_MS = 200  # the best-effort `bye` of a thread that failed or lost its server
 DRAIN_AT_MOST = 1000  # frames read per round, so the outbox and the silence check are never starved
 # failures after which a request can be resumed: the server (or the connection to it) lost it, not refused it
-RESUMABLE = frozenset({Code.RANK_FAILED, Code.DRIVER_FAILED, Code.WEIGHTS_DIVERGED, Code.SERVER_GONE,
-                       Code.CLIENT_FAILED})
+# (client_failed, a bug in this client's I/O thread, is reported as it is)
+RESUMABLE = frozenset({Code.RANK_FAILED, Code.DRIVER_FAILED, Code.WEIGHTS_DIVERGED, Code.SERVER_GONE})
 
 
 def lost(req: PendingRequest, error: ClientError, reason: str) -> RequestLost:
