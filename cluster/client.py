@@ -141,9 +141,13 @@ class Client:
             error = f.exception() if not f.cancelled() else ClientError(P.Code.CLIENT_CLOSED, "cancelled")
             if error is None:
                 settle(accepted, rid)
-            elif req.resumable and isinstance(error, ClientError) and error.code in RESUMABLE:
+            elif isinstance(error, ClientError) and error.code in RESUMABLE:
                 io.lose(req, error)  # the server was lost before it answered: the resume submits it again
-                settle(accepted, rid)
+                if req.resumable and io.on_lost is not None:
+                    settle(accepted, rid)
+                else:  # the caller hears why it was not resumed (RequestLost)
+                    io.forget(req)
+                    settle(accepted, error=req.final.exception() if req.final.done() else error)
             else:
                 io.finish(req, error=error)
                 io.forget(req)
