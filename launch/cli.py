@@ -50,11 +50,12 @@ def run_ranks(args: argparse.Namespace, module: str, extra: list[str]) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    args.state_file = weights_record_path(args.run_dir)
     if args.launcher == "ray":  # the ranks become Ray actors; this process waits for SIGINT, then ends them
         from launch.ray_launcher import run_cli
 
         return run_cli(args)
-    extra = ["--model", args.model, "--state-file", weights_record_path(args.run_dir)]
+    extra = ["--model", args.model, "--state-file", args.state_file]
     if args.config:
         extra += ["--config", args.config]
     if args.address:
