@@ -132,7 +132,6 @@ class Resumer:
                 if e.code not in RETRY_CODES:
                     self._give_up(item, RequestLost.REFUSED, f"the server refused the resume: {e}")
                 continue
-            item.req.resumes += 1
             self.resumed += 1
             with self.cond:
                 if not item.again:  # resumed; a loss from now on comes through `lost` again
@@ -167,8 +166,10 @@ class Resumer:
             return fut
         sent = io.call(P.SUBMIT, **req.resume_fields())
 
-        def on_reply(f: Future) -> None:  # refused: not outstanding on the server, still waiting for a resume
-            if not f.cancelled() and f.exception() is not None:
+        def on_reply(f: Future) -> None:  # on the I/O thread, before any token of the resumed request
+            if not f.cancelled() and f.exception() is None:
+                req.resumes += 1  # accepted: its outputs from now on count this resume
+            else:  # refused: not outstanding on the server, still waiting for a resume
                 io.set_waiting(req)
 
         sent.add_done_callback(on_reply)
