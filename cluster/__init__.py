@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.config import ContinuousBatchingConfig
-from cluster.errors import ClientError, LockstepError, ServerGone, WeightUpdateError
+from cluster.errors import ClientError, LockstepError, RequestLost, ServerGone, WeightUpdateError
 from cluster.outputs import GenerationOutput, RequestStatus
 
 __all__ = ["load", "ContinuousBatchingConfig", "ContinuousBatchingManager", "GenerationOutput", "RequestStatus",
-           "Client", "AsyncClient", "ClientError", "LockstepError", "ServerGone", "WeightUpdateError"]
+           "Client", "AsyncClient", "ClientError", "LockstepError", "RequestLost", "ServerGone", "WeightUpdateError"]
 
 _LAZY = {
     "Client": ("cluster.client", "Client"),

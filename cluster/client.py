@@ -6,6 +6,10 @@ While anything is outstanding the I/O thread pings the server: the server cancel
 that goes quiet, and a client whose server goes quiet for `server_timeout_s` ends every waiting call with
 `ServerGone` instead of waiting for `timeout`.
 
+A request the server loses (a rank failed, the driver failed, the server went silent) is resumed by default:
+the client waits for a healthy server at the same address and resubmits it with the tokens it already
+delivered, and the caller sees the uninterrupted answer (cluster/client_resume.py, docs/recovery.md).
+
 A client connects lazily and pickles as its settings only, so a handle can be passed into Ray tasks and
 actors and reconnects in each worker process. Only torch-free modules are imported here.
 """
@@ -20,8 +24,9 @@ from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterator
 
 from cluster import protocol as P
-from cluster.client_io import PING_EVERY_S, IOThread, PendingRequest, then  # noqa: F401  (re-exported)
-from cluster.errors import ClientError, ServerGone, WeightUpdateError  # noqa: F401  (re-exported)
+from cluster.client_io import PING_EVERY_S, RESUMABLE, IOThread, PendingRequest, settle, then  # noqa: F401
+from cluster.client_resume import Resumer
+from cluster.errors import ClientError, RequestLost, ServerGone, WeightUpdateError  # noqa: F401  (re-exported)
 from cluster.outputs import GenerationOutput
 
 
@@ -42,13 +47,18 @@ def _data(msg: dict) -> Any:
 class Client:
     """Blocking client of a Lockstep cluster at `address`. `timeout` bounds every wait; `server_timeout_s`
     is how long a server may stay silent, while this client waits for it, before calls end with
-    ServerGone."""
+    ServerGone. `resume`: resubmit the requests the server loses, up to `max_resumes` times each, waiting at
+    most `resume_timeout_s` for a healthy server each time; a request not resumed ends with RequestLost."""
 
     def __init__(self, address: str = P.DEFAULT_ADDRESS, server_key: bytes | None = None,
                  client_keys: tuple[bytes, bytes] | None = None, timeout: float | None = 600.0,
-                 max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES, server_timeout_s: float = 5.0):
+                 max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES, server_timeout_s: float = 5.0,
+                 resume: bool = True, max_resumes: int = 3, resume_timeout_s: float = 60.0):
         self.address, self.server_key, self.client_keys = address, server_key, client_keys
         self.timeout, self.max_frame_bytes, self.server_timeout_s = timeout, max_frame_bytes, server_timeout_s
+        # (`resume()` is the pause's end: the setting is `auto_resume`)
+        self.auto_resume, self.max_resumes, self.resume_timeout_s = resume, max_resumes, resume_timeout_s
+        self.resumer = Resumer(self, max_resumes, resume_timeout_s)
         self._io: IOThread | None = None
         self._io_lock = threading.Lock()
 
@@ -56,7 +66,8 @@ class Client:
     def __getstate__(self) -> dict:
         return {"address": self.address, "server_key": self.server_key, "client_keys": self.client_keys,
                 "timeout": self.timeout, "max_frame_bytes": self.max_frame_bytes,
-                "server_timeout_s": self.server_timeout_s}
+                "server_timeout_s": self.server_timeout_s, "resume": self.auto_resume, "max_resumes": self.max_resumes,
+                "resume_timeout_s": self.resume_timeout_s}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
@@ -68,7 +79,7 @@ class Client:
             if self._io is None or self._io.closed:
                 old = self._io
                 self._io = IOThread(self.address, self.server_key, self.client_keys, self.max_frame_bytes,
-                                    self.server_timeout_s)
+                                    self.server_timeout_s, self.resumer.lost if self.auto_resume else None)
                 if old is not None:
                     self._io.adopt(old)  # their callers still collect the errors that ended them
                     self._finalizer.detach()
@@ -82,6 +93,7 @@ class Client:
         """Say goodbye (the server cancels this client's unfinished requests at once) and close the socket;
         calls still outstanding end with `client_closed`. A client that is garbage-collected without
         close() is closed the same way."""
+        self.resumer.close()  # requests waiting for a resume end with RequestLost (client_closed)
         with self._io_lock:
             io, self._io = self._io, None
         if io is not None:
@@ -100,10 +112,13 @@ class Client:
     # ------------------------------------------------------------------ futures (shared with AsyncClient)
     def submit_future(self, input_ids: list[int] | None = None, *, text: str | None = None,
                       request_id: str | None = None, max_new_tokens: int | None = None, streaming: bool = False,
-                      eos_token_id: int | list[int] | None = None,
+                      eos_token_id: int | list[int] | None = None, resume_tokens: list[int] | None = None,
+                      resume_versions: list[tuple[int, int]] | None = None, resumes: int = 0,
                       **sampling: Any) -> tuple[PendingRequest, Future]:
         """Send a submit; the future resolves to the request id once the server accepts it. A request id
-        this client already has outstanding raises ClientError(`duplicate_request_id`) here."""
+        this client already has outstanding raises ClientError(`duplicate_request_id`) here. `resume_tokens`
+        (with `resume_versions` and `resumes`): resume a request by hand (the client does it by itself for
+        the requests it sent); its outputs then start with those tokens (docs/recovery.md)."""
         rid = request_id or os.urandom(12).hex()
         fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "streaming": streaming, "sampling": sampling,
                                   "request_id": rid, "eos_token_id": eos_token_id}
@@ -112,17 +127,34 @@ class Client:
         else:
             fields["input_ids"] = list(input_ids) if input_ids is not None else None
         io = self.io
-        req = PendingRequest(rid, input_ids)
+        req = PendingRequest(rid, input_ids, dict(fields), resumable=self.auto_resume)
+        if resume_tokens or resumes:
+            fields |= {"resume_tokens": list(resume_tokens or []), "resumes": resumes,
+                       "resume_versions": [list(p) for p in resume_versions or []]}
+            req.tokens, req.versions = list(resume_tokens or []), [tuple(p) for p in resume_versions or []]
+            req.resumes = resumes
         io.track(req)  # before the submit leaves, so no token can slip by
 
-        def on_reply(f: Future) -> None:  # runs before the caller hears of a refusal
-            if not f.cancelled() and f.exception() is not None:
-                io.finish(req, error=f.exception())
-                io.forget(req)
+        accepted: Future = Future()
 
-        sent = io.call(P.SUBMIT, **fields)
-        sent.add_done_callback(on_reply)
-        return req, then(sent, lambda msg: rid)
+        def on_reply(f: Future) -> None:  # runs before the caller hears of a refusal
+            error = f.exception() if not f.cancelled() else ClientError(P.Code.CLIENT_CLOSED, "cancelled")
+            if error is None:
+                settle(accepted, rid)
+            elif isinstance(error, ClientError) and error.code in RESUMABLE:
+                io.lose(req, error)  # the server was lost before it answered: the resume submits it again
+                if req.resumable and io.on_lost is not None:
+                    settle(accepted, rid)
+                else:  # the caller hears why it was not resumed (RequestLost)
+                    io.forget(req)
+                    settle(accepted, error=req.final.exception() if req.final.done() else error)
+            else:
+                io.finish(req, error=error)
+                io.forget(req)
+                settle(accepted, error=error)
+
+        io.call(P.SUBMIT, **fields).add_done_callback(on_reply)
+        return req, accepted
 
     def pause_future(self, pause: bool) -> Future:
         """Pause (or resume); this client then holds the pause (or not) and pings while it does."""
@@ -151,6 +183,7 @@ class Client:
     def _forget(self, req: PendingRequest, cancel: bool = False) -> None:
         """Stop tracking a collected request; `cancel` asks the server to drop it if it is still running
         (a stream the caller left early)."""
+        req.dropped = True  # a request waiting for its resume is not resumed any more
         io = self._io
         if io is None:
             return

@@ -6,27 +6,28 @@ reply, or a pause this client holds) it pings the server every second; the serve
 future and stream ends with `ServerGone`. An exception inside the thread ends every outstanding call with
 `client_failed` instead of leaving them waiting; either way the thread ends, and the client's next call
 opens a fresh one. `close()` delivers the `bye`, so the server cancels this client's requests at once.
+A request the server loses (`rank_failed`, `driver_failed`, the server gone) goes to `on_lost` when it is
+resumable and the client resumes (cluster/client_resume.py); otherwise it ends with RequestLost.
 Only torch-free modules are imported here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import zmq
 
 from cluster import protocol as P
-from cluster.errors import ClientError, Code, ServerGone
-from cluster.outputs import GenerationOutput, RequestStatus
+from cluster.errors import ClientError, Code, RequestLost, ServerGone
+from cluster.outputs import GenerationOutput
+from cluster.pending_request import PendingRequest, settle  # noqa: F401  (re-exported)
 
 log = logging.getLogger("lockstep")
 
@@ -34,18 +35,14 @@ PING_EVERY_S = 1.0
 CLOSE_LINGER_MS = 1000  # how long close() lets the `bye` (and anything queued before it) reach the server
 FAILED_LINGER_MS = 200  # the best-effort `bye` of a thread that failed or lost its server
 DRAIN_AT_MOST = 1000  # frames read per round, so the outbox and the silence check are never starved
+# failures after which a request can be resumed: the server (or the connection to it) lost it, not refused it
+# (client_failed, a bug in this client's I/O thread, is reported as it is)
+RESUMABLE = frozenset({Code.RANK_FAILED, Code.DRIVER_FAILED, Code.WEIGHTS_DIVERGED, Code.SERVER_GONE})
 
 
-def settle(fut: Future, result: Any = None, error: BaseException | None = None) -> bool:
-    """Resolve `fut` once; a future already done (or cancelled by an asyncio waiter) is left alone."""
-    try:
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-        return True
-    except InvalidStateError:
-        return False
+def lost(req: PendingRequest, error: ClientError, reason: str) -> RequestLost:
+    """The error of a request the server lost and this client does not resume."""
+    return RequestLost(error.code, error.message, req.request_id, reason, len(req.tokens), req.resumes)
 
 
 def then(fut: Future, fn: Callable[[Any], Any], on_ok: Callable[[], None] | None = None) -> Future:
@@ -71,68 +68,15 @@ def then(fut: Future, fn: Callable[[Any], Any], on_ok: Callable[[], None] | None
     return out
 
 
-class PendingRequest:
-    """A submitted request as its client sees it: a future for its final output and a queue of streamed
-    outputs (cumulative tokens; the last one final, or the error that ended it)."""
-
-    def __init__(self, request_id: str, prompt_ids: list[int] | None):
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids or []
-        self.tokens: list[int] = []
-        self.final: Future = Future()
-        self.stream: queue.Queue = queue.Queue()
-        self._arrivals: list[Future] = []  # resolved at the next put (asyncio waiters await them)
-        self._arrivals_lock = threading.Lock()
-
-    def put(self, item: GenerationOutput | Exception) -> None:
-        with self._arrivals_lock:
-            self.stream.put(item)
-            waiting, self._arrivals = self._arrivals, []
-        for fut in waiting:
-            settle(fut)
-
-    def arrival(self) -> Future:
-        """A future resolved once the stream holds an item (at once if it already does)."""
-        fut: Future = Future()
-        with self._arrivals_lock:
-            if self.stream.empty():
-                self._arrivals.append(fut)
-                return fut
-        settle(fut)
-        return fut
-
-    @staticmethod
-    def _checked(item: GenerationOutput | Exception) -> GenerationOutput:
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def next_item(self, timeout: float | None) -> GenerationOutput:
-        """The next streamed output; the error that ended the request is raised."""
-        try:
-            return self._checked(self.stream.get(timeout=timeout))
-        except queue.Empty:
-            raise TimeoutError(f"no output for request {self.request_id!r} within {timeout} s") from None
-
-    async def next_item_async(self, timeout: float | None) -> GenerationOutput:
-        """`next_item` for asyncio: waits without holding a thread."""
-        while True:
-            try:
-                return self._checked(self.stream.get_nowait())
-            except queue.Empty:
-                pass
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(self.arrival()), timeout)
-            except TimeoutError:  # asyncio's, since 3.11 the builtin
-                raise TimeoutError(f"no output for request {self.request_id!r} within {timeout} s") from None
-
-
 class IOThread:
     """Owns the socket; everything else talks to it through `call`, `track` and futures."""
 
     def __init__(self, address: str, server_key: bytes | None, client_keys: tuple[bytes, bytes] | None,
-                 max_frame_bytes: int, server_timeout_s: float = 5.0):
+                 max_frame_bytes: int, server_timeout_s: float = 5.0,
+                 on_lost: Callable[[PendingRequest, ClientError], None] | None = None):
+        """`on_lost(req, error)`: takes a resumable request the server lost (None: such requests fail)."""
         self.address, self.max_frame_bytes, self.server_timeout_s = address, max_frame_bytes, server_timeout_s
+        self.on_lost = on_lost
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -203,6 +147,35 @@ class IOThread:
             return
         req.put(output if error is None else error)
         settle(req.final, output, error)
+
+    def retrack(self, req: PendingRequest) -> None:
+        """Track a request again for its resume (it may have been tracked by an I/O thread that ended)."""
+        with self.lock:
+            if self.closed:
+                raise self._ended()
+            if not self._busy():
+                self.busy_since = time.monotonic()
+            self.requests[req.request_id] = req
+            self.open.add(req.request_id)
+
+    def set_waiting(self, req: PendingRequest) -> None:
+        """The request waits for a resume: still tracked (its caller collects it), not outstanding here."""
+        with self.lock:
+            if self.requests.get(req.request_id) is req:
+                self.open.discard(req.request_id)
+
+    def lose(self, req: PendingRequest, error: ClientError) -> None:
+        """The server lost the request: to `on_lost` (it resumes it), or ended with RequestLost. Only a request
+        outstanding here is lost (a second report of the same loss is ignored)."""
+        with self.lock:
+            if self.requests.get(req.request_id) is not req or req.request_id not in self.open:
+                return
+            self.open.discard(req.request_id)
+        if req.resumable and self.on_lost is not None and error.code in RESUMABLE:
+            self.on_lost(req, error)
+            return
+        reason = RequestLost.RESUME_OFF if error.code in RESUMABLE else RequestLost.CLIENT_CLOSED
+        self.finish(req, error=lost(req, error, reason) if req.resumable or error.code in RESUMABLE else error)
 
     def forget(self, req: PendingRequest) -> None:
         """The caller collected the request (or gave up on it): stop tracking it."""
@@ -330,13 +303,23 @@ class IOThread:
         if req is None or req.final.done():
             return
         if kind == P.TOKENS:
-            req.tokens.extend(msg["tokens"])
-            req.put(GenerationOutput(request_id=rid, prompt_ids=req.prompt_ids,
-                                            generated_tokens=list(req.tokens), status=RequestStatus.DECODING))
+            index = msg.get("index")
+            try:
+                out = req.delivered(index if isinstance(index, int) else len(req.tokens), msg["tokens"],
+                                    msg.get("versions") or [])
+            except ValueError as e:
+                self.finish(req, error=ClientError(Code.INTERNAL, str(e), rid))
+                return
+            if out is not None:
+                req.put(out)
         elif kind == P.FINAL:  # the request stays tracked until `result` or `stream` collects it
             self.finish(req, GenerationOutput.from_dict(msg["output"]))
         elif kind == P.ERROR:  # a request failed on the server side (e.g. a rank died)
-            self.finish(req, error=ClientError(msg.get("code", Code.INTERNAL), msg.get("message", ""), rid))
+            error = ClientError(msg.get("code", Code.INTERNAL), msg.get("message", ""), rid)
+            if error.code in RESUMABLE:
+                self.lose(req, error)
+            else:
+                self.finish(req, error=error)
 
     def _end(self, failure: ClientError | None) -> None:
         """Fail everything outstanding, say goodbye (delivered on close, best effort on a failure) and
@@ -351,7 +334,7 @@ class IOThread:
             frames = self.outbox if failure is None else deque([P.encode(P.BYE)])
             self.outbox = deque()
         for req in reqs:
-            self.finish(req, error=error)
+            self.lose(req, error)
         for fut in replies:
             settle(fut, error=error)
         linger = CLOSE_LINGER_MS if failure is None else FAILED_LINGER_MS

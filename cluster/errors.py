@@ -97,3 +97,22 @@ class WeightUpdateError(ClientError):
         where = f"rank {rank}: " if rank is not None and not reason.startswith("rank ") else ""
         super().__init__(Code.WEIGHT_UPDATE_FAILED, f"weight update refused: {where}{reason}")
         self.rank, self.reason, self.result = rank, reason, result or {}
+
+
+class RequestLost(ClientError):
+    """The server lost a request (a rank or the driver failed, the server went silent) and the client did not
+    resume it. `code` is the failure's (rank_failed, driver_failed, server_gone ...); `reason` says why there
+    was no resume (one of the class's reason names); `tokens_delivered` how many of its generated tokens this
+    client received before; `resumes` how many resumes the server had accepted."""
+
+    RESUME_OFF = "resume_off"  # the client was made with resume=False
+    MAX_RESUMES = "max_resumes"  # it was lost again after max_resumes resumes
+    NO_SERVER = "no_healthy_server"  # no healthy server answered within resume_timeout_s
+    CLIENT_CLOSED = "client_closed"  # the client itself gave up (closed) while the request was lost
+    REFUSED = "refused"  # the server refused the resume (the message says why)
+
+    def __init__(self, code: str, message: str, request_id: str | None, reason: str, tokens_delivered: int,
+                 resumes: int):
+        super().__init__(code, f"{message} [not resumed: {reason}; {tokens_delivered} token(s) delivered, "
+                               f"{resumes} resume(s)]", request_id)
+        self.reason, self.tokens_delivered, self.resumes = reason, tokens_delivered, resumes

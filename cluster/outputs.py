@@ -39,6 +39,7 @@ class GenerationOutput:
     weight_version: int = 0
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
     error_code: str | None = None  # one of cluster.errors.Code when status is FAILED
+    resumes: int = 0  # how many times the request was resumed after a failure (docs/recovery.md)
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
@@ -57,6 +58,8 @@ class GenerationOutput:
         d["status"] = int(self.status)
         d["lifespan"] = list(self.lifespan)
         d["weight_versions"] = [list(p) for p in self.weight_versions]
+        if not self.resumes:  # additive on the wire: a request never resumed looks as it always did
+            del d["resumes"]
         return d
 
     @classmethod
@@ -65,4 +68,27 @@ class GenerationOutput:
         d["status"] = RequestStatus(d["status"])
         d["lifespan"] = tuple(d["lifespan"])
         d["weight_versions"] = [tuple(p) for p in d.get("weight_versions", [])]
-        return cls(**d)
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in known})  # fields a newer server adds are skipped
+
+
+def join_versions(first: list[tuple[int, int]], then: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Two compact weight-version lists of one token sequence, `then`'s indices already in the joined
+    numbering, as one compact list (a pair that repeats the version before it is dropped)."""
+    out = [tuple(p) for p in first]
+    for index, version in then:
+        if not out or out[-1][1] != version:
+            out.append((index, version))
+    return out
+
+
+def versions_between(pairs: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """The compact weight versions of tokens [start, stop) of a sequence whose compact list is `pairs`: the
+    version in force at `start`, then each change before `stop`."""
+    out: list[tuple[int, int]] = []
+    for index, version in pairs:
+        if index <= start:
+            out = [(start, version)]
+        elif index < stop:
+            out.append((index, version))
+    return out

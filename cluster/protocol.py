@@ -94,6 +94,10 @@ class Submit:
     streaming: bool
     sampling: dict[str, Any]
     eos_token_id: int | list[int] | None
+    # a resume (docs/recovery.md): the tokens already delivered, their compact weight versions, the resume count
+    resume_tokens: list[int] | None = None
+    resume_versions: list[list[int]] | None = None
+    resumes: int = 0
 
 
 def field(msg: dict, name: str, types: Any, default: Any = None, required: bool = False) -> Any:
@@ -141,9 +145,17 @@ def parse_submit(msg: dict) -> Submit:
     if rid is not None and len(rid) > MAX_REQUEST_ID_CHARS:
         raise ProtocolError(Code.BAD_FIELD, f"request_id has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS} "
                                             f"are allowed", mid)
+    resume_tokens = field(msg, "resume_tokens", list)
+    if resume_tokens is not None and not all(_is_int(t) for t in resume_tokens):
+        raise ProtocolError(Code.BAD_FIELD, "resume_tokens must be a list of integers", mid, rid)
+    versions = field(msg, "resume_versions", list)
+    if versions is not None and not all(isinstance(p, list) and len(p) == 2 and all(_is_int(x) for x in p)
+                                        for p in versions):
+        raise ProtocolError(Code.BAD_FIELD, "resume_versions must be a list of [index, version] pairs", mid, rid)
     return Submit(mid=mid, request_id=rid, input_ids=ids, text=text,
                   max_new_tokens=field(msg, "max_new_tokens", int), streaming=field(msg, "streaming", bool, False),
-                  sampling=sampling, eos_token_id=eos)
+                  sampling=sampling, eos_token_id=eos, resume_tokens=resume_tokens, resume_versions=versions,
+                  resumes=field(msg, "resumes", int, 0))
 
 
 # ---------------------------------------------------------------- update_weights (push source)

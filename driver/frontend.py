@@ -27,6 +27,7 @@ from cluster.errors import Code
 from driver.admin import AdminPolicy, CurveKeys, PauseOwner
 from driver.client_outbox import ClientOutbox
 from driver.request_desk import ClientState, RequestDesk
+from driver.served_weights import WeightsRecord
 
 log = logging.getLogger("lockstep")
 
@@ -47,8 +48,10 @@ class FrontendConfig:
 
 
 class Frontend:
-    def __init__(self, manager: Any, config: FrontendConfig, tokenizer: Any = None):
+    def __init__(self, manager: Any, config: FrontendConfig, tokenizer: Any = None, weights: Any = None):
+        """`weights`: the WeightsRecord (driver/served_weights.py) applied updates are written to."""
         self.manager = manager
+        self.weights = weights if weights is not None else WeightsRecord(None)
         self.config = config
         self.tokenizer = tokenizer
         self.replies: deque[_Reply] = deque()  # computed on other threads, sent from this one
@@ -193,11 +196,13 @@ class Frontend:
             self._send(ident, P.REPLY, mid=mid, data={"paused": False})
         elif kind == P.STATS:
             self._send(ident, P.REPLY, mid=mid, data=self.manager.stats() | {
-                "frontend": self._frontend_stats(), "restart_count": self.manager.restart_count})
+                "frontend": self._frontend_stats(), "restart_count": self.manager.restart_count,
+                "weights": self.weights.current.report()})
         elif kind == P.HEALTH:
             self._send(ident, P.REPLY, mid=mid, data={
                 "ok": self.desk.loop_answers(), "world_size": self.manager.groups.world_size,
-                "restart_count": self.manager.restart_count, "failure": self.manager.failure})
+                "restart_count": self.manager.restart_count, "failure": self.manager.failure,
+                "weights": self.weights.current.report()})
         elif kind == P.UPDATE_WEIGHTS:
             self._update_weights(ident, msg, mid)
         elif kind == P.BYE:
@@ -223,7 +228,13 @@ class Frontend:
                               buckets=P.check_buckets(msg.get("buckets"), mid))
         else:
             raise P.ProtocolError(Code.BAD_FIELD, f"unknown weight source {source!r}", mid)
-        self.manager.update_weights_async(call, lambda r: self._reply_later(ident, mid, r))
+        def done(result: dict) -> None:  # the loop thread: record what is served now, then answer
+            if result.get("ok"):
+                self.weights.note_update(call.source, call.path if source == "checkpoint" else None,
+                                         result["version"])
+            self._reply_later(ident, mid, result)
+
+        self.manager.update_weights_async(call, done)
 
     # -------------------------------------------------------------- requests
     def _submit(self, ident: bytes, client: ClientState, s: P.Submit) -> None:

@@ -173,13 +173,18 @@ class ContinuousBatchingManager:
     def build_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                       streaming: bool = False, record_timestamps: bool = False,
                       eos_token_id: int | list[int] | None = None, *, strict_processors: bool = False,
-                      **logit_processor_kwargs: Any) -> Request:
+                      resume_tokens: list[int] | None = None, resume_versions: list[tuple[int, int]] | None = None,
+                      resumes: int = 0, **logit_processor_kwargs: Any) -> Request:
         """A validated request, not yet queued (RequestRejected, with its code, if it cannot be served).
-        `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire)."""
+        `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire).
+        `resume_tokens` (with their `resume_versions`, compact (index, version) pairs): the tokens an earlier
+        run of this request (same id, same parameters) delivered; it continues after them, exactly, and its
+        outputs start with them (docs/recovery.md). `resumes`: how many times it was resumed."""
         if request_id is None:
             request_id = f"req_{next(self._ids)}"
         return build_request(self, input_ids, request_id, max_new_tokens, streaming, record_timestamps,
-                             eos_token_id, logit_processor_kwargs, strict_processors=strict_processors)
+                             eos_token_id, logit_processor_kwargs, strict_processors=strict_processors,
+                             resume_tokens=resume_tokens, resume_versions=resume_versions, resumes=resumes)
 
     def submit(self, req: Request, sink: Callable[[GenerationOutput], None] | None = None) -> str:
         """Queue a built request (driver only). `sink`, when given, receives every output of it on the loop

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from cluster import protocol as P
 from cluster.errors import Code, LockstepError, QueueFull, RequestRejected
-from cluster.outputs import GenerationOutput, RequestStatus
+from cluster.outputs import GenerationOutput, RequestStatus, versions_between
 from driver.admission import Admission, Ticket
 
 log = logging.getLogger("lockstep")
@@ -77,10 +77,12 @@ class RequestDesk:
             raise P.ProtocolError(Code.QUEUE_FULL, f"the queue is full (max_queue_size={max_queue})", mid, rid)
         try:
             req = self.manager.build_request(input_ids, rid, s.max_new_tokens, s.streaming, False, s.eos_token_id,
-                                             strict_processors=True, **s.sampling)
+                                             strict_processors=True, resume_tokens=s.resume_tokens,
+                                             resume_versions=s.resume_versions, resumes=s.resumes, **s.sampling)
         except RequestRejected as e:
             raise P.ProtocolError(e.code, e.message, mid, rid) from None
-        ticket = Ticket(rid, ident, s.streaming, req)
+        # a resumed request's outputs start with the tokens its client already has: the stream goes on after them
+        ticket = Ticket(rid, ident, s.streaming, req, sent=req.resumed_tokens)
         self.tickets[rid] = client.tickets[rid] = ticket
         self.admission.put(ticket)
         self.counters["accepted"] += 1
@@ -137,9 +139,10 @@ class RequestDesk:
             return  # its owner is gone, or it was already answered: a stale output
         if not finished:
             if ticket.streaming:
-                new = out.generated_tokens[ticket.sent:]
-                ticket.sent = len(out.generated_tokens)
-                self.send(ticket.ident, P.TOKENS, request_id=ticket.rid, tokens=new, index=ticket.sent - len(new))
+                start, ticket.sent = ticket.sent, len(out.generated_tokens)
+                self.send(ticket.ident, P.TOKENS, request_id=ticket.rid, tokens=out.generated_tokens[start:],
+                          index=start, versions=[list(p) for p in versions_between(out.weight_versions, start,
+                                                                                    ticket.sent)])
             return
         self._settle(ticket)
         self.counters["finished"] += 1

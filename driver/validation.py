@@ -12,6 +12,7 @@ from cluster.config import DEFAULT_MAX_NEW_TOKENS
 from cluster.errors import Code, RequestRejected
 from cluster.protocol import MAX_EOS_TOKEN_IDS, MAX_REQUEST_ID_CHARS, SAMPLING_FIELDS
 from driver.request import Request, SamplingParams
+from driver.resumed_request import ResumedRequest
 
 SAMPLING_KWARGS = tuple(SAMPLING_FIELDS)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -194,10 +195,51 @@ def check_fits_cache(prompt_len: int, max_new_tokens: int, request_id: str, rc: 
                               f"{rc.num_blocks}", Code.EXCEEDS_KV_CACHE, request_id)
 
 
+MAX_RESUMES = 1 << 20  # the largest `resumes` count a request may carry
+
+
+def check_resume(tokens: Any, versions: Any, resumes: Any, request_id: str, vocab_size: int, max_new_tokens: int,
+                 eos: frozenset[int]) -> tuple[list[int], list[tuple[int, int]], int]:
+    """A resume's delivered tokens, their compact weight versions and the resume count, checked: tokens in the
+    vocabulary, fewer than max_new_tokens and none an EOS (the request would have ended there); versions as
+    (index, version) pairs, the first at index 0, indices increasing and inside the tokens."""
+    def bad(what: str) -> RequestRejected:
+        return RequestRejected(f"request {request_id}: {what}", Code.BAD_FIELD, request_id)
+
+    if hasattr(tokens, "tolist"):
+        tokens = tokens.tolist()
+    tokens = list(tokens or [])
+    for i, t in enumerate(tokens):
+        if _integer(t) is None:
+            raise bad(f"resume_tokens[{i}] is {t!r}, not an integer id")
+        if not 0 <= t < vocab_size:
+            raise RequestRejected(f"request {request_id}: resume_tokens[{i}]={t} is outside the vocabulary "
+                                  f"[0, {vocab_size})", Code.TOKEN_OUT_OF_VOCAB, request_id)
+        if t in eos:
+            raise bad(f"resume_tokens[{i}]={t} is an EOS token: the request ended there")
+    if len(tokens) >= max_new_tokens:
+        raise bad(f"{len(tokens)} resume_tokens with max_new_tokens={max_new_tokens}: a resume must leave at least "
+                  f"one token to generate")
+    pairs: list[tuple[int, int]] = []
+    for p in list(versions or []):
+        if not (isinstance(p, (list, tuple)) and len(p) == 2 and all(_integer(x) is not None and x >= 0 for x in p)):
+            raise bad("resume_versions must be [index, version] pairs of non-negative integers")
+        if (not pairs and p[0] != 0) or (pairs and p[0] <= pairs[-1][0]) or p[0] >= len(tokens):
+            raise bad("resume_versions: the first index is 0, indices increase and stay below len(resume_tokens)")
+        pairs.append((int(p[0]), int(p[1])))
+    count = _integer(resumes)
+    if count is None or not 0 <= count <= MAX_RESUMES:
+        raise bad(f"resumes={resumes!r}; it must be an integer in [0, {MAX_RESUMES}]")
+    return tokens, pairs, max(count, 1 if tokens else 0)
+
+
 def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens: int | None, streaming: bool,
                   record_timestamps: bool, eos_token_id: Any, kwargs: dict[str, Any],
-                  strict_processors: bool = False) -> Request:
-    """A validated Request from add_request's arguments and the manager's generation config."""
+                  strict_processors: bool = False, resume_tokens: Any = None, resume_versions: Any = None,
+                  resumes: Any = 0) -> Request:
+    """A validated Request from add_request's arguments and the manager's generation config. With
+    `resume_tokens` (or `resumes` > 0) it is a ResumedRequest: prompt + resume_tokens are prefilled and it
+    continues at token index len(resume_tokens); `max_new_tokens` counts the resumed tokens too."""
     rc, gen = manager.effective_config, manager.generation_config
     request_id = check_request_id(request_id)
     vocab = manager.model.config.vocab_size
@@ -227,9 +269,13 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
                       f"need ContinuousBatchingConfig(per_request_processors=True)", stacklevel=3)
     check_temperature_for_sampling(sampling, request_id)
     eos = check_eos(eos_token_id, request_id, vocab) if eos_token_id is not None else default_eos(gen)
-    return Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=mnt, eos_token_ids=eos,
-                   sampling=sampling, streaming=streaming, record_timestamps=record_timestamps,
-                   return_logprobs=manager.config.return_logprobs)
+    common = dict(request_id=request_id, eos_token_ids=eos, sampling=sampling, streaming=streaming,
+                  record_timestamps=record_timestamps, return_logprobs=manager.config.return_logprobs)
+    tokens, versions, count = check_resume(resume_tokens, resume_versions, resumes, request_id, vocab, mnt, eos)
+    if not count:
+        return Request(prompt_ids=prompt, max_new_tokens=mnt, **common)
+    return ResumedRequest(prompt_ids=prompt + tokens, max_new_tokens=mnt - len(tokens), resumed_tokens=len(tokens),
+                          resume_versions=versions, resumes=count, **common)
 
 
 def unsupported_processors(generation_config: Any) -> list[str]:

@@ -50,16 +50,32 @@ def run_ranks(args: argparse.Namespace, module: str, extra: list[str]) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    args.state_file = weights_record_path(args.run_dir)
     if args.launcher == "ray":  # the ranks become Ray actors; this process waits for SIGINT, then ends them
         from launch.ray_launcher import run_cli
 
         return run_cli(args)
-    extra = ["--model", args.model]
+    extra = ["--model", args.model, "--state-file", args.state_file]
     if args.config:
         extra += ["--config", args.config]
     if args.address:
         extra += ["--address", args.address]
     return run_ranks(args, "launch.serve", extra)
+
+
+def weights_record_path(run_dir: str | None) -> str:
+    """The record of the weights served (driver/served_weights.py) in `run_dir` (made, or a new temporary
+    directory), emptied: a fresh `lockstep serve` starts from its --model, a restarted group from the record."""
+    import tempfile
+
+    if run_dir:
+        os.makedirs(run_dir, exist_ok=True)
+    else:
+        run_dir = tempfile.mkdtemp(prefix="lockstep-run-")
+    path = os.path.join(os.path.abspath(run_dir), "weights.json")
+    if os.path.exists(path):
+        os.unlink(path)
+    return path
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -94,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--nnodes", type=int, default=1)
     sv.add_argument("--node-rank", type=int, default=0)
     sv.add_argument("--rdzv-endpoint", default="127.0.0.1:29400", help="host:port of the rendezvous (multi-node)")
-    sv.add_argument("--max-restarts", type=int, default=0, help="restarts of the whole group after a failure")
+    sv.add_argument("--max-restarts", type=int, default=3,
+                    help="restarts of the whole group after a rank fails (default 3; 0: none). The group comes "
+                         "back on the same address with the weights it last served, and clients resume their "
+                         "requests token-exactly (docs/recovery.md)")
+    sv.add_argument("--run-dir", help="where the group keeps its state across restarts (default: a new "
+                                      "temporary directory)")
     sv.add_argument("--launcher", choices=["torchrun", "ray"], default="torchrun",
                     help="ray: start the ranks as Ray actors in a placement group (RAY_ADDRESS joins a running Ray)")
     sv.add_argument("--gpu", action="store_true", help="with --launcher ray: one GPU per rank")

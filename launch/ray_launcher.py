@@ -9,6 +9,10 @@ the gloo/NCCL traffic stays local where it can. Each actor sets the environment 
 a thread of its own: a Ray actor must not install signal handlers or `os._exit`, so stopping is an event
 and ending the process is `ray.kill`.
 
+After a rank fails, `lockstep serve --launcher ray` restarts the group (`--max-restarts`, default 3): the
+actors are killed and new ones take the same bundles of the same placement group, on the same address, with
+the same weights record (docs/recovery.md), and clients resume their requests.
+
 Nothing crosses between ranks through Ray except these few strings and integers; the ranks talk over
 their own process groups, and clients over ZeroMQ, as under torchrun.
 
@@ -64,24 +68,26 @@ class RankActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def start(self, env: dict[str, str], model_dir: str, preset: dict, address: str | None) -> None:
+    def start(self, env: dict[str, str], model_dir: str, preset: dict, address: str | None,
+              state_file: str | None = None) -> None:
         """Set torchrun's environment and start serving in a thread. Every rank's actor must be started:
         serve_rank joins the process groups and runs collectives on every rank."""
         os.environ.update(env)
         logging.basicConfig(level=logging.INFO,
                             format=f"%(asctime)s %(name)s rank{self.rank} %(levelname)s %(message)s")
-        self.thread = threading.Thread(target=self._serve, args=(model_dir, preset, address),
+        self.thread = threading.Thread(target=self._serve, args=(model_dir, preset, address, state_file),
                                        name=f"lockstep-rank{self.rank}", daemon=True)
         self.thread.start()
 
-    def _serve(self, model_dir: str, preset: dict, address: str | None) -> None:
+    def _serve(self, model_dir: str, preset: dict, address: str | None, state_file: str | None) -> None:
         from launch.serve import serve_rank
 
         def on_ready(addr: str) -> None:
             self.address = addr
 
         try:
-            self.code = serve_rank(model_dir, preset, address, self.stop_event, on_ready=on_ready)
+            self.code = serve_rank(model_dir, preset, address, self.stop_event, on_ready=on_ready,
+                                   state_file=state_file)
         except BaseException:
             self.error = traceback.format_exc()
             self.code = 1
@@ -110,6 +116,8 @@ class RayCluster:
     nodes: list[str] = field(default_factory=list)  # node IP of each rank
     owns_ray: bool = False  # ray.init was called by start_ray_cluster: shutdown ends Ray too
     closed: bool = False
+    start_args: dict = field(default_factory=dict)  # how the ranks were started (a restart starts them again so)
+    restart_count: int = 0
 
     def client(self, **kwargs: Any) -> Client:
         """A blocking client of this cluster; it pickles as its settings, so it can go into Ray tasks."""
@@ -126,6 +134,24 @@ class RayCluster:
             return RANK_FAILED_EXIT
         codes = [s["code"] for s in states if s["code"] is not None]
         return codes[0] if codes else None
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """After a rank failed: end every rank's actor and start new ones in the same placement group, the
+        same bundles, on the same address, with the same weights record (the torchrun launcher's
+        --max-restarts, under Ray). Returns once rank 0 serves again."""
+        import ray
+
+        old, self.actors = list(self.actors), []
+        for a in old:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        deadline = time.monotonic() + timeout
+        for a in old:
+            wait_dead(a, deadline)
+        self.restart_count += 1
+        start_ranks(self, **self.start_args)
 
     def shutdown(self, timeout: float = 30.0) -> list[int | None]:
         """Stop every rank, kill the actors, free the placement group; returns each rank's exit code (None
@@ -178,7 +204,7 @@ def wait_dead(actor: Any, deadline: float) -> bool:
 
 def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | str | os.PathLike | None = None,
                       address: str | None = None, gpu: bool = False, ready_timeout: float = 300.0,
-                      ray_init: dict | None = None) -> RayCluster:
+                      ray_init: dict | None = None, state_file: str | None = None) -> RayCluster:
     """Start `tp` ranks of `lockstep serve` as Ray actors in a PACK placement group; returns once rank 0
     serves (the address it bound is `.address`).
 
@@ -186,11 +212,11 @@ def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | 
     actors' nodes); address is rank 0's ZeroMQ bind address (default tcp://127.0.0.1:5555 on rank 0's node;
     bind tcp://0.0.0.0:PORT for clients on other nodes). Ray is initialised with `ray_init` if it is not
     yet (RAY_ADDRESS, if set, joins a running Ray cluster). On any failure before ready, everything started
-    is torn down and RuntimeError names the rank and its traceback.
+    is torn down and RuntimeError names the rank and its traceback. `state_file`: the record of the weights
+    served (driver/served_weights.py), on rank 0's node; `restart()` serves them again.
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
@@ -202,32 +228,12 @@ def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | 
     bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
     pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK", name=f"lockstep-{os.getpid()}")
     actors: list[Any] = []
-    handle = RayCluster(address="", actors=actors, placement_group=pg, owns_ray=owns_ray)
+    handle = RayCluster(address="", actors=actors, placement_group=pg, owns_ray=owns_ray,
+                        start_args={"model_dir": model_dir, "preset": preset, "address": address, "gpu": gpu,
+                                    "ready_timeout": ready_timeout, "state_file": state_file})
     try:
         ray.get(pg.ready(), timeout=ready_timeout)
-        pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-        remote = ray.remote(RankActor)
-        for rank in range(tp):
-            actors.append(remote.options(
-                num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0, name=None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                                     placement_group_bundle_index=rank),
-                runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
-            ).remote(rank, tp))
-        places = ray.get([a.where.remote() for a in actors], timeout=ready_timeout)
-        handle.pids = [p["pid"] for p in places]
-        handle.nodes = [p["ip"] for p in places]
-        master_addr = places[0]["ip"]
-        master_port = ray.get(actors[0].free_port.remote(), timeout=60)
-        starts = []
-        for rank, a in enumerate(actors):
-            same_node = [r for r in range(tp) if places[r]["node_id"] == places[rank]["node_id"]]
-            env = {"RANK": str(rank), "WORLD_SIZE": str(tp), "LOCAL_RANK": str(same_node.index(rank)),
-                   "LOCAL_WORLD_SIZE": str(len(same_node)), "MASTER_ADDR": master_addr,
-                   "MASTER_PORT": str(master_port)}
-            starts.append(a.start.remote(env, model_dir, preset, address))
-        ray.get(starts, timeout=60)
-        handle.address = wait_ready(actors, master_addr, ready_timeout)
+        start_ranks(handle, **handle.start_args)
         return handle
     except BaseException:
         if actors:
@@ -237,6 +243,39 @@ def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | 
             if owns_ray:
                 ray.shutdown()
         raise
+
+
+def start_ranks(handle: RayCluster, model_dir: str, preset: dict, address: str | None, gpu: bool,
+                ready_timeout: float, state_file: str | None) -> None:
+    """One actor per bundle of the handle's placement group, each started as its rank; returns once rank 0
+    serves (its address in `handle.address`)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg, actors, tp = handle.placement_group, handle.actors, len(handle.placement_group.bundle_specs)
+    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    remote = ray.remote(RankActor)
+    for rank in range(tp):
+        actors.append(remote.options(
+            num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0, name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                 placement_group_bundle_index=rank),
+            runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+        ).remote(rank, tp))
+    places = ray.get([a.where.remote() for a in actors], timeout=ready_timeout)
+    handle.pids = [p["pid"] for p in places]
+    handle.nodes = [p["ip"] for p in places]
+    master_addr = places[0]["ip"]
+    master_port = ray.get(actors[0].free_port.remote(), timeout=60)
+    starts = []
+    for rank, a in enumerate(actors):
+        same_node = [r for r in range(tp) if places[r]["node_id"] == places[rank]["node_id"]]
+        env = {"RANK": str(rank), "WORLD_SIZE": str(tp), "LOCAL_RANK": str(same_node.index(rank)),
+               "LOCAL_WORLD_SIZE": str(len(same_node)), "MASTER_ADDR": master_addr,
+               "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": str(handle.restart_count)}
+        starts.append(a.start.remote(env, model_dir, preset, address, state_file))
+    ray.get(starts, timeout=60)
+    handle.address = wait_ready(actors, master_addr, ready_timeout)
 
 
 def wait_ready(actors: list[Any], master_addr: str, timeout: float) -> str:
@@ -268,12 +307,12 @@ def run_cli(args: Any) -> int:
     """`lockstep serve --launcher ray`: start the actors, print `ready <address>`, serve until SIGINT or
     SIGTERM (or until a rank ends), then shut everything down. Returns the exit code like torchrun's
     (0 clean, RANK_FAILED_EXIT when a rank failed)."""
-    if getattr(args, "nnodes", 1) > 1 or getattr(args, "max_restarts", 0):
-        raise SystemExit("lockstep serve --launcher ray: --nnodes and --max-restarts are torchrun's; "
-                         "Ray places the ranks on its own nodes")
+    if getattr(args, "nnodes", 1) > 1:
+        raise SystemExit("lockstep serve --launcher ray: --nnodes is torchrun's; Ray places the ranks on its own "
+                         "nodes")
     stop = threading.Event()
     handle = start_ray_cluster(args.model, tp=args.tp, config=args.config, address=args.address,
-                               gpu=getattr(args, "gpu", False))
+                               gpu=getattr(args, "gpu", False), state_file=getattr(args, "state_file", None))
     for sig in (signal.SIGINT, signal.SIGTERM):  # installed after ray.init, which sets its own SIGTERM handler
         signal.signal(sig, lambda *_: stop.set())
     print(f"ready {handle.address}", flush=True)
@@ -281,6 +320,11 @@ def run_cli(args: Any) -> int:
     try:
         while not stop.wait(1.0):
             code = handle.poll()
+            if code not in (None, 0) and handle.restart_count < getattr(args, "max_restarts", 0):
+                print(f"lockstep: a rank failed (exit code {code}); restart {handle.restart_count + 1}", flush=True)
+                handle.restart()  # the same placement group, the same address: clients resume
+                code = None
+                continue
             if code is not None:
                 break
     finally:

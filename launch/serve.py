@@ -49,7 +49,7 @@ def load_preset(config: dict | str | os.PathLike | None) -> dict:
 
 def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, address: str | None = None,
                stop_event: threading.Event | None = None, *, on_started: Callable[[], None] | None = None,
-               on_ready: Callable[[str], None] | None = None) -> int:
+               on_ready: Callable[[str], None] | None = None, state_file: str | None = None) -> int:
     """Serve as this rank until `stop_event` is set or the step loop ends; returns the exit code (0 clean,
     RANK_FAILED_EXIT when a rank failed).
 
@@ -59,10 +59,12 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     handlers nor exits the process: `main` does both, a Ray actor can do neither from its thread.
     `on_started` runs on every rank once the loop runs (main installs its signal handlers there, so a
     signal during loading still interrupts the load); `on_ready(address)` runs on rank 0 once it serves,
-    right after it prints `ready <address>`.
+    right after it prints `ready <address>`. `state_file`: the record of the weights served
+    (driver/served_weights.py); a restarted group serves what it says again.
     """
     import cluster
     from cluster.config import ContinuousBatchingConfig
+    from driver.served_weights import WeightsRecord, restore
 
     preset = load_preset(preset)
     stop = stop_event if stop_event is not None else threading.Event()
@@ -71,8 +73,11 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     cb_table.setdefault("per_request_processors", True)
     cb = ContinuousBatchingConfig.from_any(cb_table)
     fe_cfg = frontend_config(preset, address)
+    join_attempt_group(cb.cpu_group_timeout)
     model = cluster.load(model_dir, cpu_group_timeout=cb.cpu_group_timeout)
     manager = model.init_continuous_batching(continuous_batching_config=cb)
+    record = WeightsRecord(state_file)
+    restore(manager, record)  # every rank: the weights the group served before a restart, under their version
     manager.warmup()
     manager.start()
     manager.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -84,7 +89,7 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
         from driver.frontend import Frontend
 
         tokenizer = load_tokenizer(model_dir)
-        frontend = Frontend(manager, fe_cfg, tokenizer).start()
+        frontend = Frontend(manager, fe_cfg, tokenizer, record).start()
         print(f"ready {frontend.address}", flush=True)
         if on_ready is not None:
             on_ready(frontend.address)
@@ -107,12 +112,43 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     return code
 
 
+def join_attempt_group(cpu_group_timeout: float | None) -> None:
+    """Join the default process group under a key prefix of this restart attempt. Every rank calls it.
+
+    torchrun's static rendezvous keeps one store across restarts: a restarted group that joined with the plain
+    keys could read the addresses the dead group left there and fail to connect (or connect to nothing). Keys
+    under `attempt_<TORCHELASTIC_RESTART_COUNT>` are this group's own. (`cluster.load` then finds the group
+    made and builds the rest on it.)"""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from cluster.dist import pick_device
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        return
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    timeout = timedelta(seconds=cpu_group_timeout or 300.0)
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dev = pick_device(local_rank)
+    if dev.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world, timeout=timeout,
+                            store=dist.PrefixStore(f"attempt_{attempt}", store),
+                            device_id=dev if dev.type == "cuda" else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The torchrun entry: one rank of `lockstep serve`, stopped by SIGINT/SIGTERM."""
     p = argparse.ArgumentParser(prog="launch.serve")
     p.add_argument("--model", required=True)
     p.add_argument("--config", help="a TOML preset ([continuous_batching] and [serve] tables)")
     p.add_argument("--address", help="ZeroMQ bind address (default tcp://127.0.0.1:5555)")
+    p.add_argument("--state-file", help="the record of the weights served, read again after a restart")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s rank" + os.environ.get("RANK", "0")
                         + " %(levelname)s %(message)s")
@@ -123,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
 
-    code = serve_rank(args.model, args.config, args.address, stop, on_started=install_signal_handlers)
+    code = serve_rank(args.model, args.config, args.address, stop, on_started=install_signal_handlers,
+                      state_file=args.state_file)
     os._exit(code)  # daemon threads may sit in a broken collective: leave without joining them
 
 

@@ -45,7 +45,8 @@ def _ending(call) -> tuple[BaseException | None, float]:
 
 def test_killed_driver_ends_every_waiting_call_with_server_gone(make_checkpoint, tmp_path):
     with serve(make_checkpoint("llama"), tp=2, config=CONFIG, tmp_path=tmp_path) as s:
-        blocking, streaming = Client(s.address, timeout=60), Client(s.address, timeout=60)
+        # resume=False: this is the failure a client sees when it does not resume (tests/test_recovery_chaos.py)
+        blocking, streaming = Client(s.address, timeout=60, resume=False), Client(s.address, timeout=60, resume=False)
         rids = [blocking.submit([1, 5, k], max_new_tokens=LONG) for k in range(4)]
         stream = streaming.stream([1, 7, 7], max_new_tokens=LONG)
         assert len(next(stream).generated_tokens) == 1  # tokens are flowing
@@ -61,7 +62,7 @@ def test_killed_driver_ends_every_waiting_call_with_server_gone(make_checkpoint,
             ended["stream"] = _ending(lambda: [None for _ in stream])
 
         async def drain_async_stream() -> None:
-            c = AsyncClient(s.address, timeout=60)
+            c = AsyncClient(s.address, timeout=60, resume=False)
             items = c.stream([1, 6, 7], max_new_tokens=LONG)
             await items.__anext__()
             async_streaming.set()

@@ -196,7 +196,7 @@ def test_stuck_loop_fails_requests_at_the_front_door(make_checkpoint, tmp_path):
     listener.listen(16)  # never accepts: the store's handshake never completes
     try:
         with serve(make_checkpoint("llama"), tp=2, config=config, tmp_path=tmp_path) as s:
-            c = Client(s.address, timeout=40)
+            c = Client(s.address, timeout=40, resume=False)  # the failure itself, not a resume of it
             rids = [c.submit([1, 5, k], max_new_tokens=200) for k in range(3)]
             push = c.io.call(P.UPDATE_WEIGHTS, source="push", store=f"127.0.0.1:{listener.getsockname()[1]}",
                              buckets=[[["model.embed_tokens.weight", [4, 4], "float32"]]])

@@ -18,6 +18,7 @@ from tests.serving import fast_config, rank_pid, serve
 from tests.workloads import mixed_prompts
 
 FAST = fast_config(client_timeout_s=5.0)
+NO_RESTART = ["--max-restarts", "0"]  # these watch the failure itself (its recovery: tests/test_recovery_chaos.py)
 
 
 def run_scenarios(tmp_path, make_checkpoint, scenarios: str, env: dict | None = None, timeout: float = 240) -> tuple:
@@ -61,8 +62,8 @@ def test_worker_loop_death_names_the_rank(tmp_path, make_checkpoint):
 
 def test_driver_only_failure_stops_everyone_with_its_own_code(make_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("LOCKSTEP_FAULTS", "driver_step:step=12")
-    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path) as s:
-        c = Client(s.address, timeout=60)
+    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path, extra=NO_RESTART) as s:
+        c = Client(s.address, timeout=60, resume=False)
         rids = [c.submit([1, 5, k], max_new_tokens=200) for k in range(4)]
         errors = []
         for r in rids:
@@ -77,8 +78,8 @@ def test_driver_only_failure_stops_everyone_with_its_own_code(make_checkpoint, t
 
 
 def test_stopped_worker_is_named_within_the_timeout(make_checkpoint, tmp_path):
-    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path) as s:
-        clients = [Client(s.address, timeout=60) for _ in range(2)]
+    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path, extra=NO_RESTART) as s:
+        clients = [Client(s.address, timeout=60, resume=False) for _ in range(2)]
         rids = [[c.submit([1, 7, k], max_new_tokens=900) for k in range(3)] for c in clients]
         time.sleep(1.0)
         pid = rank_pid(s, 1)

@@ -166,8 +166,9 @@ def test_pause_resume_and_health(server, make_checkpoint):
 
 
 def test_killed_worker_fails_every_request_naming_it(make_checkpoint, tmp_path):
-    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path) as s:
-        c = Client(s.address, timeout=60)
+    # no restart, no resume: the failure itself (its recovery: tests/test_recovery_chaos.py)
+    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path, extra=["--max-restarts", "0"]) as s:
+        c = Client(s.address, timeout=60, resume=False)
         rids = [c.submit([1, 5, k], max_new_tokens=900) for k in range(6)]
         time.sleep(1.0)
         os.kill(rank_pid(s, 1), signal.SIGKILL)

@@ -1,0 +1,115 @@
+"""A submitted request as its client sees it, and its journal for a resume.
+
+It holds a future for the final output, a queue of streamed outputs (cumulative tokens; the last one final, or
+the error that ended it), and what a resume needs: the submit's fields, the tokens delivered so far with their
+weight versions, and how many times it was resumed (docs/recovery.md). Torch-free: clients import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+from cluster.outputs import GenerationOutput, RequestStatus, join_versions
+
+
+def settle(fut: Future, result: Any = None, error: BaseException | None = None) -> bool:
+    """Resolve `fut` once; a future already done (or cancelled by an asyncio waiter) is left alone."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+        return True
+    except InvalidStateError:
+        return False
+
+
+class PendingRequest:
+    def __init__(self, request_id: str, prompt_ids: list[int] | None, fields: dict[str, Any] | None = None,
+                 resumable: bool = False):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids or []
+        self.fields = fields or {}  # the submit as first sent (a resume adds resume_tokens, resume_versions, resumes)
+        self.resumable = resumable  # the client resumes it when the server loses it
+        self.tokens: list[int] = []  # delivered so far (streamed); a resume sends them back
+        self.versions: list[tuple[int, int]] = []  # their compact weight versions
+        self.resumes = 0  # resumes the server accepted
+        self.dropped = False  # its caller stopped waiting for it (never resumed then)
+        self.final: Future = Future()
+        self.stream: queue.Queue = queue.Queue()
+        self._arrivals: list[Future] = []  # resolved at the next put (asyncio waiters await them)
+        self._arrivals_lock = threading.Lock()
+
+    def resume_fields(self) -> dict[str, Any]:
+        """The submit that resumes it: the first one plus what was delivered, counting this resume."""
+        return self.fields | {"resume_tokens": list(self.tokens), "resume_versions": [list(p) for p in self.versions],
+                              "resumes": self.resumes + 1}
+
+    def delivered(self, index: int, tokens: list[int], versions: list[list[int]]) -> GenerationOutput | None:
+        """Streamed tokens starting at generated index `index`: the new ones are kept and the cumulative output
+        returned; a repeat of tokens already held (a resume's overlap) returns None, so no token is delivered
+        twice. A gap (index beyond what is held) cannot be filled: ValueError."""
+        have = len(self.tokens)
+        if index > have:
+            raise ValueError(f"request {self.request_id}: tokens from index {index}, but only {have} arrived")
+        fresh = tokens[have - index:]
+        if not fresh:
+            return None
+        self.tokens.extend(fresh)
+        self.versions = join_versions(self.versions, [(max(i, have), v) for i, v in versions])
+        return GenerationOutput(request_id=self.request_id, prompt_ids=self.prompt_ids,
+                                generated_tokens=list(self.tokens), status=RequestStatus.DECODING,
+                                weight_versions=list(self.versions),
+                                weight_version=self.versions[0][1] if self.versions else 0, resumes=self.resumes)
+
+    def end(self, error: BaseException) -> None:
+        """End it with `error` (to its stream and its future), unless it already ended."""
+        if not self.final.done():
+            self.put(error)
+            settle(self.final, error=error)
+
+    def put(self, item: GenerationOutput | Exception) -> None:
+        with self._arrivals_lock:
+            self.stream.put(item)
+            waiting, self._arrivals = self._arrivals, []
+        for fut in waiting:
+            settle(fut)
+
+    def arrival(self) -> Future:
+        """A future resolved once the stream holds an item (at once if it already does)."""
+        fut: Future = Future()
+        with self._arrivals_lock:
+            if self.stream.empty():
+                self._arrivals.append(fut)
+                return fut
+        settle(fut)
+        return fut
+
+    @staticmethod
+    def _checked(item: GenerationOutput | Exception) -> GenerationOutput:
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def next_item(self, timeout: float | None) -> GenerationOutput:
+        """The next streamed output; the error that ended the request is raised."""
+        try:
+            return self._checked(self.stream.get(timeout=timeout))
+        except queue.Empty:
+            raise TimeoutError(f"no output for request {self.request_id!r} within {timeout} s") from None
+
+    async def next_item_async(self, timeout: float | None) -> GenerationOutput:
+        """`next_item` for asyncio: waits without holding a thread."""
+        while True:
+            try:
+                return self._checked(self.stream.get_nowait())
+            except queue.Empty:
+                pass
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(self.arrival()), timeout)
+            except TimeoutError:  # asyncio's, since 3.11 the builtin
+                raise TimeoutError(f"no output for request {self.request_id!r} within {timeout} s") from None

@@ -1,0 +1,90 @@
+"""Resume at TP=1, in process (the manager API): a request resubmitted with the tokens it already delivered
+(`resume_tokens`, with their weight versions) continues exactly as the uninterrupted request, greedy and seeded
+sampling alike, and its outputs are the uninterrupted request's (docs/recovery.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cluster.errors import RequestRejected
+from cluster.outputs import RequestStatus
+
+SAMPLED = {"do_sample": True, "temperature": 0.9, "top_k": 50, "seed": 1234}
+
+
+@pytest.fixture(scope="module")
+def manager(make_checkpoint):
+    import cluster
+
+    model = cluster.load(make_checkpoint("llama"))
+    m = model.init_continuous_batching(continuous_batching_config=cluster.ContinuousBatchingConfig(
+        page_size=16, per_request_processors=True, return_logprobs=True))
+    m.start()
+    yield m
+    m.stop()
+    m.destroy()
+
+
+def run(m, rid: str, **kwargs):
+    m.add_request([1, 17, 33, 9, 250], request_id=rid, max_new_tokens=14, **kwargs)
+    while True:
+        out = m.get_result(rid, timeout=60)
+        assert out is not None, "no output within 60 s"
+        if out.is_finished():
+            return out
+
+
+@pytest.mark.parametrize("params", [{}, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [0, 1, 6, 13])
+def test_resume_after_k_tokens_is_the_uninterrupted_run(manager, params, k):
+    rid = f"r-{k}-{bool(params)}"
+    whole = run(manager, rid, **params)
+    assert whole.status == RequestStatus.FINISHED and len(whole.generated_tokens) == 14 and whole.resumes == 0
+    resumed = run(manager, rid, resume_tokens=whole.generated_tokens[:k], resume_versions=[(0, 0)] if k else [],
+                  resumes=1, **params)
+    assert resumed.status == RequestStatus.FINISHED
+    assert resumed.generated_tokens == whole.generated_tokens  # token for token, the resumed ones included
+    assert resumed.prompt_ids == whole.prompt_ids and resumed.resumes == 1
+    assert resumed.weight_versions == [(0, 0)]
+    assert len(resumed.logprobs) == 14 and all(math.isnan(x) for x in resumed.logprobs[:k])
+    assert resumed.logprobs[k:] == pytest.approx(whole.logprobs[k:], abs=1e-5)
+    if params:  # sampling really sampled: another seed gives another sequence
+        other = run(manager, rid, **(params | {"seed": 99}))
+        assert other.generated_tokens != whole.generated_tokens
+
+
+def test_resumed_tokens_keep_their_weight_versions(manager):
+    whole = run(manager, "versions")
+    out = run(manager, "versions", resume_tokens=whole.generated_tokens[:5], resume_versions=[(0, 3), (2, 4)],
+              resumes=2)
+    assert out.generated_tokens[:5] == whole.generated_tokens[:5]
+    assert out.weight_versions == [(0, 3), (2, 4), (5, 0)] and out.weight_version == 3 and out.resumes == 2
+    assert [out.version_of_token(i) for i in (0, 1, 2, 4, 5, 13)] == [3, 3, 4, 4, 0, 0]
+
+
+def test_streamed_outputs_of_a_resume_start_with_the_resumed_tokens(manager):
+    whole = run(manager, "stream")
+    rid = manager.add_request([1, 17, 33, 9, 250], request_id="stream", max_new_tokens=14, streaming=True,
+                              resume_tokens=whole.generated_tokens[:4], resumes=1)
+    seen = []
+    while not (out := manager.get_result(rid, timeout=60)).is_finished():
+        seen.append(len(out.generated_tokens))
+    assert seen == list(range(5, 14)) and out.generated_tokens == whole.generated_tokens
+
+
+@pytest.mark.parametrize("resume, why", [
+    ({"resume_tokens": list(range(10, 24))}, "at least one token"),
+    ({"resume_tokens": [5, 4096]}, "outside the vocabulary"),
+    ({"resume_tokens": [5, "x"]}, "not an integer"),
+    ({"resume_tokens": [5, 6], "eos_token_id": 6}, "EOS"),
+    ({"resume_tokens": [5, 6], "resume_versions": [(1, 0)]}, "first index is 0"),
+    ({"resume_tokens": [5, 6], "resume_versions": [(0, 0), (2, 1)]}, "below len"),
+    ({"resume_tokens": [5, 6], "resume_versions": [(0, -1)]}, "non-negative"),
+    ({"resumes": -1}, "resumes=-1"),
+])
+def test_bad_resumes_are_refused(manager, resume, why):
+    with pytest.raises(RequestRejected) as e:
+        manager.build_request([1, 2, 3], "bad", 14, **resume)
+    assert why in e.value.message
