@@ -56,16 +56,22 @@ class BlockManager:
         h = b""
         for i in range((req.num_tokens - 1) // page):
             h = chain_hash(h, token_slice(req, i * page, (i + 1) * page))
-            b = self.hash_to_block.get(h)
-            if b is None:
+            if not self._attach(req, h):
                 break
-            if self.ref[b] == 0:
-                del self.free[b]
-            self.ref[b] += 1
-            req.block_ids.append(b)
             req.block_hashes.append(h)
             self.prefix_hit_blocks += 1
         req.num_computed = len(req.block_ids) * page
+
+    def _attach(self, req: Request, h: bytes) -> bool:
+        """Give the request a reference to the cached block with hash `h`; False when no block holds it."""
+        b = self.hash_to_block.get(h)
+        if b is None:
+            return False
+        if self.ref[b] == 0:
+            del self.free[b]
+        self.ref[b] += 1
+        req.block_ids.append(b)
+        return True
 
     def allocate(self, req: Request, num_tokens: int, keep_free: int = 0) -> bool:
         """Give the request pages for `num_tokens` tokens in all, leaving `keep_free` blocks; False if short."""
@@ -117,13 +123,8 @@ class BlockManager:
         if not self.allow_sharing or not req.cacheable or req.block_ids:
             return 0
         for h in req.block_hashes:
-            b = self.hash_to_block.get(h)
-            if b is None:
+            if not self._attach(req, h):
                 break
-            if self.ref[b] == 0:
-                del self.free[b]
-            self.ref[b] += 1
-            req.block_ids.append(b)
         return len(req.block_ids)
 
     def register_swapped_in(self, req: Request) -> None:
