@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ RETRY_CODES = frozenset({Code.RANK_FAILED, Code.DRIVER_FAILED, Code.STOPPED, Cod
                          Code.DUPLICATE_REQUEST_ID, Code.QUEUE_FULL, Code.CLIENT_LIMIT, Code.WEIGHTS_DIVERGED})
 
 
+class ClientDropped(RuntimeError):
+    """The Client this resumer served was garbage-collected (its caller dropped it)."""
+
+
 @dataclass(eq=False)
 class Lost:
     req: PendingRequest
@@ -50,7 +55,10 @@ class Resumer:
     """Resubmits a client's lost requests (`client` is the Client whose I/O thread lost them)."""
 
     def __init__(self, client: Any, max_resumes: int, resume_timeout_s: float):
-        self.client = client
+        # weakly: the client's I/O thread holds `lost`, so a strong reference would keep a dropped client (and
+        # its I/O thread) alive for ever; its finalizer closes the I/O thread, and this then gives up
+        self._client = weakref.ref(client)
+        self.address = client.address
         self.max_resumes, self.resume_timeout_s = max_resumes, resume_timeout_s
         self.cond = threading.Condition()
         self.waiting: dict[PendingRequest, Lost] = {}  # every request waiting for its resume, once
@@ -106,14 +114,25 @@ class Resumer:
             with self.cond:
                 late = [i for i in self.waiting.values() if i.deadline <= now]
             for item in late:
-                self._give_up(item, RequestLost.NO_SERVER, f"no healthy server at {self.client.address} within "
+                self._give_up(item, RequestLost.NO_SERVER, f"no healthy server at {self.address} within "
                                                            f"resume_timeout_s={self.resume_timeout_s:g}")
             with self.cond:
                 if self.waiting and not self.closed:
                     self.cond.wait(RETRY_S)
 
+    @property
+    def client(self) -> Any:
+        client = self._client()
+        if client is None:
+            raise ClientDropped(f"the client of {self.address} was dropped")
+        return client
+
     def _round(self, batch: list[Lost]) -> None:
         """One try: if the server is healthy, resubmit every request of `batch`."""
+        if self._client() is None:  # nobody is left to resume for
+            for item in batch:
+                self._give_up(item, RequestLost.CLIENT_CLOSED)
+            return
         for item in batch:
             if item.req.final.done() or item.req.dropped:  # ended meanwhile, or its caller left
                 self._forget(item)
