@@ -32,7 +32,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from cluster.client import Client
 from launch.serve import RANK_FAILED_EXIT, load_preset
@@ -137,21 +137,34 @@ class RayCluster:
 
     def restart(self, timeout: float = 30.0) -> None:
         """After a rank failed: end every rank's actor and start new ones in the same placement group, the
-        same bundles, on the same address, with the same weights record (the torchrun launcher's
-        --max-restarts, under Ray). Returns once rank 0 serves again."""
-        import ray
-
+        same bundles (so the same nodes), on the same address, with the same weights record (the torchrun
+        launcher's --max-restarts, under Ray). Returns once rank 0 serves again; RuntimeError when the new
+        group does not come up."""
         old, self.actors = list(self.actors), []
-        for a in old:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
-        deadline = time.monotonic() + timeout
-        for a in old:
-            wait_dead(a, deadline)
+        kill_actors(old, time.monotonic() + timeout)
         self.restart_count += 1
         start_ranks(self, **self.start_args)
+
+    def supervise(self, stop: threading.Event, max_restarts: int, every: float = 1.0,
+                  on_restart: Callable[[int], None] | None = None) -> int | None:
+        """Watch the ranks until `stop` is set (returns None) or a rank ends for good (returns its exit code):
+        each failure restarts the group (`restart`) while fewer than `max_restarts` restarts were made.
+        `on_restart(n)` runs once the n-th restarted group serves. `lockstep serve --launcher ray` runs it."""
+        while not stop.wait(every):
+            code = self.poll()
+            while code not in (None, 0) and self.restart_count < max_restarts:
+                print(f"lockstep: a rank failed (exit code {code}); restart {self.restart_count + 1}", flush=True)
+                try:
+                    self.restart()
+                except Exception as e:  # noqa: BLE001  (a restart that did not come up counts; try the next)
+                    print(f"lockstep: restart {self.restart_count} failed: {e}", flush=True)
+                    continue
+                code = None
+                if on_restart is not None:
+                    on_restart(self.restart_count)
+            if code is not None:
+                return code
+        return None
 
     def shutdown(self, timeout: float = 30.0) -> list[int | None]:
         """Stop every rank, kill the actors, free the placement group; returns each rank's exit code (None
@@ -169,14 +182,7 @@ class RayCluster:
                 codes[i] = ray.get(ref, timeout=timeout + 10)
             except Exception:  # dead or stuck: ray.kill below ends it either way
                 pass
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
-        deadline = time.monotonic() + timeout
-        for a in self.actors:
-            wait_dead(a, deadline)
+        kill_actors(self.actors, time.monotonic() + timeout)
         try:
             remove_placement_group(self.placement_group)
         except Exception:
@@ -184,6 +190,19 @@ class RayCluster:
         if self.owns_ray:
             ray.shutdown()
         return codes
+
+
+def kill_actors(actors: list[Any], deadline: float) -> None:
+    """`ray.kill` every actor; returns once Ray reports each dead, or at `deadline` (time.monotonic())."""
+    import ray
+
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:
+            pass
+    for a in actors:
+        wait_dead(a, deadline)
 
 
 def wait_dead(actor: Any, deadline: float) -> bool:
@@ -275,11 +294,13 @@ def start_ranks(handle: RayCluster, model_dir: str, preset: dict, address: str |
                "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": str(handle.restart_count)}
         starts.append(a.start.remote(env, model_dir, preset, address, state_file))
     ray.get(starts, timeout=60)
-    handle.address = wait_ready(actors, master_addr, ready_timeout)
+    bound = wait_ready(actors, ready_timeout)
+    handle.address = reachable(bound, master_addr)
+    handle.start_args["address"] = bound  # a restart binds this endpoint (a `*` port resolved): same bundle, node
 
 
-def wait_ready(actors: list[Any], master_addr: str, timeout: float) -> str:
-    """Rank 0's address once it serves; RuntimeError as soon as any rank returned or died before that."""
+def wait_ready(actors: list[Any], timeout: float) -> str:
+    """The address rank 0 bound, once it serves; RuntimeError as soon as any rank returned or died before."""
     import ray
 
     deadline = time.monotonic() + timeout
@@ -290,7 +311,7 @@ def wait_ready(actors: list[Any], master_addr: str, timeout: float) -> str:
                 raise RuntimeError(f"rank {s['rank']} exited with code {s['code']} before the cluster was ready"
                                    + (f":\n{s['error']}" if s["error"] else ""))
         if states[0]["address"]:
-            return reachable(states[0]["address"], master_addr)
+            return states[0]["address"]
         time.sleep(0.2)
     raise RuntimeError(f"rank 0 did not serve within {timeout:.0f}s")
 
@@ -318,15 +339,7 @@ def run_cli(args: Any) -> int:
     print(f"ready {handle.address}", flush=True)
     code: int | None = None
     try:
-        while not stop.wait(1.0):
-            code = handle.poll()
-            if code not in (None, 0) and handle.restart_count < getattr(args, "max_restarts", 0):
-                print(f"lockstep: a rank failed (exit code {code}); restart {handle.restart_count + 1}", flush=True)
-                handle.restart()  # the same placement group, the same address: clients resume
-                code = None
-                continue
-            if code is not None:
-                break
+        code = handle.supervise(stop, getattr(args, "max_restarts", 0))
     finally:
         codes = handle.shutdown()
     if code is None:

@@ -1,0 +1,107 @@
+"""Issue 11's chaos acceptance under the Ray launcher: TP=2 ranks as Ray actors in a placement group, the
+requests of tests/test_recovery_chaos.py in flight from 4 client processes (half streaming, half seeded
+sampling, mixed lengths), one rank actor killed with `ray.kill`. The launcher's supervision
+(`RayCluster.supervise`, what `lockstep serve --launcher ray` runs) recreates the group in the same placement
+group, on the same address, and the clients resume: every request completes token-identical to the same
+request in an uninterrupted run on the same cluster, and every stream delivers each token once, in order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import tomllib
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from cluster.client import Client  # noqa: E402
+from cluster.outputs import RequestStatus  # noqa: E402
+from launch.ray_launcher import start_ray_cluster  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
+from tests.serving import fast_config  # noqa: E402
+from tests.test_recovery_chaos import CLIENTS, PER_CLIENT, all_requests  # noqa: E402
+
+PRESET = tomllib.loads(fast_config(client_timeout_s=10.0))
+
+
+@pytest.fixture(scope="module")
+def supervised(make_checkpoint):
+    """A local Ray, the ranks as actors, `supervise` (max 3 restarts) in a thread, and the uninterrupted
+    reference run of every request on that cluster. Yields (handle, reference, restarts done)."""
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
+    # a port of ZeroMQ's choosing: the restarted group must bind the one the first group got
+    handle = start_ray_cluster(make_checkpoint("llama"), tp=2, config=PRESET, address="tcp://127.0.0.1:*",
+                               ready_timeout=120)
+    stop, restarted = threading.Event(), []
+    watcher = threading.Thread(target=handle.supervise, args=(stop, 3), kwargs={"on_restart": restarted.append},
+                               name="supervise", daemon=True)
+    watcher.start()
+    try:
+        yield handle, all_requests(handle.address), restarted
+    finally:
+        stop.set()
+        watcher.join(120)
+        handle.shutdown()
+        ray.shutdown()
+
+
+def kill_actor_mid_generation(handle, rank: int, more_tokens: int, done: list) -> None:
+    """`ray.kill` rank `rank`'s actor once the server generated `more_tokens` tokens more than when called."""
+    with Client(handle.address, resume=False) as c:
+        start = c.stats()["tokens_generated"]
+        deadline = time.monotonic() + 120
+        while c.stats()["tokens_generated"] < start + more_tokens:
+            if time.monotonic() > deadline:
+                done.append("the requests never got going")
+                return
+            time.sleep(0.05)
+    ray.kill(handle.actors[rank], no_restart=True)
+    done.append(f"killed rank {rank}")
+
+
+def wait_until(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+@pytest.mark.parametrize("rank", [1, 0], ids=["worker", "driver"])
+def test_a_killed_rank_actor_costs_seconds_not_requests(supervised, rank):
+    handle, reference, restarted = supervised
+    assert len(reference) == CLIENTS * PER_CLIENT and all(r["status"] == RequestStatus.FINISHED
+                                                          for r in reference.values())
+    total = sum(len(r["tokens"]) for r in reference.values())
+    pg, address, pids, before = handle.placement_group, handle.address, list(handle.pids), len(restarted)
+    done: list[str] = []
+    killer = threading.Thread(target=kill_actor_mid_generation, args=(handle, rank, total // 5, done))
+    killer.start()
+    got = all_requests(handle.address)
+    killer.join()
+    assert done == [f"killed rank {rank}"], done
+    wait_until(lambda: len(restarted) == before + 1, 60, "the supervisor restarted the group")
+
+    failed = {rid: r["error"] for rid, r in got.items() if "error" in r}
+    assert not failed, f"{len(failed)} requests failed, e.g. {sorted(failed.items())[:2]}"
+    assert sorted(got) == sorted(reference)
+    for rid, want in reference.items():
+        assert got[rid]["status"] == RequestStatus.FINISHED, (rid, got[rid])
+        assert got[rid]["tokens"] == want["tokens"], rid  # token for token, sampled ones included
+        assert got[rid]["stream_ok"], rid  # no token twice, none skipped
+        assert got[rid]["versions"] == [(0, 0)], (rid, got[rid]["versions"])
+    resumed = [r for r in got.values() if r["resumes"]]
+    assert len(resumed) >= CLIENTS * PER_CLIENT // 2, f"only {len(resumed)} requests were in flight at the kill"
+    assert all(r["resumes"] == 1 for r in resumed)
+
+    # the same placement group and address, new actor processes, and the group says it was restarted
+    assert handle.placement_group is pg and ray.util.placement_group_table(pg)["state"] == "CREATED"
+    assert handle.address == address and not set(handle.pids) & set(pids), (handle.pids, pids)
+    assert handle.poll() is None
+    with Client(handle.address) as c:
+        health = c.health()
+    assert health["ok"] and health["restart_count"] == handle.restart_count == before + 1, health
