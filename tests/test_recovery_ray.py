@@ -21,7 +21,8 @@ from cluster.outputs import RequestStatus  # noqa: E402
 from launch.ray_launcher import start_ray_cluster  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 from tests.serving import fast_config  # noqa: E402
-from tests.test_recovery_chaos import CLIENTS, PER_CLIENT, all_requests  # noqa: E402
+from tests.test_ray import wait_until  # noqa: E402
+from tests.test_recovery_chaos import CLIENTS, PER_CLIENT, all_requests, assert_resumed_exactly  # noqa: E402
 
 PRESET = tomllib.loads(fast_config(client_timeout_s=10.0))
 
@@ -62,15 +63,6 @@ def kill_actor_mid_generation(handle, rank: int, more_tokens: int, done: list) -
     done.append(f"killed rank {rank}")
 
 
-def wait_until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout}s: {what}")
-
-
 @pytest.mark.parametrize("rank", [1, 0], ids=["worker", "driver"])
 def test_a_killed_rank_actor_costs_seconds_not_requests(supervised, rank):
     handle, reference, restarted = supervised
@@ -88,15 +80,7 @@ def test_a_killed_rank_actor_costs_seconds_not_requests(supervised, rank):
 
     failed = {rid: r["error"] for rid, r in got.items() if "error" in r}
     assert not failed, f"{len(failed)} requests failed, e.g. {sorted(failed.items())[:2]}"
-    assert sorted(got) == sorted(reference)
-    for rid, want in reference.items():
-        assert got[rid]["status"] == RequestStatus.FINISHED, (rid, got[rid])
-        assert got[rid]["tokens"] == want["tokens"], rid  # token for token, sampled ones included
-        assert got[rid]["stream_ok"], rid  # no token twice, none skipped
-        assert got[rid]["versions"] == [(0, 0)], (rid, got[rid]["versions"])
-    resumed = [r for r in got.values() if r["resumes"]]
-    assert len(resumed) >= CLIENTS * PER_CLIENT // 2, f"only {len(resumed)} requests were in flight at the kill"
-    assert all(r["resumes"] == 1 for r in resumed)
+    assert_resumed_exactly(got, reference)
 
     # the same placement group and address, new actor processes, and the group says it was restarted
     assert handle.placement_group is pg and ray.util.placement_group_table(pg)["state"] == "CREATED"
