@@ -22,7 +22,7 @@ from cluster.dist import Groups, send_plan
 from cluster.errors import Code
 from cluster.outputs import RequestStatus
 from cluster.plan import Command, S, StepPlan
-from driver.block_manager import BlockManager
+from driver.block_manager import BlockManager, token_slice
 from driver.request import Request
 from driver.sampler import Draw, Launched, Sampler
 from driver.scheduler import Scheduled, Scheduler
@@ -136,14 +136,11 @@ class Engine:
         return events
 
     def _register(self, batch: list[Scheduled]) -> None:
-        """Make the batch's newly full blocks findable, for requests whose tokens are all on the host (only those
-        that completed a block: registering copies the request's tokens)."""
-        if not self.rc.allow_block_sharing:
-            return
-        page = self.rc.page_size
+        """Make the batch's newly full blocks findable, for requests whose tokens are all on the host (the block
+        manager returns at once when no block completed)."""
         for s in batch:
             r = s.req
-            if r.num_computed // page > len(r.block_hashes) and not r.is_finished and r.num_computed <= r.num_tokens:
+            if not r.is_finished and r.num_computed <= r.num_tokens:
                 self.blocks.register_full_blocks(r)
 
     def _apply(self, sampled: list[Request], draws: list[Draw | None], version: int,
@@ -166,8 +163,7 @@ class Engine:
             tok = draw.token
             if req.start_time < 0:
                 req.start_time = now
-            if not req.weight_versions or req.weight_versions[-1][1] != version:
-                req.note_version(version)
+            req.note_version(version)
             req.generated.append(tok)
             if draw.logprob is not None:
                 req.logprobs.append(draw.logprob)
@@ -200,10 +196,7 @@ class Engine:
             elif stop == known and start == known - 1 and start >= p:  # a one-token decode, on the host
                 ids.append(r.generated[start - p])
             else:
-                if start >= p:
-                    ids.extend(r.generated[start - p:min(stop, known) - p])
-                else:
-                    ids.extend((r.prompt_ids + r.generated[:max(0, min(stop, known) - p)])[start:stop])
+                ids.extend(token_slice(r, start, min(stop, known)))
                 if stop > known:  # its pending token (the scheduler runs it alone, as a one-token decode)
                     ids.append(-1 - row_of[id(r)])
             q_lens[i], kv_lens[i] = s.num_tokens, stop
