@@ -3,7 +3,9 @@
 Calls hand it frames (`call`, `track`) and wait on futures. While anything is outstanding (a request, a
 reply, or a pause this client holds) it pings the server every second; the server answers each ping with a
 `pong`, so a server that sends nothing at all for `server_timeout_s` is taken as gone, and every outstanding
-future and stream ends with `ServerGone`. An exception inside the thread ends every outstanding call with
+future and stream ends with `ServerGone`. The pong names the server (an id new at each start), like the
+`accepted` of each request: a request accepted by a server that is no longer the one answering (a group
+restarted at the same address within the silence check) is lost too. An exception inside the thread ends every outstanding call with
 `client_failed` instead of leaving them waiting; either way the thread ends, and the client's next call
 opens a fresh one. `close()` delivers the `bye`, so the server cancels this client's requests at once.
 A request the server loses (`rank_failed`, `driver_failed`, the server gone) goes to `on_lost` when it is
@@ -287,6 +289,14 @@ class IOThread:
 
     def _on_message(self, msg: dict) -> None:
         kind = msg.get("kind")
+        if kind == P.PONG:
+            self._check_server(msg.get("server"))
+            return
+        if kind == P.ACCEPTED and isinstance(msg.get("request_id"), str):
+            with self.lock:  # before the reply resolves: the submit's callbacks may already read it
+                req = self.requests.get(msg["request_id"])
+            if req is not None:
+                req.server = msg.get("server")
         if kind in (P.ACCEPTED, P.REPLY, P.REJECTED, P.ERROR) and msg.get("mid") is not None:
             with self.lock:
                 fut = self.replies.pop(msg["mid"], None)
@@ -320,6 +330,18 @@ class IOThread:
                 self.lose(req, error)
             else:
                 self.finish(req, error=error)
+
+    def _check_server(self, server: Any) -> None:
+        """A pong names the server answering at the address; the requests another one accepted are lost (the
+        group restarted there faster than the silence check would notice)."""
+        if not isinstance(server, str):
+            return
+        with self.lock:
+            stale = [req for rid in self.open if (req := self.requests.get(rid)) is not None
+                     and req.server is not None and req.server != server]
+        for req in stale:
+            self.lose(req, ServerGone(f"the server at {self.address} restarted (server {req.server} is now "
+                                      f"{server}); it no longer holds this request", req.request_id))
 
     def _end(self, failure: ClientError | None) -> None:
         """Fail everything outstanding, say goodbye (delivered on close, best effort on a failure) and

@@ -39,6 +39,7 @@ class PendingRequest:
         self.versions: list[tuple[int, int]] = []  # their compact weight versions
         self.resumes = 0  # resumes the server accepted
         self.dropped = False  # its caller stopped waiting for it (never resumed then)
+        self.server: str | None = None  # the id of the server that accepted it (its `accepted` names it)
         self.final: Future = Future()
         self.stream: queue.Queue = queue.Queue()
         self._arrivals: list[Future] = []  # resolved at the next put (asyncio waiters await them)

@@ -208,7 +208,7 @@ class Frontend:
         elif kind == P.BYE:
             self._drop_client(ident, "disconnect_cancels")
         elif kind == P.PING:  # refreshes last_seen (above); the pong tells the client the server lives
-            self._send(ident, P.PONG, mid=mid)
+            self._send(ident, P.PONG, mid=mid, server=self.desk.server_id)
 
     def _frontend_stats(self) -> dict[str, Any]:
         return dict(self.counters, **self.desk.stats(), backlog=self.outbox.pending(),

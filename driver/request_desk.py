@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class RequestDesk:
         self.max_inflight_per_client = max_inflight_per_client
         self.send, self.send_once, self.wake = send, send_once, wake
         self.counters = counters
+        self.server_id = os.urandom(8).hex()  # new at each start: `accepted` and `pong` carry it (a restart shows)
         self.tickets: dict[str, Ticket] = {}  # every request id in use: queued, in the manager, or being cancelled
         self.clients: dict[bytes, ClientState] = {}
         self.admission = Admission()
@@ -86,7 +88,7 @@ class RequestDesk:
         self.tickets[rid] = client.tickets[rid] = ticket
         self.admission.put(ticket)
         self.counters["accepted"] += 1
-        self.send(ident, P.ACCEPTED, mid=mid, request_id=rid)
+        self.send(ident, P.ACCEPTED, mid=mid, request_id=rid, server=self.server_id)
 
     def admit(self) -> None:
         """Hand queued tickets to the manager, round-robin across clients, while its queue is short."""

@@ -18,6 +18,7 @@ import zmq
 
 from cluster import protocol as P
 from cluster.client import AsyncClient, Client, ClientError
+from cluster.errors import RequestLost
 from cluster.outputs import RequestStatus
 from launch.torchrun import free_port
 from tests.clients import run_clients
@@ -207,13 +208,17 @@ def test_refused_weight_update_raises(server, tmp_path):
 
 
 class StandInServer:
-    """A ROUTER that answers pause/resume and ping like the front door, counting the pings it gets."""
+    """A ROUTER that answers pause/resume, ping, health and submit like the front door (each submit gets one
+    token), counting the pings it gets. Changing `server_id` is a restart faster than the client's silence
+    check: the same address answers again, but it no longer holds what the old server accepted."""
 
     def __init__(self):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.pings: list[float] = []
+        self.server_id = "first"
+        self.submits: list[dict] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -226,7 +231,17 @@ class StandInServer:
             msg = msgpack.unpackb(frame, raw=False)
             if msg["kind"] == P.PING:
                 self.pings.append(time.monotonic())
-                self.sock.send_multipart([ident, P.encode(P.PONG, mid=msg.get("mid"))])
+                self.sock.send_multipart([ident, P.encode(P.PONG, mid=msg.get("mid"), server=self.server_id)])
+            elif msg["kind"] == P.HEALTH:
+                self.sock.send_multipart([ident, P.encode(P.REPLY, mid=msg["mid"], data={"ok": True})])
+            elif msg["kind"] == P.SUBMIT:
+                self.submits.append(msg)
+                rid = msg["request_id"]
+                start = len(msg.get("resume_tokens") or [])
+                self.sock.send_multipart([ident, P.encode(P.ACCEPTED, mid=msg["mid"], request_id=rid,
+                                                          server=self.server_id)])
+                self.sock.send_multipart([ident, P.encode(P.TOKENS, request_id=rid, tokens=[40 + start],
+                                                          index=start, versions=[])])
             elif msg["kind"] in (P.PAUSE, P.RESUME):
                 self.sock.send_multipart([ident, P.encode(P.REPLY, mid=msg["mid"],
                                                           data={"paused": msg["kind"] == P.PAUSE})])
@@ -250,6 +265,32 @@ def test_a_held_pause_keeps_pinging():
         after = len(fake.pings)
         time.sleep(2.0)
         assert len(fake.pings) == after  # nothing outstanding any more: quiet
+        c.close()
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_server_restarted_at_the_same_address_loses_what_the_old_one_held(resume):
+    """A group restarted within the silence check answers pings again at the same address; the client must
+    still learn that the requests the old server accepted are gone (the pong names the server), not wait
+    for them until its timeout."""
+    fake = StandInServer()
+    try:
+        c = Client(fake.address, timeout=30, resume=resume)
+        stream = c.stream([1, 2, 3], max_new_tokens=8)
+        assert next(stream).generated_tokens == [40]
+        t0 = time.monotonic()
+        fake.server_id = "second"  # restarted: the next pong says so
+        if not resume:
+            with pytest.raises(RequestLost) as e:
+                next(stream)
+            assert e.value.code == "server_gone" and e.value.reason == RequestLost.RESUME_OFF, e.value
+            assert "restarted" in e.value.message, e.value.message
+        else:  # resubmitted to the new server with the token already delivered; the stream goes on
+            assert next(stream).generated_tokens == [40, 41]
+            assert fake.submits[-1]["resume_tokens"] == [40] and fake.submits[-1]["resumes"] == 1
+        assert time.monotonic() - t0 < 4.0  # a ping or two, not the 30 s timeout
         c.close()
     finally:
         fake.close()
