@@ -38,6 +38,7 @@ class Request:
     status: RequestStatus = RequestStatus.PENDING
     error: str | None = None
     error_code: str | None = None  # cluster.errors.Code, set with `error`
+    finish_reason: str | None = None  # set with a terminal status (cluster/outputs.py FINISH_REASONS, or "length")
     num_computed: int = 0  # tokens whose K/V are in the cache (or are being computed by the step in flight)
     # overlapped scheduling: tokens sampled by a step in flight, not on the host yet (the next step reads them on
     # the device); they count in num_computed once a step has run them, never in `generated`
@@ -95,4 +96,4 @@ class Request:
             lifespan=(self.start_time, self.end_time),
             timestamps=list(self.timestamps) if self.record_timestamps else None,
             weight_version=self.weight_versions[0][1] if self.weight_versions else 0,
-            weight_versions=list(self.weight_versions), error_code=self.error_code)
+            weight_versions=list(self.weight_versions), error_code=self.error_code, finish_reason=self.finish_reason)
