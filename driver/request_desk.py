@@ -5,7 +5,8 @@ sink, so a request id reused after its owner left can never be confused with the
 identity), and outputs of a gone owner are dropped. An id stays taken until the loop has let its request go.
 Tickets wait in per-client queues (driver/admission.py) and reach the manager round-robin while its queue is
 short. If the step loop dies or stops coming round (cpu_group_timeout + LOOP_GRACE_S), the desk fails what it
-holds itself. Only the front door's thread calls the desk, except `on_output` (the loop thread).
+holds itself. A ticket whose text is on turns its outputs into text here (driver/text_output.py): a stop string
+ends it (the manager cancels the rest) and its owner gets the trimmed final. Only the front door's thread calls the desk, except `on_output` (the loop thread).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 
@@ -19,6 +20,7 @@ from tests.serving import fast_config, serve
 VOCAB = 2048
 PROMPT = "Return the value of the attribute"
 N = 24
+LONG = 400  # a request that a stop string must cut short
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +69,16 @@ def test_made_tokenizer_loads_round_trips_and_chats(tok):
     assert tok.convert_tokens_to_ids("<|im_start|>") in ids
 
 
-def test_made_checkpoint_has_a_tokenizer(make_checkpoint):
+def test_make_model_writes_a_tokenizer_unless_told_not_to(tmp_path, capsys):
     from transformers import AutoConfig, AutoTokenizer
 
-    path = make_checkpoint("llama")
-    assert len(AutoTokenizer.from_pretrained(path)) == AutoConfig.from_pretrained(path).vocab_size
+    from launch.cli import main
+
+    assert main(["make-model", str(tmp_path / "with"), "--set", "vocab_size=1000"]) == 0
+    assert main(["make-model", str(tmp_path / "without"), "--no-tokenizer"]) == 0
+    path = tmp_path / "with"
+    assert len(AutoTokenizer.from_pretrained(path)) == AutoConfig.from_pretrained(path).vocab_size == 1000
+    assert not (tmp_path / "without" / "tokenizer.json").exists()
 
 
 # ---------------------------------------------------------------- the detokenizer
@@ -192,18 +199,23 @@ def test_stop_strings_end_and_trim(server, reference, model, streaming):
     stop = next(text[i:i + 3] for i in range(len(text) // 3, len(text)) if "\ufffd" not in text[i:i + 3])
     want = text[:text.find(stop)]
     with Client(server.address) as c:
-        if streaming:
-            outs = list(c.stream(text=PROMPT, max_new_tokens=N, stop=["@never@", stop]))
+        before = c.stats()["tokens_generated"]
+        if streaming:  # a long request: the stop string must end it on the server too
+            outs = list(c.stream(text=PROMPT, max_new_tokens=LONG, stop=["@never@", stop]))
             assert all(want.startswith(o.text) for o in outs)
             out = outs[-1]
         else:
-            out = c.generate(text=PROMPT, max_new_tokens=N, stop=[stop])
+            out = c.generate(text=PROMPT, max_new_tokens=LONG, stop=[stop], request_id="stopped")
         assert (out.text, out.finish_reason, out.stop_string) == (want, "stop", stop)
         n = len(out.generated_tokens)
         assert out.generated_tokens == tokens[:n] and n < len(tokens)
         tok = AutoTokenizer.from_pretrained(model)
         assert stop in tok.decode(tokens[:n]) and stop not in tok.decode(tokens[:n - 1])
-        assert c.generate(text=PROMPT, max_new_tokens=2).generated_tokens == tokens[:2]  # the server goes on
+        deadline = time.monotonic() + 30
+        while c.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.stats()["running"] == 0 and c.stats()["tokens_generated"] - before < LONG // 2
+        assert c.generate(text=PROMPT, max_new_tokens=2, request_id="stopped").generated_tokens == tokens[:2]
 
 
 def test_finish_reasons_and_logprobs(server, reference, model):
