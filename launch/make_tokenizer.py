@@ -40,7 +40,10 @@ def corpus() -> list[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in CORPUS_MODULES:
-            module = importlib.import_module(name)
+            try:
+                module = importlib.import_module(name)
+            except ImportError:  # a Python built without it (sqlite3, zoneinfo's data): the text is smaller
+                continue
             texts.append(inspect.getdoc(module) or "")
             for _, member in sorted(vars(module).items()):
                 texts.append(_doc(member))

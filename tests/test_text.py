@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from typing import Any
 
 import pytest
 
@@ -24,13 +25,13 @@ LONG = 400  # a request that a stop string must cut short
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
+def tok(tmp_path_factory) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(make_tokenizer(tmp_path_factory.mktemp("tok"), VOCAB))
 
 
-def byte_ids(tok, text: str) -> list[int]:
+def byte_ids(tok: Any, text: str) -> list[int]:
     """One token per UTF-8 byte of `text` (the byte-level alphabet), so a multi-byte character is split."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -38,14 +39,13 @@ def byte_ids(tok, text: str) -> list[int]:
     return tok.convert_tokens_to_ids([chars[b] for b in text.encode()])
 
 
-def stream_text(text: TextOutput, tokens: list[int], finish: RequestStatus = RequestStatus.FINISHED,
-                ) -> tuple[list[str], GenerationOutput]:
+def stream_text(text: TextOutput, tokens: list[int]) -> tuple[list[str], GenerationOutput]:
     """Feed `tokens` one output per token (the last one final) as the desk does; the streamed deltas and the
     last output."""
     deltas = []
     for i in range(1, len(tokens) + 1):
         out = GenerationOutput("r", generated_tokens=tokens[:i], logprobs=[-0.5] * i, weight_versions=[(0, 7)],
-                               status=finish if i == len(tokens) else RequestStatus.DECODING)
+                               status=RequestStatus.FINISHED if i == len(tokens) else RequestStatus.DECODING)
         if text.update(out) or out.is_finished():
             return deltas, out
         deltas.append(text.take_delta())
@@ -64,9 +64,8 @@ def test_made_tokenizer_loads_round_trips_and_chats(tok):
     assert len(tok("Return the value of the attribute")["input_ids"]) < 12  # merges learnt from docstrings
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    assert tok.convert_tokens_to_ids("<|im_start|>") in ids
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)["input_ids"]
+    assert tok.decode(ids) == chat and ids[0] == tok.convert_tokens_to_ids("<|im_start|>") == 3
 
 
 def test_make_model_writes_a_tokenizer_unless_told_not_to(tmp_path, capsys):
