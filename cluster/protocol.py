@@ -33,7 +33,11 @@ ACCEPTED, REJECTED, TOKENS, FINAL, REPLY, ERROR, PONG = (
 # a submit's `sampling` map: parameter -> wire type (the values' ranges are checked where requests are built,
 # driver/validation.py, for the wire and the manager API alike; docs/protocol.md "Sampling parameters")
 SAMPLING_FIELDS = {"do_sample": bool, "temperature": (int, float), "top_k": int, "top_p": (int, float),
-                   "repetition_penalty": (int, float), "seed": int}
+                   "repetition_penalty": (int, float), "seed": int,
+                   # transformers' generation options (values: driver/option_checks.py)
+                   "min_new_tokens": int, "min_length": int, "no_repeat_ngram_size": int, "bad_words_ids": list,
+                   "sequence_bias": list, "forced_bos_token_id": int, "forced_eos_token_id": (int, list),
+                   "suppress_tokens": list, "begin_suppress_tokens": list}
 MAX_EOS_TOKEN_IDS = 64  # ids in one request's eos_token_id list
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # a submit's `stop`: at most 16 strings of 1..256 characters
