@@ -2,7 +2,7 @@
 
 Nothing is downloaded: the config is built here, the weights are drawn from a seeded generator, and
 `save_pretrained` writes config.json, generation_config.json and model.safetensors; a tokenizer of the model's
-vocabulary size is trained and written next to them (launch/make_tokenizer.py) unless `tokenizer=False`.
+vocabulary size is trained and written next to them (launch/make_tokenizer.py) when the vocabulary can hold one.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ BOS, EOS = 1, 2
 
 
 def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tiny", seed: int = 0,
-               tokenizer: bool = True, **overrides) -> Path:
-    """Write a checkpoint (with a tokenizer unless `tokenizer=False`) to out_dir and return its path.
+               tokenizer: bool | None = None, **overrides) -> Path:
+    """Write a checkpoint to out_dir and return its path. `tokenizer`: None writes one when the vocabulary can
+    hold a byte-level BPE, True insists (ValueError if it cannot), False writes none.
     `overrides` change config fields."""
     import torch
     import transformers
@@ -55,9 +56,13 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tin
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    if tokenizer:
-        from launch.make_tokenizer import make_tokenizer
+    from launch.make_tokenizer import make_tokenizer, min_vocab_size
 
+    if tokenizer is None:  # by default, whenever the vocabulary can hold a byte-level BPE
+        tokenizer = config.vocab_size >= min_vocab_size()
+        if not tokenizer:
+            print(f"make-model: no tokenizer (vocab_size={config.vocab_size} is below {min_vocab_size()})")
+    if tokenizer:
         make_tokenizer(out, config.vocab_size)
     return out
 
@@ -92,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = make_model(args.dir, args.arch, args.size, args.seed, tokenizer=not args.no_tokenizer,
+    out = make_model(args.dir, args.arch, args.size, args.seed, tokenizer=False if args.no_tokenizer else None,
                      **parse_overrides(args.set))
     print(f"wrote {args.arch}/{args.size} (seed {args.seed}) to {out}")
     return 0

@@ -60,11 +60,18 @@ def _doc(obj: object) -> str:
     return doc or ""
 
 
+def min_vocab_size() -> int:
+    """The smallest vocabulary a byte-level BPE fits in: every byte plus the special tokens."""
+    return 256 + len(SPECIAL_TOKENS)
+
+
 @functools.lru_cache(maxsize=4)  # in memory only: a test session makes many checkpoints of one vocabulary size
 def _trained(vocab_size: int) -> str:
     """The trained tokenizer (tokenizers' JSON), filled to vocab_size with reserved special tokens."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+    if vocab_size < min_vocab_size():
+        raise ValueError(f"vocab_size={vocab_size} is below the {min_vocab_size()} tokens a byte-level BPE needs")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
