@@ -64,7 +64,9 @@ def pick(logits: torch.Tensor, rows: list[SampleRow]) -> Picks:
     processed = process_logits(logits, rows)
     scores = with_noise(processed, rows)
     best, tokens = scores.max(-1)  # the first of equal maxima, as argmax
-    invalid = logits.sum(-1).isnan() | ~best.isfinite()  # a NaN anywhere in a row makes its sum NaN
+    invalid = ~best.isfinite()  # max propagates a NaN, so an unprocessed row's NaN shows here
+    if processed is not logits:  # a filter may have masked a NaN away: a NaN anywhere makes the row's sum NaN
+        invalid |= logits.sum(-1).isnan()
     if any(r.logprobs for r in rows):
         logprobs = processed.gather(1, tokens[:, None])[:, 0] - processed.logsumexp(-1)
     else:

@@ -125,6 +125,14 @@ def test_sampler_returns_each_rows_failure():
     draws = Sampler(seed=1)(logits, reqs)
     assert draws[1].token is None and isinstance(draws[1].error, RuntimeError)
     assert all(d.error is None and 0 <= d.token < 32 for d in (draws[0], draws[2]))
+    # greedy rows (no processor: the max itself shows the NaN) and a filtered row (top-k could mask a NaN away)
+    for sampling in (SamplingParams(), SamplingParams(do_sample=True, top_k=2)):
+        reqs = [Request(f"g{i}", [1, 2], 4, sampling=sampling) for i in range(3)]
+        logits = torch.randn(3, 32)
+        logits[1, 5] = float("nan")
+        draws = Sampler(seed=1)(logits, reqs)
+        assert draws[1].token is None and isinstance(draws[1].error, RuntimeError), (sampling, draws[1])
+        assert all(d.error is None for d in (draws[0], draws[2]))
 
 
 # ---------------------------------------------------------------- outputs owed to workers on a no-forward step
