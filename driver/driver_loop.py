@@ -138,6 +138,7 @@ class DriverLoop:
     # ------------------------------------------------------------------ outputs
     def emit(self, req: Request) -> None:
         """Hand a request's output to its sink (or the result router) and to the workers that read results."""
+        self.m.metrics.observe(req)
         if not (req.is_finished or req.streaming):
             return
         if req.is_finished:

@@ -27,6 +27,7 @@ from driver.driver_loop import DriverLoop
 from driver.engine import Engine
 from driver.request import Request
 from driver.results import ResultRouter
+from driver.serving_metrics import ServingMetrics
 from driver.update_calls import WeightUpdates
 from driver.validation import build_request, supported_generation_config
 from driver.worker_side import run_worker_side
@@ -48,6 +49,7 @@ class ContinuousBatchingManager:
         self.engine = Engine(self.runner, self.effective_config, self.groups, self.config.seed) \
             if self.is_driver else None
         self.results = ResultRouter()
+        self.metrics = ServingMetrics()  # fed by the driver's loop (DriverLoop.emit); read by `stats`
         self.gate = PauseGate()
         self.inbox: queue.Queue = queue.Queue()
         self.requests: dict[str, Request] = {}  # live requests by id (driver)
