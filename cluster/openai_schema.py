@@ -52,10 +52,13 @@ class _Common(BaseModel):
         if self.logit_bias:
             raise HttpError(Code.UNSUPPORTED, "logit_bias is not supported", "logit_bias")
 
-    def submit_params(self, max_new_tokens: int | None, logprobs: bool) -> dict[str, Any]:
-        """The Lockstep submit keywords (cluster.client `submit`) this request asks for, the prompt aside."""
+    def submit_params(self, max_new_tokens: int | None, logprobs: bool, text: bool) -> dict[str, Any]:
+        """The Lockstep submit keywords (cluster.client `submit`) this request asks for, the prompt aside.
+        `text`: ask for text outputs (the checkpoint has a tokenizer; without one, answers carry no text)."""
         self.check_supported()
-        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "return_text": True}
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+        if text:
+            params["return_text"] = True
         if self.temperature is not None:  # 0 is greedy, as in OpenAI; unset: the checkpoint's generation config
             params["do_sample"] = self.temperature > 0
             if self.temperature > 0:
@@ -99,8 +102,8 @@ class CompletionRequest(_Common):
         if self.best_of not in (None, self.n):
             raise HttpError(Code.UNSUPPORTED, "best_of other than n is not supported", "best_of")
 
-    def params(self) -> dict[str, Any]:
-        return self.submit_params(self.max_tokens, self.logprobs is not None)
+    def params(self, text: bool) -> dict[str, Any]:
+        return self.submit_params(self.max_tokens, self.logprobs is not None, text)
 
 
 class ChatMessage(BaseModel):
@@ -133,6 +136,6 @@ class ChatCompletionRequest(_Common):
         if self.tools:
             raise HttpError(Code.UNSUPPORTED, "tools are not supported", "tools")
 
-    def params(self) -> dict[str, Any]:
+    def params(self, text: bool) -> dict[str, Any]:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.submit_params(limit, self.logprobs)
+        return self.submit_params(limit, self.logprobs, text)

@@ -208,13 +208,13 @@ class OpenAIServing:
     # ------------------------------------------------------------------ completions
     def completions_parts(self, body: CompletionRequest) -> tuple[list[Choice], dict[str, Any]]:
         self._check_model(body)
-        params = body.params()
+        params = body.params(self.model.tokenizer is not None)
         sources = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in body.prompts()]
         return self._choices(body, "cmpl", sources), params
 
     def chat_parts(self, body: ChatCompletionRequest) -> tuple[list[Choice], dict[str, Any]]:
         self._check_model(body)
-        params = body.params()
+        params = body.params(self.model.tokenizer is not None)
         return self._choices(body, "chatcmpl", [{"input_ids": self.chat_prompt(body)}]), params
 
     def _usage(self, choices: list[Choice]) -> dict[str, int]:
