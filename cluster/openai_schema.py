@@ -35,6 +35,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever EOS says (benchmarks)
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -67,6 +68,8 @@ class _Common(BaseModel):
             params["top_p"] = self.top_p
         if self.seed is not None:
             params["seed"] = self.seed
+        if self.ignore_eos:
+            params["eos_token_id"] = -1
         if stops := self.stops():
             params["stop"] = stops
         if logprobs:
