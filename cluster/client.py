@@ -114,14 +114,20 @@ class Client:
                       request_id: str | None = None, max_new_tokens: int | None = None, streaming: bool = False,
                       eos_token_id: int | list[int] | None = None, resume_tokens: list[int] | None = None,
                       resume_versions: list[tuple[int, int]] | None = None, resumes: int = 0,
+                      stop: list[str] | None = None, return_text: bool = False, logprobs: bool = False,
                       **sampling: Any) -> tuple[PendingRequest, Future]:
         """Send a submit; the future resolves to the request id once the server accepts it. A request id
         this client already has outstanding raises ClientError(`duplicate_request_id`) here. `resume_tokens`
         (with `resume_versions` and `resumes`): resume a request by hand (the client does it by itself for
-        the requests it sent); its outputs then start with those tokens (docs/recovery.md)."""
+        the requests it sent); its outputs then start with those tokens (docs/recovery.md). `stop`: stop
+        strings (the text is cut before the one that matched); outputs carry `text` when the submit is text,
+        has stop strings or `return_text`; `logprobs`: the chosen tokens' logprobs, streamed too."""
         rid = request_id or os.urandom(12).hex()
         fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "streaming": streaming, "sampling": sampling,
                                   "request_id": rid, "eos_token_id": eos_token_id}
+        # additive fields, sent only when used (an older server ignores what it does not know)
+        fields |= {k: v for k, v in (("stop", list(stop) if stop is not None else None), ("return_text", return_text),
+                                     ("logprobs", logprobs)) if v}
         if text is not None:
             fields["text"] = text
         else:
@@ -213,7 +219,8 @@ class Client:
         return self.result(self.submit(input_ids, **params))
 
     def stream(self, input_ids: list[int] | None = None, **params: Any) -> Iterator[GenerationOutput]:
-        """One output per generated token (cumulative tokens), then the final output."""
+        """One output per generated token (cumulative tokens, and text and logprobs when asked for), then the
+        final output."""
         params["streaming"] = True
         req, fut = self.submit_future(input_ids, **params)
         self._wait(fut)

@@ -316,7 +316,7 @@ class IOThread:
             index = msg.get("index")
             try:
                 out = req.delivered(index if isinstance(index, int) else len(req.tokens), msg["tokens"],
-                                    msg.get("versions") or [])
+                                    msg.get("versions") or [], msg.get("text"), msg.get("logprobs"))
             except ValueError as e:
                 self.finish(req, error=ClientError(Code.INTERNAL, str(e), rid))
                 return

@@ -19,6 +19,11 @@ class RequestStatus(IntEnum):
     CANCELLED = 5
 
 
+# a request's finish_reason by its terminal status ("length", for max_new_tokens or the context, is set where it ends)
+FINISH_REASONS = {RequestStatus.FINISHED: "stop", RequestStatus.FAILED: "error", RequestStatus.CANCELLED: "cancelled"}
+OPTIONAL_KEYS = ("resumes", "text", "finish_reason", "stop_string")  # in to_dict only when set (0 or None: unset)
+
+
 @dataclass
 class GenerationOutput:
     """One request's result (or, when streaming, its state so far).
@@ -40,6 +45,10 @@ class GenerationOutput:
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
     error_code: str | None = None  # one of cluster.errors.Code when status is FAILED
     resumes: int = 0  # how many times the request was resumed after a failure (docs/recovery.md)
+    text: str | None = None  # the generated text so far, a stop string trimmed off (None: text is off)
+    # why it ended: "stop" (EOS or a stop string), "length", "cancelled", "error"; None while it runs
+    finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
@@ -58,8 +67,9 @@ class GenerationOutput:
         d["status"] = int(self.status)
         d["lifespan"] = list(self.lifespan)
         d["weight_versions"] = [list(p) for p in self.weight_versions]
-        if not self.resumes:  # additive on the wire: a request never resumed looks as it always did
-            del d["resumes"]
+        for key in OPTIONAL_KEYS:  # additive on the wire: only sent when set, so old outputs look as they did
+            if d[key] in (None, 0):
+                del d[key]
         return d
 
     @classmethod

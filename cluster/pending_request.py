@@ -37,6 +37,8 @@ class PendingRequest:
         self.resumable = resumable  # the client resumes it when the server loses it
         self.tokens: list[int] = []  # delivered so far (streamed); a resume sends them back
         self.versions: list[tuple[int, int]] = []  # their compact weight versions
+        self.text: str | None = None  # the text streamed so far (when the submit asked for text)
+        self.logprobs: list[float] = []  # the streamed tokens' logprobs (when asked for)
         self.resumes = 0  # resumes the server accepted
         self.dropped = False  # its caller stopped waiting for it (never resumed then)
         self.server: str | None = None  # the id of the server that accepted it (its `accepted` names it)
@@ -50,10 +52,12 @@ class PendingRequest:
         return self.fields | {"resume_tokens": list(self.tokens), "resume_versions": [list(p) for p in self.versions],
                               "resumes": self.resumes + 1}
 
-    def delivered(self, index: int, tokens: list[int], versions: list[list[int]]) -> GenerationOutput | None:
-        """Streamed tokens starting at generated index `index`: the new ones are kept and the cumulative output
-        returned; a repeat of tokens already held (a resume's overlap) returns None, so no token is delivered
-        twice. A gap (index beyond what is held) cannot be filled: ValueError."""
+    def delivered(self, index: int, tokens: list[int], versions: list[list[int]], text: str | None = None,
+                  logprobs: list[float] | None = None) -> GenerationOutput | None:
+        """Streamed tokens starting at generated index `index` (with the text they completed and their logprobs,
+        when the submit asked for them): the new ones are kept and the cumulative output returned; a repeat of
+        tokens already held (a resume's overlap) returns None, so no token is delivered twice. A gap (index
+        beyond what is held) cannot be filled: ValueError."""
         have = len(self.tokens)
         if index > have:
             raise ValueError(f"request {self.request_id}: tokens from index {index}, but only {have} arrived")
@@ -62,10 +66,15 @@ class PendingRequest:
             return None
         self.tokens.extend(fresh)
         self.versions = join_versions(self.versions, [(max(i, have), v) for i, v in versions])
+        if isinstance(text, str):  # a message's text belongs to its tokens: an overlapping one's is already here
+            self.text = (self.text or "") + (text if index == have else "")
+        if isinstance(logprobs, list):
+            self.logprobs.extend(logprobs[have - index:])
         return GenerationOutput(request_id=self.request_id, prompt_ids=self.prompt_ids,
-                                generated_tokens=list(self.tokens), status=RequestStatus.DECODING,
-                                weight_versions=list(self.versions),
-                                weight_version=self.versions[0][1] if self.versions else 0, resumes=self.resumes)
+                                generated_tokens=list(self.tokens), logprobs=list(self.logprobs),
+                                status=RequestStatus.DECODING, weight_versions=list(self.versions),
+                                weight_version=self.versions[0][1] if self.versions else 0, resumes=self.resumes,
+                                text=self.text)
 
     def end(self, error: BaseException) -> None:
         """End it with `error` (to its stream and its future), unless it already ended."""

@@ -33,9 +33,14 @@ ACCEPTED, REJECTED, TOKENS, FINAL, REPLY, ERROR, PONG = (
 # a submit's `sampling` map: parameter -> wire type (the values' ranges are checked where requests are built,
 # driver/validation.py, for the wire and the manager API alike; docs/protocol.md "Sampling parameters")
 SAMPLING_FIELDS = {"do_sample": bool, "temperature": (int, float), "top_k": int, "top_p": (int, float),
-                   "repetition_penalty": (int, float), "seed": int}
+                   "repetition_penalty": (int, float), "seed": int,
+                   # transformers' generation options (values: driver/option_checks.py)
+                   "min_new_tokens": int, "min_length": int, "no_repeat_ngram_size": int, "bad_words_ids": list,
+                   "sequence_bias": list, "forced_bos_token_id": int, "forced_eos_token_id": (int, list),
+                   "suppress_tokens": list, "begin_suppress_tokens": list}
 MAX_EOS_TOKEN_IDS = 64  # ids in one request's eos_token_id list
 MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # a submit's `stop`: at most 16 strings of 1..256 characters
 
 
 class ProtocolError(Exception):
@@ -98,6 +103,14 @@ class Submit:
     resume_tokens: list[int] | None = None
     resume_versions: list[list[int]] | None = None
     resumes: int = 0
+    stop: list[str] | None = None  # stop strings (text is on)
+    return_text: bool = False  # text outputs even for an input_ids submit without stop strings
+    logprobs: bool = False  # the chosen tokens' logprobs, also in streamed `tokens`
+
+    @property
+    def wants_text(self) -> bool:
+        """Its outputs carry text: it was sent as text, has stop strings, or asked for text."""
+        return self.text is not None or bool(self.stop) or self.return_text
 
 
 def field(msg: dict, name: str, types: Any, default: Any = None, required: bool = False) -> Any:
@@ -155,7 +168,21 @@ def parse_submit(msg: dict) -> Submit:
     return Submit(mid=mid, request_id=rid, input_ids=ids, text=text,
                   max_new_tokens=field(msg, "max_new_tokens", int), streaming=field(msg, "streaming", bool, False),
                   sampling=sampling, eos_token_id=eos, resume_tokens=resume_tokens, resume_versions=versions,
-                  resumes=field(msg, "resumes", int, 0))
+                  resumes=field(msg, "resumes", int, 0), stop=check_stop(msg.get("stop"), mid, rid),
+                  return_text=field(msg, "return_text", bool, False), logprobs=field(msg, "logprobs", bool, False))
+
+
+def check_stop(value: Any, mid: Any = None, rid: str | None = None) -> list[str] | None:
+    """A submit's stop strings: a list of at most MAX_STOP_STRINGS strings of 1..MAX_STOP_CHARS characters."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) and 1 <= len(v) <= MAX_STOP_CHARS for v in value):
+        raise ProtocolError(Code.BAD_FIELD, f"stop must be a list of strings of 1 to {MAX_STOP_CHARS} characters",
+                            mid, rid)
+    if len(value) > MAX_STOP_STRINGS:
+        raise ProtocolError(Code.BAD_FIELD, f"stop lists {len(value)} strings; at most {MAX_STOP_STRINGS} are "
+                                            f"allowed", mid, rid)
+    return value or None
 
 
 # ---------------------------------------------------------------- update_weights (push source)

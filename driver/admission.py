@@ -21,6 +21,8 @@ class Ticket:
     sent: int = 0  # tokens already streamed
     in_manager: bool = False  # handed to manager.submit; its final will come from the loop
     answered: bool = False  # its final or error went out (or its owner is gone): later outputs are dropped
+    text: Any = None  # driver.text_output.TextOutput when its text is on (stop strings, text outputs)
+    logprobs: bool = False  # streamed `tokens` carry the tokens' logprobs
 
 
 class Admission:

@@ -20,7 +20,7 @@ import numpy as np
 from cluster.config import ResolvedConfig
 from cluster.dist import Groups, send_plan
 from cluster.errors import Code
-from cluster.outputs import RequestStatus
+from cluster.outputs import FINISH_REASONS, RequestStatus
 from cluster.plan import Command, S, StepPlan
 from driver.block_manager import BlockManager, token_slice
 from driver.request import Request
@@ -60,11 +60,14 @@ class Engine:
     def has_work(self) -> bool:
         return self.in_flight is not None or self.scheduler.has_work()
 
-    def end(self, req: Request, status: RequestStatus, error: str | None = None, code: str | None = None) -> None:
+    def end(self, req: Request, status: RequestStatus, error: str | None = None, code: str | None = None,
+            reason: str | None = None) -> None:
         """Finish, fail or cancel a request: its pages are freed at once (a step in flight writes them before
-        any later step can, in device order). `code` (cluster.errors.Code) says why it failed."""
+        any later step can, in device order). `code` (cluster.errors.Code) says why it failed; `reason` is its
+        finish_reason (by default the status's: cluster/outputs.py FINISH_REASONS)."""
         self.scheduler.finish(req)
         req.status = status
+        req.finish_reason = reason or FINISH_REASONS[status]
         req.error = error
         req.error_code = code
         req.end_time = time.perf_counter()
@@ -171,9 +174,10 @@ class Engine:
                 req.timestamps.append(now)
             if req.status != RequestStatus.PENDING:  # PENDING: preempted while the token was in flight
                 req.status = RequestStatus.DECODING
-            if (tok in req.eos_token_ids or len(req.generated) >= req.max_new_tokens
-                    or len(req.prompt_ids) + len(req.generated) >= max_len):
-                self.end(req, RequestStatus.FINISHED)
+            if tok in req.eos_token_ids:
+                self.end(req, RequestStatus.FINISHED, reason="stop")
+            elif len(req.generated) >= req.max_new_tokens or len(req.prompt_ids) + len(req.generated) >= max_len:
+                self.end(req, RequestStatus.FINISHED, reason="length")
             events.append(req)
             tokens += 1
         self.num_tokens_generated += tokens

@@ -78,7 +78,7 @@ class Frontend:
         self.pause = PauseOwner(manager.hold_scheduling)
         self.outbox = ClientOutbox(self.sock, config.max_client_backlog, self._on_overflow, self._on_gone)
         self.desk = RequestDesk(manager, config.max_inflight_per_client, self._send, self.outbox.send_if_possible,
-                                self._wake, self.counters)
+                                self._wake, self.counters, tokenizer)
         self.thread = threading.Thread(target=self._run, name="lockstep-frontend", daemon=True)
 
     def _enable_curve(self) -> CurveKeys:
@@ -244,12 +244,10 @@ class Frontend:
     # -------------------------------------------------------------- requests
     def _submit(self, ident: bytes, client: ClientState, s: P.Submit) -> None:
         s.request_id = s.request_id or uuid.uuid4().hex
-        ids = s.input_ids
-        if ids is None:
-            if self.tokenizer is None:
-                raise P.ProtocolError(Code.NO_TOKENIZER, "this checkpoint has no tokenizer: send input_ids",
-                                      s.mid, s.request_id)
-            ids = self.tokenizer(s.text)["input_ids"]
+        if s.wants_text and self.tokenizer is None:
+            raise P.ProtocolError(Code.NO_TOKENIZER, "this checkpoint has no tokenizer: send input_ids, without "
+                                  "stop or return_text", s.mid, s.request_id)
+        ids = s.input_ids if s.input_ids is not None else self.tokenizer(s.text)["input_ids"]
         self.desk.submit(ident, client, s, ids)
 
     def _drain_outputs(self) -> None:

@@ -1,8 +1,9 @@
 """The logits processors of a sampling step, for a whole batch at once, on the logits' device.
 
-Each row of the batch is one request's next token (a `SampleRow`, all on the host). Repetition penalty applies
-to every row that asks for it; temperature, top-k and top-p only to sampling rows, in that order, as
-transformers does. Per-row parameters go to the device as tensors; which rows need a processor is known on the
+Each row of the batch is one request's next token (a `SampleRow`, all on the host). transformers' order: the
+sequence bias, repetition penalty, then the other generation options (forced rows, banned tokens:
+driver/constraint_processors.py) apply to every row that asks for them; temperature, top-k and top-p only to
+sampling rows, in that order. Per-row parameters go to the device as tensors; which rows need a processor is known on the
 host from the parameters alone, so no step waits on the device to decide, and a row that needs nothing is left
 exactly as it came (greedy rows give exactly the argmax of their logits).
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from driver.constraint_processors import NONE, Constraints, add_bias, ban, force
 from driver.request import SamplingParams
 
 
@@ -27,6 +29,7 @@ class SampleRow:
     index: int  # the token index: how many tokens the request has generated, counting those before a restart
     seen: tuple[int, ...] = ()  # the token ids a repetition penalty applies to (prompt and generated)
     logprobs: bool = False
+    constraints: Constraints = NONE  # the generation options' edits for this step
 
     @property
     def samples(self) -> bool:
@@ -123,12 +126,19 @@ def top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.
 
 
 def process_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Repetition penalty, temperature, top-k and top-p for a batch: [N, vocab] logits in, processed logits out
-    (the input itself when no row needs anything). Never writes into `logits`."""
+    """Sequence bias, repetition penalty, forced and banned tokens, temperature, top-k and top-p for a batch:
+    [N, vocab] logits in, processed logits out (the input itself when no row needs anything). Never writes into
+    `logits`."""
     vocab = logits.shape[-1]
     x = logits
+    x = on_rows(x, [i for i, r in enumerate(rows) if r.constraints.bias], lambda t, ix: add_bias(
+        t, [rows[i].constraints.bias for i in ix]), logits)
     x = on_rows(x, [i for i, r in enumerate(rows) if r.penalised], lambda t, ix: penalise(
         t, [rows[i].seen for i in ix], [rows[i].params.repetition_penalty for i in ix]), logits)
+    x = on_rows(x, [i for i, r in enumerate(rows) if r.constraints.forced], lambda t, ix: force(
+        t, [rows[i].constraints.forced for i in ix]), logits)
+    x = on_rows(x, [i for i, r in enumerate(rows) if r.constraints.banned], lambda t, ix: ban(
+        t, [rows[i].constraints.banned for i in ix]), logits)
     x = on_rows(x, [i for i, r in enumerate(rows) if r.scaled], lambda t, ix: t / column(
         [rows[i].params.temperature for i in ix], t.dtype, t.device), logits)
     return on_rows(x, [i for i, r in enumerate(rows) if r.filtered(vocab)], lambda t, ix: top_k_top_p(

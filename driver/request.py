@@ -10,16 +10,35 @@ from cluster.outputs import GenerationOutput, RequestStatus
 
 @dataclass
 class SamplingParams:
+    """A request's sampling parameters and transformers' generation options (GenerationConfig's names and meaning;
+    driver/option_checks.py normalises the options to these immutable forms)."""
+
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    min_new_tokens: int | None = None  # None: unset (set, it overrides min_length, as in transformers)
+    min_length: int = 0  # prompt included; 0: off
+    no_repeat_ngram_size: int = 0  # 0: off
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()  # (sequence, bias), one entry per sequence
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: tuple[int, ...] = ()
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
+
+    @property
+    def constrained(self) -> bool:
+        """True when some generation option is set (driver/constraint_processors.py applies them)."""
+        return bool(self.min_new_tokens or self.min_length or self.no_repeat_ngram_size or self.bad_words_ids
+                    or self.sequence_bias or self.forced_bos_token_id is not None or self.forced_eos_token_id
+                    or self.suppress_tokens or self.begin_suppress_tokens)
 
     @property
     def greedy(self) -> bool:
-        return not self.do_sample and self.repetition_penalty == 1.0
+        return not self.do_sample and self.repetition_penalty == 1.0 and not self.constrained
 
 
 @dataclass(eq=False)  # identity, not field equality: requests are tracked by reference
@@ -38,6 +57,7 @@ class Request:
     status: RequestStatus = RequestStatus.PENDING
     error: str | None = None
     error_code: str | None = None  # cluster.errors.Code, set with `error`
+    finish_reason: str | None = None  # set with a terminal status (cluster/outputs.py FINISH_REASONS, or "length")
     num_computed: int = 0  # tokens whose K/V are in the cache (or are being computed by the step in flight)
     # overlapped scheduling: tokens sampled by a step in flight, not on the host yet (the next step reads them on
     # the device); they count in num_computed once a step has run them, never in `generated`
@@ -50,6 +70,8 @@ class Request:
     end_time: float = -1.0
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
     sample_key: int | None = None  # the 64-bit noise key of counter-based sampling, made by the sampler on first use
+    # driver.constraint_processors.History: what the generation options keep between steps, made on first use
+    history: object = None
     # how many of prompt_ids' last tokens were generated before a restart (a client's resume_tokens): they count in
     # the token index, so the resumed request samples what the uninterrupted one would have
     resumed_tokens: int = 0
@@ -95,4 +117,4 @@ class Request:
             lifespan=(self.start_time, self.end_time),
             timestamps=list(self.timestamps) if self.record_timestamps else None,
             weight_version=self.weight_versions[0][1] if self.weight_versions else 0,
-            weight_versions=list(self.weight_versions), error_code=self.error_code)
+            weight_versions=list(self.weight_versions), error_code=self.error_code, finish_reason=self.finish_reason)

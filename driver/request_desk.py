@@ -5,7 +5,8 @@ sink, so a request id reused after its owner left can never be confused with the
 identity), and outputs of a gone owner are dropped. An id stays taken until the loop has let its request go.
 Tickets wait in per-client queues (driver/admission.py) and reach the manager round-robin while its queue is
 short. If the step loop dies or stops coming round (cpu_group_timeout + LOOP_GRACE_S), the desk fails what it
-holds itself. Only the front door's thread calls the desk, except `on_output` (the loop thread).
+holds itself. A ticket whose text is on turns its outputs into text here (driver/text_output.py): a stop string
+ends it (the manager cancels the rest) and its owner gets the trimmed final. Only the front door's thread calls the desk, except `on_output` (the loop thread).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any, Callable
 
 from cluster import protocol as P
 from cluster.errors import Code, LockstepError, QueueFull, RequestRejected
-from cluster.outputs import GenerationOutput, RequestStatus, versions_between
+from cluster.outputs import FINISH_REASONS, GenerationOutput, RequestStatus, versions_between
 from driver.admission import Admission, Ticket
+from driver.text_output import TextOutput
 
 log = logging.getLogger("lockstep")
 
@@ -36,10 +38,12 @@ class ClientState:
 
 class RequestDesk:
     def __init__(self, manager: Any, max_inflight_per_client: int, send: Callable[..., None],
-                 send_once: Callable[[bytes, bytes], bool], wake: Callable[[], None], counters: dict[str, int]):
+                 send_once: Callable[[bytes, bytes], bool], wake: Callable[[], None], counters: dict[str, int],
+                 tokenizer: Any = None):
         """`send(ident, kind, **fields)` queues a message; `send_once(ident, frame)` tries one send, no backlog;
-        `wake()` wakes the front door's thread."""
+        `wake()` wakes the front door's thread; `tokenizer` makes the text of the requests that want text."""
         self.manager = manager
+        self.tokenizer = tokenizer
         self.max_inflight_per_client = max_inflight_per_client
         self.send, self.send_once, self.wake = send, send_once, wake
         self.counters = counters
@@ -83,8 +87,12 @@ class RequestDesk:
                                              resume_versions=s.resume_versions, resumes=s.resumes, **s.sampling)
         except RequestRejected as e:
             raise P.ProtocolError(e.code, e.message, mid, rid) from None
+        req.return_logprobs = req.return_logprobs or s.logprobs
+        if s.stop:  # per-token outputs, so a stop string ends it at once (ticket.streaming: does the client get them)
+            req.streaming = True
+        text = TextOutput.make(self.tokenizer, s.stop, s.resume_tokens) if s.wants_text else None
         # a resumed request's outputs start with the tokens its client already has: the stream goes on after them
-        ticket = Ticket(rid, ident, s.streaming, req, sent=req.resumed_tokens)
+        ticket = Ticket(rid, ident, s.streaming, req, sent=req.resumed_tokens, text=text, logprobs=s.logprobs)
         self.tickets[rid] = client.tickets[rid] = ticket
         self.admission.put(ticket)
         self.counters["accepted"] += 1
@@ -116,6 +124,7 @@ class RequestDesk:
             self.manager.cancel_request(rid)  # its CANCELLED final comes from the loop
         elif self.admission.remove(ticket):
             ticket.req.status, ticket.req.error = RequestStatus.CANCELLED, "cancelled"
+            ticket.req.finish_reason = FINISH_REASONS[RequestStatus.CANCELLED]
             self.deliver(ticket, ticket.req.output())
 
     # -------------------------------------------------------------- out
@@ -139,12 +148,13 @@ class RequestDesk:
                 del self.tickets[ticket.rid]
         if ticket.answered or ticket.ident is None:
             return  # its owner is gone, or it was already answered: a stale output
+        if ticket.text is not None and out.status != RequestStatus.FAILED and ticket.text.update(out) \
+                and not finished:  # a stop string ended it: the loop's later outputs of it are dropped
+            self.manager.cancel_request(ticket.rid)
+            finished = True
         if not finished:
             if ticket.streaming:
-                start, ticket.sent = ticket.sent, len(out.generated_tokens)
-                self.send(ticket.ident, P.TOKENS, request_id=ticket.rid, tokens=out.generated_tokens[start:],
-                          index=start, versions=[list(p) for p in versions_between(out.weight_versions, start,
-                                                                                    ticket.sent)])
+                self._send_tokens(ticket, out)
             return
         self._settle(ticket)
         self.counters["finished"] += 1
@@ -153,6 +163,17 @@ class RequestDesk:
                       message=out.error or "")
         else:
             self.send(ticket.ident, P.FINAL, output=out.to_dict())
+
+    def _send_tokens(self, ticket: Ticket, out: GenerationOutput) -> None:
+        """A streaming ticket's new tokens (with their text and logprobs when asked for)."""
+        start, ticket.sent = ticket.sent, len(out.generated_tokens)
+        extra: dict[str, Any] = {}
+        if ticket.text is not None:
+            extra["text"] = ticket.text.take_delta()
+        if ticket.logprobs:
+            extra["logprobs"] = out.logprobs[start:ticket.sent]
+        self.send(ticket.ident, P.TOKENS, request_id=ticket.rid, tokens=out.generated_tokens[start:], index=start,
+                  versions=[list(p) for p in versions_between(out.weight_versions, start, ticket.sent)], **extra)
 
     def _settle(self, ticket: Ticket) -> None:
         """The ticket is answered: its owner no longer counts it."""

@@ -1,5 +1,5 @@
 """Next-token choice on the driver, for the whole batch at once on the logits' device: greedy, or temperature /
-top-k / top-p sampling, with repetition penalty and logprobs.
+top-k / top-p sampling, with repetition penalty, transformers' generation options and logprobs.
 
 Sampling is counter-based Gumbel-max: token = argmax(processed logits + g), with g the Gumbel noise that
 driver.counter_noise derives from (the request's key, its token index, the token id). The key comes from
@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from cluster import faults
+from driver.constraint_processors import constraints
 from driver.counter_noise import gumbel, request_key, signed64
 from driver.logits_processing import SampleRow, on_rows, process_logits
 from driver.request import Request
@@ -77,7 +78,8 @@ def sample_row(req: Request, seed: int | None) -> SampleRow:
     if req.sample_key is None:
         req.sample_key = request_key(p.seed if p.seed is not None else seed, req.request_id)
     return SampleRow(req.request_id, p, req.sample_key, req.token_index,
-                     tuple(set(req.tokens)) if p.repetition_penalty != 1.0 else (), req.return_logprobs)
+                     tuple(set(req.tokens)) if p.repetition_penalty != 1.0 else (), req.return_logprobs,
+                     constraints(req))
 
 
 class Launched(NamedTuple):

@@ -4,24 +4,23 @@ the request, with the wire code that says what is wrong."""
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 from cluster.config import DEFAULT_MAX_NEW_TOKENS
 from cluster.errors import Code, RequestRejected
 from cluster.protocol import MAX_EOS_TOKEN_IDS, MAX_REQUEST_ID_CHARS, SAMPLING_FIELDS
+from driver.option_checks import OPTION_CHECKS, check_forced_not_suppressed, check_option, integer, real, shown
 from driver.request import Request, SamplingParams
 from driver.resumed_request import ResumedRequest
 
 SAMPLING_KWARGS = tuple(SAMPLING_FIELDS)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-# GenerationConfig fields that would need a logits processor Lockstep does not have
-UNSUPPORTED_PROCESSORS = ("min_length", "min_new_tokens", "no_repeat_ngram_size", "bad_words_ids", "force_words_ids",
-                          "typical_p", "epsilon_cutoff", "eta_cutoff", "min_p", "diversity_penalty",
-                          "encoder_repetition_penalty", "exponential_decay_length_penalty", "suppress_tokens",
-                          "begin_suppress_tokens", "sequence_bias", "guidance_scale", "renormalize_logits",
-                          "forced_bos_token_id", "forced_eos_token_id", "num_beams", "num_return_sequences")
+# GenerationConfig fields that would need a logits processor (or a search) Lockstep does not have
+UNSUPPORTED_PROCESSORS = ("force_words_ids", "constraints", "typical_p", "epsilon_cutoff", "eta_cutoff", "min_p",
+                          "top_h", "diversity_penalty", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size",
+                          "exponential_decay_length_penalty", "guidance_scale", "renormalize_logits",
+                          "remove_invalid_values", "watermarking_config", "num_beams", "num_return_sequences")
 
 
 def check_prompt(input_ids: Any, request_id: str, vocab_size: int, max_model_len: int) -> list[int]:
@@ -62,33 +61,19 @@ def default_max_new_tokens(generation_config: Any) -> int:
     return value if value is not None else DEFAULT_MAX_NEW_TOKENS
 
 
-def _integer(v: Any) -> int | None:
-    return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else None
-
-
-def _real(v: Any) -> float | None:
-    """v as a float (None when it is not a real number, a bool, or too large for a float)."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        return None
-    try:
-        return float(v)
-    except OverflowError:
-        return None
-
-
 def _top_k(v: Any) -> int | None:
-    k = _integer(v)
+    k = integer(v)
     return None if k is None or k < -1 else (0 if k == -1 else k)  # 0 and -1 both mean no top-k
 
 
 def _seed(v: Any) -> int | None:
-    s = _integer(v)
+    s = integer(v)
     return s if s is not None and INT64_MIN <= s <= INT64_MAX else None
 
 
 def _in(test: Callable[[float], bool]) -> Callable[[Any], float | None]:
     def check(v: Any) -> float | None:
-        x = _real(v)
+        x = real(v)
         return x if x is not None and test(x) else None
     return check
 
@@ -108,39 +93,47 @@ def _where(request_id: str | None) -> str:
     return f"request {request_id}" if request_id is not None else "generation_config"
 
 
-def check_sampling_value(name: str, value: Any, request_id: str | None) -> Any:
-    """The value to use for sampling parameter `name`, or RequestRejected (bad_field) naming it and its range.
-    `request_id` None: the value comes from the generation config."""
+def check_sampling_value(name: str, value: Any, request_id: str | None, vocab_size: int | None = None) -> Any:
+    """The value to use for sampling parameter or generation option `name`, or RequestRejected (bad_field) naming
+    it and its range. `request_id` None: the value comes from the generation config; `vocab_size` None: token
+    ids are not checked against the vocabulary yet."""
+    if name in OPTION_CHECKS:
+        return check_option(name, value, vocab_size, _where(request_id), request_id)
     normalise, allowed = SAMPLING_RANGES[name]
     checked = normalise(value)
     if checked is None:
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
-        raise RequestRejected(f"{_where(request_id)}: {name}={shown} is out of range; {name} must be {allowed}",
-                              Code.BAD_FIELD, request_id)
+        raise RequestRejected(f"{_where(request_id)}: {name}={shown(value)} is out of range; {name} must be "
+                              f"{allowed}", Code.BAD_FIELD, request_id)
     return checked
 
 
-def check_sampling_kwargs(kwargs: dict[str, Any], request_id: str) -> dict[str, Any]:
-    """Per-request sampling parameters, checked and normalised (no rank state needed: any rank may call it)."""
+def check_sampling_kwargs(kwargs: dict[str, Any], request_id: str, vocab_size: int | None = None) -> dict[str, Any]:
+    """Per-request sampling parameters and generation options, checked and normalised (no rank state needed:
+    any rank may call it)."""
     unknown = set(kwargs) - set(SAMPLING_KWARGS)
     if unknown:
         raise RequestRejected(f"request {request_id}: unknown generation parameter(s) {sorted(unknown)}",
                               Code.BAD_FIELD, request_id)
-    return {k: check_sampling_value(k, v, request_id) for k, v in kwargs.items() if v is not None}
+    return {k: check_sampling_value(k, v, request_id, vocab_size) for k, v in kwargs.items() if v is not None}
 
 
-def check_temperature_for_sampling(sampling: SamplingParams, request_id: str | None) -> None:
+def check_combination(sampling: SamplingParams, request_id: str | None) -> None:
+    """The checks that read several parameters: temperature > 0 when sampling; a forced token not suppressed."""
     if sampling.do_sample and sampling.temperature <= 0:
         raise RequestRejected(f"{_where(request_id)}: temperature={sampling.temperature!r} with do_sample=True; "
                               f"temperature must be {SAMPLING_RANGES['temperature'][1]}", Code.BAD_FIELD, request_id)
+    check_forced_not_suppressed(sampling.forced_bos_token_id, sampling.forced_eos_token_id, sampling.suppress_tokens,
+                                _where(request_id), request_id)
 
 
-def sampling_from(generation_config: Any) -> SamplingParams:
-    """The sampling defaults a GenerationConfig sets (unset fields take transformers' meaning), checked."""
-    values = {name: getattr(generation_config, name, None) for name in SAMPLING_RANGES if name != "seed"}
-    checked = {k: check_sampling_value(k, v, None) for k, v in values.items() if v is not None}
+def sampling_from(generation_config: Any, vocab_size: int | None = None) -> SamplingParams:
+    """The sampling defaults and generation options a GenerationConfig sets (unset fields take transformers'
+    meaning), checked (token ids against `vocab_size` when given)."""
+    names = [name for name in SAMPLING_KWARGS if name != "seed"]
+    values = {name: getattr(generation_config, name, None) for name in names}
+    checked = {k: check_sampling_value(k, v, None, vocab_size) for k, v in values.items() if v is not None}
     sampling = SamplingParams(**checked)
-    check_temperature_for_sampling(sampling, None)
+    check_combination(sampling, None)
     return sampling
 
 
@@ -159,8 +152,8 @@ NO_EOS = -1  # transformers' placeholder for "no EOS token" (the benchmarks send
 def check_eos(eos: Any, request_id: str, vocab_size: int) -> frozenset[int]:
     """A request's eos_token_id (an id or a list of at most MAX_EOS_TOKEN_IDS ids in the vocabulary, or NO_EOS)
     as a set."""
-    ids = [eos] if _integer(eos) is not None else eos
-    if not isinstance(ids, (list, tuple)) or any(_integer(e) is None for e in ids):
+    ids = [eos] if integer(eos) is not None else eos
+    if not isinstance(ids, (list, tuple)) or any(integer(e) is None for e in ids):
         raise RequestRejected(f"request {request_id}: eos_token_id must be a token id or a list of token ids",
                               Code.BAD_FIELD, request_id)
     if len(ids) > MAX_EOS_TOKEN_IDS:
@@ -210,7 +203,7 @@ def check_resume(tokens: Any, versions: Any, resumes: Any, request_id: str, voca
         tokens = tokens.tolist()
     tokens = list(tokens or [])
     for i, t in enumerate(tokens):
-        if _integer(t) is None:
+        if integer(t) is None:
             raise bad(f"resume_tokens[{i}] is {t!r}, not an integer id")
         if not 0 <= t < vocab_size:
             raise RequestRejected(f"request {request_id}: resume_tokens[{i}]={t} is outside the vocabulary "
@@ -222,12 +215,12 @@ def check_resume(tokens: Any, versions: Any, resumes: Any, request_id: str, voca
                   f"one token to generate")
     pairs: list[tuple[int, int]] = []
     for p in list(versions or []):
-        if not (isinstance(p, (list, tuple)) and len(p) == 2 and all(_integer(x) is not None and x >= 0 for x in p)):
+        if not (isinstance(p, (list, tuple)) and len(p) == 2 and all(integer(x) is not None and x >= 0 for x in p)):
             raise bad("resume_versions must be [index, version] pairs of non-negative integers")
         if (not pairs and p[0] != 0) or (pairs and p[0] <= pairs[-1][0]) or p[0] >= len(tokens):
             raise bad("resume_versions: the first index is 0, indices increase and stay below len(resume_tokens)")
         pairs.append((int(p[0]), int(p[1])))
-    count = _integer(resumes)
+    count = integer(resumes)
     if count is None or not 0 <= count <= MAX_RESUMES:
         raise bad(f"resumes={resumes!r}; it must be an integer in [0, {MAX_RESUMES}]")
     return tokens, pairs, max(count, 1 if tokens else 0)
@@ -251,8 +244,8 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
                               f"goes beyond the model's context of {rc.max_model_len}", Code.BAD_MAX_NEW_TOKENS,
                               request_id)
     check_fits_cache(len(prompt), mnt, request_id, rc)
-    params = check_sampling_kwargs(kwargs, request_id)
-    sampling = sampling_from(gen)
+    params = check_sampling_kwargs(kwargs, request_id, vocab)
+    sampling = sampling_from(gen, vocab)
     if "seed" in params:
         sampling.seed = params["seed"]
     processors = {k: v for k, v in params.items() if k != "seed"}
@@ -267,7 +260,7 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
         import warnings
         warnings.warn(f"request {request_id}: {sorted(processors)} ignored: per-request processor parameters "
                       f"need ContinuousBatchingConfig(per_request_processors=True)", stacklevel=3)
-    check_temperature_for_sampling(sampling, request_id)
+    check_combination(sampling, request_id)
     eos = check_eos(eos_token_id, request_id, vocab) if eos_token_id is not None else default_eos(gen)
     common = dict(request_id=request_id, eos_token_ids=eos, sampling=sampling, streaming=streaming,
                   record_timestamps=record_timestamps, return_logprobs=manager.config.return_logprobs)

@@ -1,7 +1,8 @@
 """`lockstep make-model`: a randomly initialised checkpoint written by transformers' own classes.
 
 Nothing is downloaded: the config is built here, the weights are drawn from a seeded generator, and
-`save_pretrained` writes config.json, generation_config.json and model.safetensors.
+`save_pretrained` writes config.json, generation_config.json and model.safetensors; a tokenizer of the model's
+vocabulary size is trained and written next to them (launch/make_tokenizer.py) unless `tokenizer=False`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ BOS, EOS = 1, 2
 
 
 def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tiny", seed: int = 0,
-               **overrides) -> Path:
-    """Write a checkpoint to out_dir and return its path. `overrides` change config fields."""
+               tokenizer: bool = True, **overrides) -> Path:
+    """Write a checkpoint (with a tokenizer unless `tokenizer=False`) to out_dir and return its path.
+    `overrides` change config fields."""
     import torch
     import transformers
     from transformers import GenerationConfig
@@ -53,6 +55,10 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tin
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    if tokenizer:
+        from launch.make_tokenizer import make_tokenizer
+
+        make_tokenizer(out, config.vocab_size)
     return out
 
 
@@ -82,9 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set num_key_value_heads=1")
+    p.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer next to the weights")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = make_model(args.dir, args.arch, args.size, args.seed, **parse_overrides(args.set))
+    out = make_model(args.dir, args.arch, args.size, args.seed, tokenizer=not args.no_tokenizer,
+                     **parse_overrides(args.set))
     print(f"wrote {args.arch}/{args.size} (seed {args.seed}) to {out}")
     return 0

@@ -164,11 +164,11 @@ def test_per_request_processors(make_checkpoint):
 
 def test_unsupported_processors_dropped_or_refused(make_checkpoint):
     model = cluster.load(make_checkpoint("llama"))
-    gen = GenerationConfig(max_new_tokens=4, no_repeat_ngram_size=2)
-    with pytest.warns(UserWarning, match="no_repeat_ngram_size"):
+    gen = GenerationConfig(max_new_tokens=4, num_beams=2)
+    with pytest.warns(UserWarning, match="num_beams"):
         out = model.generate_batch([[5, 6, 7]], generation_config=gen)
     assert len(out["req_0"].generated_tokens) == 4
-    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+    with pytest.raises(ValueError, match="num_beams"):
         model.generate_batch([[5, 6, 7]], generation_config=gen,
                              continuous_batching_config=ContinuousBatchingConfig(drop_unsupported_processors=False))
 

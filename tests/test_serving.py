@@ -37,7 +37,9 @@ def abandon(address: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(make_checkpoint, tmp_path_factory):
-    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path_factory.mktemp("srv")) as s:
+    # without a tokenizer (same weights as make_checkpoint("llama")): text submits are refused with no_tokenizer
+    with serve(make_checkpoint("llama", tokenizer=False), tp=2, config=FAST,
+               tmp_path=tmp_path_factory.mktemp("srv")) as s:
         yield s
 
 
@@ -112,6 +114,7 @@ def test_thousand_requests_from_eight_clients(server):
     ({"input_ids": "1,2"}, "bad_field"),
     ({"input_ids": [1, 2], "sampling": {"temperature": "hot"}}, "bad_field"),
     ({"text": "hello"}, "no_tokenizer"),
+    ({"input_ids": [1, 2], "stop": ["x"]}, "no_tokenizer"),
 ])
 def test_bad_submits_are_rejected_with_codes(server, payload, code):
     with Client(server.address) as c:
