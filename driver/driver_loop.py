@@ -130,9 +130,10 @@ class DriverLoop:
             self.m.updates.run_on_driver(call, local, fut)
             self.last_plan = time.monotonic()
         elif kind == "cancel":
-            req = self.m.requests.get(arg)
+            rid, reason = arg
+            req = self.m.requests.get(rid)
             if req is not None and not req.is_finished:
-                self.engine.end(req, RequestStatus.CANCELLED, "cancelled")
+                self.engine.end(req, RequestStatus.CANCELLED, "cancelled", reason=reason)
                 self.emit(req)
 
     # ------------------------------------------------------------------ outputs

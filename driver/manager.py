@@ -214,9 +214,10 @@ class ContinuousBatchingManager:
                                 record_timestamps=record_timestamps, **logit_processor_kwargs) for x in inputs]
         return ids if self.is_driver else None
 
-    def cancel_request(self, request_id: str) -> None:
+    def cancel_request(self, request_id: str, finish_reason: str | None = None) -> None:
+        """End a request (CANCELLED); `finish_reason` says why when not "cancelled" (a stop string: "stop")."""
         if self.is_driver:
-            self.inbox.put(("cancel", request_id))
+            self.inbox.put(("cancel", (request_id, finish_reason)))
 
     def _queued(self) -> int:
         return sum(1 for r in self.requests.values() if r.status == RequestStatus.PENDING)

@@ -121,12 +121,18 @@ def test_chat_text_equals_transformers(oai, tok, model_dir):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
 
 
-def test_stop_trims_and_ends(oai, tok, model_dir):
+def test_stop_trims_and_ends(server, oai, tok, model_dir):
     want = expected_text(tok, PROMPT_IDS, model_dir)
     stop = want[len(want) // 2:len(want) // 2 + 3]
     cut = want[:want.index(stop)]
+    before = metrics(server)
     r = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=NEW, temperature=0, stop=[stop])
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    stopped, cancels = (f"lockstep:request_success_total{{finished_reason={r}}}" for r in ("stop", "cancelled"))
+    deadline = time.monotonic() + 10  # the loop ends it on the server after the client got its answer
+    while (after := metrics(server))[stopped] == before[stopped] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert after[stopped] - before[stopped] == 1 and after[cancels] == before[cancels]  # counted as a stop
     chunks = list(oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=NEW, temperature=0,
                                          stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == cut
