@@ -2,6 +2,7 @@
 
     python benchmarks/serving.py --model models/small             # Lockstep at TP=1, then transformers
     python benchmarks/serving.py --model models/small --tp 2      # Lockstep at TP=2 (two ranks), then transformers
+    python benchmarks/serving.py --model models/small --http      # ZeroMQ, Lockstep's HTTP gateway, transformers serve
 
 One invocation runs both engines on the same workload, one after the other (never at the same time):
 
@@ -17,6 +18,10 @@ One invocation runs both engines on the same workload, one after the other (neve
 Both engines get the same warm-up (4 short requests, 8 tokens) before the timed schedule, the same
 ContinuousBatchingConfig fields (--num-blocks, --max-batch-tokens) and greedy decoding with EOS disabled, so that
 every request produces exactly --new-tokens tokens (checked; exit status 1 if not).
+
+With --http (the checkpoint needs a tokenizer) the engines are Lockstep over ZeroMQ, Lockstep through its OpenAI
+gateway (`lockstep serve --http`) and `transformers serve --continuous-batching` (benchmarks/serving_http.py), on the
+same text prompts (the ZeroMQ run sends the ids they tokenize to) and arrivals.
 
 Per request: arrival a (scheduled: i / rate seconds after the start), first-token time f, last-token time l, n
 tokens. TTFT = f - a; TPOT = (l - f) / (n - 1); throughput = all tokens / (last l - first a). Times are taken
@@ -205,6 +210,9 @@ def main() -> int:
                    help="pairs of runs, engines alternating (lockstep, transformers, lockstep, ...); the report "
                         "gives each pair's ratios and their medians")
     p.add_argument("--json", help="also write every request's timestamps here")
+    p.add_argument("--http", action="store_true",
+                   help="compare over HTTP: Lockstep ZeroMQ, Lockstep's OpenAI gateway, `transformers serve "
+                        "--continuous-batching` (instead of transformers in this process)")
     args = p.parse_args()
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")
@@ -229,13 +237,22 @@ def main() -> int:
     warm = [x[:args.min_len] for x in prompts[:NUM_WARM]]
     arrivals = [i / args.rate for i in range(args.num_requests)]
 
+    engines = [] if args.skip_lockstep else [("lockstep", run_lockstep, prompts, warm)]
+    if args.http:
+        from benchmarks.serving_http import run_lockstep_http, run_transformers_serve, text_prompts
+
+        texts, ids = text_prompts(args.model, prompts)
+        engines = [] if args.skip_lockstep else [("lockstep", run_lockstep, ids, ids[:NUM_WARM]),
+                                                 ("lockstep-http", run_lockstep_http, texts, texts[:NUM_WARM])]
+        engines += [] if args.skip_transformers else [("transformers-serve", run_transformers_serve, texts,
+                                                       texts[:NUM_WARM])]
+    elif not args.skip_transformers:
+        engines.append(("transformers", run_transformers, prompts, warm))
     results = []
     for run in range(1, args.runs + 1):
-        engines = [] if args.skip_lockstep else [("lockstep", run_lockstep)]
-        engines += [] if args.skip_transformers else [("transformers", run_transformers)]
-        for name, engine in engines:
+        for name, engine, engine_prompts, engine_warm in engines:
             say(f"--- run {run} of {args.runs}: {name}")
-            results.append(engine(args, prompts, warm, arrivals) | {"run": run})
+            results.append(engine(args, engine_prompts, engine_warm, arrivals) | {"run": run})
             args.probes.append(speed_probe())
             say(f"load average (1 min) after {name}: {os.getloadavg()[0]:.2f}; speed probe {args.probes[-1]:.1f} ms")
     ok = report(args, results)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from benchmarks.serving_common import NUM_WARM, PAGE, WARM_TOKENS, say, speed_probe
 
+PAIRS = (("lockstep", "transformers"), ("lockstep-http", "transformers-serve"), ("lockstep-http", "lockstep"))
 RATIOS = (("TTFT p50", "ttft50"), ("TTFT p99", "ttft99"), ("TPOT p50", "tpot50"), ("TPOT p99", "tpot99"),
           ("throughput", "tps"))
 
@@ -92,22 +93,27 @@ def report(args, results: list[dict]) -> bool:
 
 
 def report_ratios(results: list[dict]) -> None:
-    """Each run's Lockstep / transformers ratios (below 1: Lockstep faster, except throughput), then medians."""
-    pairs = []
+    """Each run's ratios of each pair of engines present (below 1: the first faster, except throughput), then
+    medians."""
+    pairs: dict[str, list[dict]] = {}
     for run in sorted({r["run"] for r in results}):
         by = {r["engine"]: r for r in results if r["run"] == run}
-        if "lockstep" not in by or "transformers" not in by:
-            continue
-        a, b = by["lockstep"], by["transformers"]
-        ra, rb = ([x.get("tokens") for x in r["records"]] for r in (a, b))
-        same = sum(x is not None and x == y for x, y in zip(ra, rb))
-        ratios = {name: a["s"][key] / b["s"][key] for name, key in RATIOS}
-        pairs.append(ratios)
-        say(f"run {run}: same generated tokens in both engines {same}/{len(ra)}; lockstep/transformers: "
-            + ", ".join(f"{name} {v:.2f}" for name, v in ratios.items()))
-    if len(pairs) > 1:
-        say(f"median over {len(pairs)} runs, lockstep/transformers: " + ", ".join(
-            f"{name} {statistics.median(p[name] for p in pairs):.2f}" for name, _ in RATIOS))
+        for first, second in PAIRS:
+            if first not in by or second not in by:
+                continue
+            a, b = by[first], by[second]
+            key = next((k for k in ("text", "tokens") if k in a["records"][0] and k in b["records"][0]), None)
+            ra, rb = ([x.get(key) for x in r["records"]] for r in (a, b))
+            same = f"same generated {key} in both {sum(x is not None and x == y for x, y in zip(ra, rb))}/{len(ra)}" \
+                if key else "outputs not comparable"
+            ratios = {name: a["s"][k] / b["s"][k] for name, k in RATIOS}
+            pairs.setdefault(f"{first}/{second}", []).append(ratios)
+            say(f"run {run}: {same}; {first}/{second}: "
+                + ", ".join(f"{name} {v:.2f}" for name, v in ratios.items()))
+    for pair, runs in pairs.items():
+        if len(runs) > 1:
+            say(f"median over {len(runs)} runs, {pair}: " + ", ".join(
+                f"{name} {statistics.median(p[name] for p in runs):.2f}" for name, _ in RATIOS))
     if pairs:
         say("(ratios below 1 = lockstep faster, except throughput; a random model's near-tied logits may flip a "
             "token between engines)")

@@ -329,3 +329,17 @@ def load_preset(path: str | os.PathLike) -> ContinuousBatchingConfig:
     with open(path, "rb") as f:
         data = tomllib.load(f)
     return ContinuousBatchingConfig.from_any(data.get("continuous_batching", {}))
+
+
+# ---------------------------------------------------------------- the HTTP gateway's settings ([serve] table)
+HTTP_ADMIN_TOKEN_ENV = "LOCKSTEP_HTTP_ADMIN_TOKEN"
+HTTP_SERVE_KEYS = ("http_admin_token",)  # [serve] keys the HTTP gateway reads (the ZeroMQ front door does not)
+
+
+def http_admin_token(serve_table: dict[str, Any] | None) -> str | None:
+    """The bearer token of the HTTP admin routes: env LOCKSTEP_HTTP_ADMIN_TOKEN, else the preset's [serve]
+    `http_admin_token`; None (admin routes refused to everyone) when neither is set or it is empty."""
+    token = os.environ.get(HTTP_ADMIN_TOKEN_ENV) or (serve_table or {}).get("http_admin_token")
+    if token is not None and not isinstance(token, str):
+        raise ValueError("[serve] http_admin_token must be a string")
+    return token or None

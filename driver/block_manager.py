@@ -40,6 +40,7 @@ class BlockManager:
         # blocks nobody uses, oldest first; unhashed ones are kept at the front so cached prefixes live longest
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.prefix_hit_blocks = 0  # blocks reused from the prefix cache, since start
+        self.prefix_query_blocks = 0  # full prompt blocks looked up in the prefix cache, since start
 
     @property
     def num_free(self) -> int:
@@ -54,6 +55,7 @@ class BlockManager:
             return
         page = self.page_size
         h = b""
+        self.prefix_query_blocks += (req.num_tokens - 1) // page
         for i in range((req.num_tokens - 1) // page):
             h = chain_hash(h, token_slice(req, i * page, (i + 1) * page))
             if not self._attach(req, h):

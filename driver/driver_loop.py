@@ -130,14 +130,16 @@ class DriverLoop:
             self.m.updates.run_on_driver(call, local, fut)
             self.last_plan = time.monotonic()
         elif kind == "cancel":
-            req = self.m.requests.get(arg)
+            rid, reason = arg
+            req = self.m.requests.get(rid)
             if req is not None and not req.is_finished:
-                self.engine.end(req, RequestStatus.CANCELLED, "cancelled")
+                self.engine.end(req, RequestStatus.CANCELLED, "cancelled", reason=reason)
                 self.emit(req)
 
     # ------------------------------------------------------------------ outputs
     def emit(self, req: Request) -> None:
         """Hand a request's output to its sink (or the result router) and to the workers that read results."""
+        self.m.metrics.observe(req)
         if not (req.is_finished or req.streaming):
             return
         if req.is_finished:

@@ -28,6 +28,7 @@ from driver.admin import AdminPolicy, CurveKeys, PauseOwner
 from driver.client_outbox import ClientOutbox
 from driver.request_desk import ClientState, RequestDesk
 from driver.served_weights import WeightsRecord
+from driver.serving_metrics import metrics_map
 
 log = logging.getLogger("lockstep")
 
@@ -48,9 +49,12 @@ class FrontendConfig:
 
 
 class Frontend:
-    def __init__(self, manager: Any, config: FrontendConfig, tokenizer: Any = None, weights: Any = None):
-        """`weights`: the WeightsRecord (driver/served_weights.py) applied updates are written to."""
+    def __init__(self, manager: Any, config: FrontendConfig, tokenizer: Any = None, weights: Any = None,
+                 model_path: str | None = None):
+        """`weights`: the WeightsRecord (driver/served_weights.py) applied updates are written to;
+        `model_path`: the checkpoint directory served (in `health`, for the HTTP gateway's tokenizer)."""
         self.manager = manager
+        self.model_path = os.path.abspath(model_path) if model_path else None
         self.weights = weights if weights is not None else WeightsRecord(None)
         self.config = config
         self.tokenizer = tokenizer
@@ -197,12 +201,13 @@ class Frontend:
         elif kind == P.STATS:
             self._send(ident, P.REPLY, mid=mid, data=self.manager.stats() | {
                 "frontend": self._frontend_stats(), "restart_count": self.manager.restart_count,
-                "weights": self.weights.current.report()})
+                "weights": self.weights.current.report(), "metrics": metrics_map(self.manager)})
         elif kind == P.HEALTH:
             self._send(ident, P.REPLY, mid=mid, data={
                 "ok": self.desk.loop_answers(), "world_size": self.manager.groups.world_size,
                 "restart_count": self.manager.restart_count, "failure": self.manager.failure,
-                "weights": self.weights.current.report()})
+                "weights": self.weights.current.report(), "model": self.model_path,
+                "model_name": os.path.basename(self.model_path) if self.model_path else None})
         elif kind == P.UPDATE_WEIGHTS:
             self._update_weights(ident, msg, mid)
         elif kind == P.BYE:

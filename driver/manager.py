@@ -27,6 +27,7 @@ from driver.driver_loop import DriverLoop
 from driver.engine import Engine
 from driver.request import Request
 from driver.results import ResultRouter
+from driver.serving_metrics import ServingMetrics
 from driver.update_calls import WeightUpdates
 from driver.validation import build_request, supported_generation_config
 from driver.worker_side import run_worker_side
@@ -48,6 +49,7 @@ class ContinuousBatchingManager:
         self.engine = Engine(self.runner, self.effective_config, self.groups, self.config.seed) \
             if self.is_driver else None
         self.results = ResultRouter()
+        self.metrics = ServingMetrics()  # fed by the driver's loop (DriverLoop.emit); read by `stats`
         self.gate = PauseGate()
         self.inbox: queue.Queue = queue.Queue()
         self.requests: dict[str, Request] = {}  # live requests by id (driver)
@@ -212,9 +214,10 @@ class ContinuousBatchingManager:
                                 record_timestamps=record_timestamps, **logit_processor_kwargs) for x in inputs]
         return ids if self.is_driver else None
 
-    def cancel_request(self, request_id: str) -> None:
+    def cancel_request(self, request_id: str, finish_reason: str | None = None) -> None:
+        """End a request (CANCELLED); `finish_reason` says why when not "cancelled" (a stop string: "stop")."""
         if self.is_driver:
-            self.inbox.put(("cancel", request_id))
+            self.inbox.put(("cancel", (request_id, finish_reason)))
 
     def _queued(self) -> int:
         return sum(1 for r in self.requests.values() if r.status == RequestStatus.PENDING)

@@ -150,7 +150,7 @@ class RequestDesk:
             return  # its owner is gone, or it was already answered: a stale output
         if ticket.text is not None and out.status != RequestStatus.FAILED and ticket.text.update(out) \
                 and not finished:  # a stop string ended it: the loop's later outputs of it are dropped
-            self.manager.cancel_request(ticket.rid)
+            self.manager.cancel_request(ticket.rid, finish_reason="stop")  # the driver's metrics count a stop
             finished = True
         if not finished:
             if ticket.streaming:

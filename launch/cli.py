@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch import client_verbs, make_model
+from launch import client_verbs, http, make_model
 from launch.torchrun import torchrun_command
 
 DEFAULT_MODEL = Path("models/tiny-llama")
@@ -54,12 +54,18 @@ def serve(args: argparse.Namespace) -> int:
     if args.launcher == "ray":  # the ranks become Ray actors; this process waits for SIGINT, then ends them
         from launch.ray_launcher import run_cli
 
+        if args.http:
+            print("lockstep serve: --http runs with --launcher torchrun; with ray, start `lockstep http "
+                  "--address ...` next to it", file=sys.stderr)
+            return 2
         return run_cli(args)
     extra = ["--model", args.model, "--state-file", args.state_file]
     if args.config:
         extra += ["--config", args.config]
     if args.address:
         extra += ["--address", args.address]
+    if args.http:
+        extra += ["--http", args.http]
     return run_ranks(args, "launch.serve", extra)
 
 
@@ -119,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--launcher", choices=["torchrun", "ray"], default="torchrun",
                     help="ray: start the ranks as Ray actors in a placement group (RAY_ADDRESS joins a running Ray)")
     sv.add_argument("--gpu", action="store_true", help="with --launcher ray: one GPU per rank")
+    sv.add_argument("--http", help="HOST:PORT: also serve the OpenAI-compatible HTTP API from rank 0 (docs/http.md)")
     sv.set_defaults(func=serve)
+
+    hp = sub.add_parser("http", help="the OpenAI-compatible HTTP gateway of a running cluster, as its own process")
+    http.add_arguments(hp)
+    hp.set_defaults(func=http.run)
 
     gen = sub.add_parser("generate", help="offline batch: JSONL prompts in, JSONL outputs out")
     gen.add_argument("--model", required=True)

@@ -23,9 +23,10 @@ RANK_FAILED_EXIT = 3
 
 
 def frontend_config(preset: dict, address: str | None):
+    from cluster.config import HTTP_SERVE_KEYS
     from driver.frontend import FrontendConfig
 
-    table = dict(preset.get("serve", {}))
+    table = {k: v for k, v in preset.get("serve", {}).items() if k not in HTTP_SERVE_KEYS}
     known = {f for f in FrontendConfig.__dataclass_fields__}
     unknown = set(table) - known
     if unknown:
@@ -49,7 +50,8 @@ def load_preset(config: dict | str | os.PathLike | None) -> dict:
 
 def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, address: str | None = None,
                stop_event: threading.Event | None = None, *, on_started: Callable[[], None] | None = None,
-               on_ready: Callable[[str], None] | None = None, state_file: str | None = None) -> int:
+               on_ready: Callable[[str], None] | None = None, state_file: str | None = None,
+               http: str | None = None) -> int:
     """Serve as this rank until `stop_event` is set or the step loop ends; returns the exit code (0 clean,
     RANK_FAILED_EXIT when a rank failed).
 
@@ -60,7 +62,8 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     `on_started` runs on every rank once the loop runs (main installs its signal handlers there, so a
     signal during loading still interrupts the load); `on_ready(address)` runs on rank 0 once it serves,
     right after it prints `ready <address>`. `state_file`: the record of the weights served
-    (driver/served_weights.py); a restarted group serves what it says again.
+    (driver/served_weights.py); a restarted group serves what it says again. `http`: HOST:PORT of the
+    OpenAI-compatible gateway rank 0 runs in a thread of its own (launch/http.py), a client of the front door.
     """
     import cluster
     from cluster.config import ContinuousBatchingConfig
@@ -84,12 +87,17 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     if on_started is not None:
         on_started()
 
-    frontend = None
+    frontend = gateway = None
     if model.groups.is_driver:
         from driver.frontend import Frontend
 
         tokenizer = load_tokenizer(model_dir)
-        frontend = Frontend(manager, fe_cfg, tokenizer, record).start()
+        frontend = Frontend(manager, fe_cfg, tokenizer, record, model_path=model_dir).start()
+        if http:
+            from launch.http import Gateway, settings_for
+
+            gateway = Gateway(loopback_of(frontend.address), http, settings_for(model_dir, None, preset))
+            gateway.start_thread()
         print(f"ready {frontend.address}", flush=True)
         if on_ready is not None:
             on_ready(frontend.address)
@@ -104,12 +112,23 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
             manager.stop(hard_stop=True, timeout=10)
     elif not model.groups.is_driver:
         manager.join(timeout=5)
+    if gateway is not None:
+        gateway.stop()
     if frontend is not None:
         frontend.stop()
     code = RANK_FAILED_EXIT if manager.loop_error is not None else 0
     if manager.failure:
         print(f"lockstep: {manager.failure}", file=sys.stderr, flush=True)
     return code
+
+
+def loopback_of(address: str) -> str:
+    """Where a client on this machine reaches a front door bound at `address` (a wildcard bind: loopback)."""
+    for wildcard, local in (("tcp://0.0.0.0:", "tcp://127.0.0.1:"), ("tcp://*:", "tcp://127.0.0.1:"),
+                            ("tcp://[::]:", "tcp://[::1]:")):
+        if address.startswith(wildcard):
+            return local + address[len(wildcard):]
+    return address
 
 
 def join_attempt_group(cpu_group_timeout: float | None) -> None:
@@ -149,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="a TOML preset ([continuous_batching] and [serve] tables)")
     p.add_argument("--address", help="ZeroMQ bind address (default tcp://127.0.0.1:5555)")
     p.add_argument("--state-file", help="the record of the weights served, read again after a restart")
+    p.add_argument("--http", help="HOST:PORT: also serve the OpenAI-compatible HTTP gateway (rank 0)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s rank" + os.environ.get("RANK", "0")
                         + " %(levelname)s %(message)s")
@@ -160,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, lambda *_: stop.set())
 
     code = serve_rank(args.model, args.config, args.address, stop, on_started=install_signal_handlers,
-                      state_file=args.state_file)
+                      state_file=args.state_file, http=args.http)
     os._exit(code)  # daemon threads may sit in a broken collective: leave without joining them
 
 

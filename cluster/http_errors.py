@@ -1,0 +1,60 @@
+"""The HTTP gateway's errors: every Lockstep error code mapped to an HTTP status, in OpenAI's error body.
+
+`{"error": {"message", "type", "param", "code"}}`; `code` is the Lockstep code (cluster/errors.py `Code`) or one
+of the gateway's own below. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.errors import Code, LockstepError
+
+# the gateway's own codes (never sent by the driver)
+MODEL_NOT_FOUND = "model_not_found"
+UNAUTHORIZED = "unauthorized"  # an admin route without the right bearer token
+ADMIN_TOKEN_UNSET = "admin_token_unset"  # an admin route on a gateway that has no token configured
+
+STATUS: dict[str, int] = {
+    Code.BAD_FRAME: 400, Code.BAD_VERSION: 400, Code.UNKNOWN_KIND: 400, Code.BAD_FIELD: 400,
+    Code.EMPTY_PROMPT: 400, Code.TOKEN_OUT_OF_VOCAB: 400, Code.PROMPT_TOO_LONG: 400, Code.BAD_MAX_NEW_TOKENS: 400,
+    Code.EXCEEDS_KV_CACHE: 400, Code.NO_TOKENIZER: 400, Code.UNSUPPORTED: 400, Code.WEIGHT_UPDATE_FAILED: 400,
+    Code.FRAME_TOO_LARGE: 413,
+    UNAUTHORIZED: 401,
+    Code.ADMIN_REQUIRED: 403, Code.ADMIN_DISABLED: 403, ADMIN_TOKEN_UNSET: 403,
+    MODEL_NOT_FOUND: 404, Code.UNKNOWN_REQUEST: 404,
+    Code.DUPLICATE_REQUEST_ID: 409, Code.NOT_PAUSE_OWNER: 409,
+    Code.QUEUE_FULL: 429, Code.CLIENT_LIMIT: 429,
+    Code.SAMPLING_FAILED: 500, Code.INTERNAL: 500, Code.CLIENT_FAILED: 500,
+    Code.STOPPED: 503, Code.SERVER_GONE: 503, Code.RANK_FAILED: 503, Code.DRIVER_FAILED: 503,
+    Code.WEIGHTS_DIVERGED: 503, Code.SLOW_CLIENT: 503, Code.CLIENT_CLOSED: 503,
+}
+
+_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+         409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def status_of(code: str) -> int:
+    return STATUS.get(code, 500)
+
+
+@dataclass
+class HttpError(Exception):
+    """An error the gateway answers with `status_of(code)` and OpenAI's body."""
+
+    code: str
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def of(cls, error: LockstepError) -> "HttpError":
+        return cls(error.code, error.message)
+
+    @property
+    def status(self) -> int:
+        return status_of(self.code)
+
+    def body(self) -> dict:
+        status = self.status
+        kind = _TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}

@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP gateway against one TP=2 `lockstep serve --http`, with the official `openai` client:
+completions and chat (text equal to the tokenizer's decoding of transformers' greedy tokens), streaming, stop, n,
+seed, usage, disconnects that cancel, error bodies, /metrics through prometheus_client's parser, admin routes."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.client import Client
+from cluster.errors import Code
+from cluster.http_errors import STATUS, HttpError, status_of
+from launch.http import Gateway, settings_for
+from launch.torchrun import free_port
+from tests.conftest import hf_greedy
+from tests.serving import fast_config, serve
+
+TOKEN = "test-admin-token"
+NEW = 12
+PROMPT_IDS = [1, 17, 33, 250, 9, 400, 77]
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_checkpoint):
+    return make_checkpoint("llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    port = free_port()
+    config = fast_config() + f'http_admin_token = "{TOKEN}"\n'
+    with serve(model_dir, 2, config, extra=["--http", f"127.0.0.1:{port}"],
+               ) as s:
+        s.http = f"http://127.0.0.1:{port}"
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def expected_text(tok, ids: list[int], model_dir) -> str:
+    return tok.decode(hf_greedy(model_dir, [ids], NEW)[0], skip_special_tokens=True)
+
+
+def http(server, method: str, path: str, body: dict | None = None, token: str | None = None) -> tuple[int, dict | str]:
+    req = urllib.request.Request(server.http + path, method=method,
+                                 data=json.dumps(body).encode() if body is not None else None)
+    req.add_header("Content-Type", "application/json")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw, status = r.read().decode(), r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read().decode(), e.code
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw
+
+
+def metrics(server) -> dict[str, float]:
+    """Every sample of /metrics, parsed by prometheus_client: name{labels} -> value."""
+    with urllib.request.urlopen(server.http + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def cancelled(server) -> int:
+    with Client(server.address) as c:
+        return c.stats()["metrics"]["request_success"].get("cancelled", 0)
+
+
+# ------------------------------------------------------------------ completions and chat
+def test_completions_text_equals_transformers(oai, tok, model_dir):
+    text_prompt = tok.decode(PROMPT_IDS[1:])
+    for prompt, ids in ((PROMPT_IDS, PROMPT_IDS), (text_prompt, tok(text_prompt)["input_ids"])):
+        r = oai.completions.create(model=model_dir.name, prompt=prompt, max_tokens=NEW, temperature=0)
+        want = expected_text(tok, ids, model_dir)
+        assert r.choices[0].text == want
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == NEW
+        assert r.choices[0].finish_reason == "length"
+        chunks = list(oai.completions.create(model=model_dir.name, prompt=prompt, max_tokens=NEW, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert chunks[-1].usage.completion_tokens == NEW and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_chat_text_equals_transformers(oai, tok, model_dir):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is a tensor?"}]
+    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False)["input_ids"]
+    want = expected_text(tok, ids, model_dir)
+    r = oai.chat.completions.create(model=model_dir.name, messages=messages, max_tokens=NEW, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids)
+    stream = oai.chat.completions.create(model=model_dir.name, messages=messages, max_tokens=NEW, temperature=0,
+                                         stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+
+
+def test_stop_trims_and_ends(server, oai, tok, model_dir):
+    want = expected_text(tok, PROMPT_IDS, model_dir)
+    stop = want[len(want) // 2:len(want) // 2 + 3]
+    cut = want[:want.index(stop)]
+    before = metrics(server)
+    r = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=NEW, temperature=0, stop=[stop])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    stopped, cancels = (f"lockstep:request_success_total{{finished_reason={r}}}" for r in ("stop", "cancelled"))
+    deadline = time.monotonic() + 10  # the loop ends it on the server after the client got its answer
+    while (after := metrics(server))[stopped] == before[stopped] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert after[stopped] - before[stopped] == 1 and after[cancels] == before[cancels]  # counted as a stop
+    chunks = list(oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=NEW, temperature=0,
+                                         stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_seed_and_usage(oai, model_dir):
+    def call(seed: int):
+        return oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=6, n=3, temperature=1.0,
+                                      seed=seed, logprobs=1)
+    a, b, c = call(7), call(7), call(8)
+    tokens = [[ch.logprobs.tokens for ch in r.choices] for r in (a, b, c)]
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert tokens[0] == tokens[1]  # the same seed: the same samples
+    assert tokens[0] != tokens[2]
+    assert len({tuple(t) for t in tokens[0]}) > 1  # the choices are distinct samples
+    assert a.usage.completion_tokens == 18 and a.usage.prompt_tokens == len(PROMPT_IDS)
+    assert all(lp <= 0 for ch in a.choices for lp in ch.logprobs.token_logprobs)
+
+
+# ------------------------------------------------------------------ disconnects
+def test_disconnect_mid_stream_cancels(server, oai, model_dir):
+    before = cancelled(server)
+    stream = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=400, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while cancelled(server) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cancelled(server) == before + 1
+
+
+def test_disconnect_while_waiting_cancels(server, model_dir):
+    before = cancelled(server)
+    impatient = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=400)
+    deadline = time.monotonic() + 10
+    while cancelled(server) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cancelled(server) == before + 1
+
+
+# ------------------------------------------------------------------ errors
+def test_every_code_has_a_status():
+    codes = [v for k, v in vars(Code).items() if k.isupper()]
+    assert set(codes) <= set(STATUS)
+    assert status_of(Code.QUEUE_FULL) == status_of(Code.CLIENT_LIMIT) == 429
+    assert status_of(Code.STOPPED) == status_of(Code.RANK_FAILED) == status_of(Code.SERVER_GONE) == 503
+    assert HttpError(Code.BAD_FIELD, "x", "n").body() == {
+        "error": {"message": "x", "type": "invalid_request_error", "param": "n", "code": "bad_field"}}
+
+
+def test_error_bodies(oai, model_dir):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model="no-such-model", prompt=PROMPT_IDS)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model_dir.name, prompt=[1, 10 ** 6], max_tokens=2)
+    assert e.value.body["code"] == Code.TOKEN_OUT_OF_VOCAB
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=10 ** 6, stream=True)
+    assert e.value.body["code"] == Code.BAD_MAX_NEW_TOKENS  # refused before the stream starts
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, n=0)
+    assert e.value.body["code"] == Code.BAD_FIELD and e.value.body["param"] == "n"
+
+
+# ------------------------------------------------------------------ metrics
+def test_metrics_move(server, oai, model_dir):
+    before = metrics(server)
+    oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=5, temperature=0)
+    after = metrics(server)
+    assert after["lockstep:generation_tokens_total{}"] - before["lockstep:generation_tokens_total{}"] == 5
+    assert after["lockstep:prompt_tokens_total{}"] - before["lockstep:prompt_tokens_total{}"] == len(PROMPT_IDS)
+    assert (after["lockstep:request_success_total{finished_reason=length}"]
+            - before["lockstep:request_success_total{finished_reason=length}"]) == 1
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert after[f"lockstep:{h}_count{{}}"] - before[f"lockstep:{h}_count{{}}"] == 1
+        assert after[f"lockstep:{h}_bucket{{le=+Inf}}"] == after[f"lockstep:{h}_count{{}}"]
+    assert after["lockstep:inter_token_latency_seconds_count{}"] - before["lockstep:inter_token_latency_seconds_count{}"] == 4
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc",
+                  "weight_version", "restart_count"):
+        assert f"lockstep:{gauge}{{}}" in after
+    for counter in ("prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total"):
+        assert f"lockstep:{counter}{{}}" in after
+
+
+# ------------------------------------------------------------------ admin
+def test_admin_routes_need_the_token(server, model_dir):
+    assert http(server, "POST", "/pause")[0] == 401
+    assert http(server, "POST", "/pause", token="wrong")[0] == 401
+    assert http(server, "GET", "/weight_version")[0] == 401
+    status, body = http(server, "GET", "/weight_version", token=TOKEN)
+    assert status == 200
+    version = body["weight_version"]
+    assert http(server, "POST", "/pause", token=TOKEN) == (200, {"paused": True})
+    assert http(server, "POST", "/resume", token=TOKEN) == (200, {"paused": False})
+    status, result = http(server, "POST", "/update_weights", {"path": str(model_dir), "kv_policy": "keep"}, TOKEN)
+    assert status == 200 and result["ok"] and result["version"] == version + 1
+    assert http(server, "GET", "/weight_version", token=TOKEN)[1]["weight_version"] == version + 1
+    assert metrics(server)["lockstep:weight_version{}"] == version + 1
+    status, body = http(server, "POST", "/update_weights", {"path": "/no/such/dir"}, TOKEN)
+    assert status == 400 and body["error"]["code"] == Code.WEIGHT_UPDATE_FAILED
+
+
+def test_separate_gateway_without_token_refuses_admin(server, model_dir):
+    """A gateway of its own (as `lockstep http` runs it) on the same driver: it serves, and with no token
+    configured refuses the admin routes to everyone."""
+    port = free_port()
+    gateway = Gateway(server.address, f"127.0.0.1:{port}", settings_for(None, None, {})).start_thread()
+    try:
+        class Other:
+            http = f"http://127.0.0.1:{port}"
+        assert http(Other, "POST", "/pause", token=TOKEN)[0] == 403
+        status, body = http(Other, "GET", "/v1/models")
+        assert status == 200 and body["data"][0]["id"] == model_dir.name  # learnt from the server's health
+        status, body = http(Other, "POST", "/v1/completions", {"model": model_dir.name, "prompt": PROMPT_IDS,
+                                                               "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+    finally:
+        gateway.stop()
