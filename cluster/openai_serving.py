@@ -3,8 +3,8 @@
 
 A caller that goes away cancels its requests: a non-streaming call's waiting task is cancelled (the gateway
 watches the connection) and sends `cancel`; a stream closed early ends its `AsyncClient.stream`, which cancels.
-A seeded request gets request ids made from its body and seed, so the same call samples the same tokens (the
-sampler keys its noise on seed and request id); identical seeded calls in flight at once take turns. Torch-free.
+A seeded call samples the same tokens each time: a request's own seed alone keys the sampler's noise, and
+choice i > 0 of a call gets a seed derived from (seed, i), so its n choices differ. Torch-free.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from cluster.http_errors import HttpError
 from cluster.openai_schema import ChatCompletionRequest, CompletionRequest
 from cluster.outputs import GenerationOutput
 
-DUPLICATE_RETRY_S = 0.05  # a seeded request whose id is in flight waits this long between tries
 
 
 @dataclass
@@ -49,9 +48,14 @@ class Choice:
     index: int
     source: dict[str, Any]  # input_ids or text
     request_id: str
+    seed: int | None = None  # its own seed (`choice_seed`), None when the call gave none
     text: str = ""
     tokens: int = 0
     last: GenerationOutput | None = None
+
+    def params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The call's submit keywords with this choice's seed."""
+        return params if self.seed is None else params | {"seed": self.seed}
 
     def advance(self, out: GenerationOutput) -> tuple[str, list[int], list[float]]:
         """The text, tokens and logprobs new in `out` since the last call."""
@@ -62,6 +66,15 @@ class Choice:
         logprobs = list(out.logprobs[self.tokens:self.tokens + len(new)])
         self.tokens, self.last = len(out.generated_tokens), out
         return delta, new, logprobs
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed: the call's for the first choice, one derived from (seed, index) for the others, so
+    the n choices of a seeded call differ and a call made again samples each of them the same."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # in [0, 2^63): a valid seed on the wire
 
 
 def finish_reason(out: GenerationOutput, max_new_tokens: int | None) -> str:
@@ -104,13 +117,9 @@ class OpenAIServing:
                                                f"{self.model.name!r}", "model")
 
     def _choices(self, body: Any, prefix: str, sources: list[dict[str, Any]]) -> list[Choice]:
-        """n choices per prompt. Seeded: ids from the body's digest, so the same call samples the same tokens."""
-        if body.seed is not None:
-            digest = hashlib.blake2b(body.model_dump_json().encode(), digest_size=12).hexdigest()
-            base = f"{prefix}-seed{body.seed}-{digest}"
-        else:
-            base = f"{prefix}-{uuid.uuid4().hex}"
-        return [Choice(p * body.n + i, src, f"{base}-{p * body.n + i}")
+        """n choices per prompt, each with its own request id (and seed: `choice_seed`)."""
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        return [Choice(p * body.n + i, src, f"{base}-{p * body.n + i}", choice_seed(body.seed, p * body.n + i))
                 for p, src in enumerate(sources) for i in range(body.n)]
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
@@ -123,16 +132,11 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running choices
     async def _submit(self, choice: Choice, params: dict[str, Any], streaming: bool) -> None:
-        """Submit a choice; a seeded id still in flight (an identical call) is retried until it is free."""
-        while True:
-            try:
-                await self.client.submit(choice.source.get("input_ids"), text=choice.source.get("text"),
-                                         request_id=choice.request_id, streaming=streaming, **params)
-                return
-            except ClientError as e:
-                if e.code != Code.DUPLICATE_REQUEST_ID or "-seed" not in choice.request_id:
-                    raise HttpError.of(e) from None
-                await asyncio.sleep(DUPLICATE_RETRY_S)
+        try:
+            await self.client.submit(choice.source.get("input_ids"), text=choice.source.get("text"),
+                                     request_id=choice.request_id, streaming=streaming, **choice.params(params))
+        except ClientError as e:
+            raise HttpError.of(e) from None
 
     def _cancel(self, choices: list[Choice]) -> None:
         """Best effort: tell the server to drop these requests (nobody waits for the replies)."""
@@ -158,16 +162,13 @@ class OpenAIServing:
     async def _open_stream(self, c: Choice, params: dict[str, Any]
                            ) -> tuple[AsyncIterator[GenerationOutput], GenerationOutput]:
         """A choice's stream and its first output (so a refusal comes before any byte of the answer)."""
-        while True:
-            stream = self.client.stream(c.source.get("input_ids"), text=c.source.get("text"),
-                                        request_id=c.request_id, **params)
-            try:
-                return stream, await stream.__anext__()
-            except ClientError as e:
-                await stream.aclose()
-                if e.code != Code.DUPLICATE_REQUEST_ID or "-seed" not in c.request_id:
-                    raise HttpError.of(e) from None
-                await asyncio.sleep(DUPLICATE_RETRY_S)
+        stream = self.client.stream(c.source.get("input_ids"), text=c.source.get("text"), request_id=c.request_id,
+                                    **c.params(params))
+        try:
+            return stream, await stream.__anext__()
+        except ClientError as e:
+            await stream.aclose()
+            raise HttpError.of(e) from None
 
     async def _stream(self, choices: list[Choice], params: dict[str, Any]
                       ) -> AsyncIterator[tuple[Choice, GenerationOutput]]:

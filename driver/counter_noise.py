@@ -24,11 +24,17 @@ ROW_SALT, VOCAB_SALT = 0x2545F491, 0x85EBCA6B
 U_BITS = 23  # u = (2m + 1) / 2**24 for a 23-bit m: exact in float32 and strictly inside (0, 1)
 
 
-def request_key(seed: int | None, request_id: str) -> int:
-    """A request's 64-bit noise key: from (seed, request id) when a seed is given, else random."""
-    if seed is None:
+def request_key(own_seed: int | None, config_seed: int | None, request_id: str) -> int:
+    """A request's 64-bit noise key. Its own seed alone keys it, as a seed does in OpenAI's API and vLLM: the same
+    seed samples the same tokens from the same logits, whatever the request id. Without one, the engine's seed
+    and the request id key it (requests differ, runs repeat); with no seed anywhere, a random key."""
+    if own_seed is not None:
+        text = f"{own_seed}"
+    elif config_seed is not None:
+        text = f"{config_seed}:{request_id}"
+    else:
         return int.from_bytes(os.urandom(8), "little")
-    return int.from_bytes(hashlib.blake2b(f"{seed}:{request_id}".encode(), digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ top-k / top-p sampling, with repetition penalty, transformers' generation option
 
 Sampling is counter-based Gumbel-max: token = argmax(processed logits + g), with g the Gumbel noise that
 driver.counter_noise derives from (the request's key, its token index, the token id). The key comes from
-(config seed or request seed, request id), or is random when neither gives a seed, and is made once per request
+(the request's own seed alone, or the config seed and the request id), or is random when neither gives a seed, and is made once per request
 on the host. So a seeded request samples the same tokens whatever else shares its batches, at any TP size, on
 any device, and after any number of restarts. Greedy rows get no noise: their token is the argmax of their
 (penalised) logits. Nothing waits on the device until the one transfer of (tokens, logprobs) at the end:
@@ -78,7 +78,7 @@ def sample_row(req: Request, seed: int | None) -> SampleRow:
     """The request's row for this step; its noise key is made on first use and kept on the request."""
     p = req.sampling
     if req.sample_key is None:
-        req.sample_key = request_key(p.seed if p.seed is not None else seed, req.request_id)
+        req.sample_key = request_key(p.seed, seed, req.request_id)
     return SampleRow(req.request_id, p, req.sample_key, req.token_index,
                      tuple(set(req.tokens)) if p.repetition_penalty != 1.0 else (), req.return_logprobs,
                      constraints(req))

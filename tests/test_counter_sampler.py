@@ -1,4 +1,5 @@
-"""Counter-based sampling: a seeded request's token depends only on (seed, request id, token index, logits).
+"""Counter-based sampling: a seeded request's token depends only on (its seed, token index, logits); a request
+without its own seed is keyed by the engine's seed and its request id.
 
 The same tokens alone or in a batch of requests with other parameters, at TP=1 and TP=2, and after a restart
 that gives the earlier tokens back as prompt; everything the sampler makes lives on the logits' device; the
@@ -70,6 +71,18 @@ def test_the_config_seed_keys_requests_without_their_own():
     assert tokens(5) != tokens(6)
     assert tokens(5, "r") != tokens(5, "s")  # the request id keys the noise too
     assert tokens(None) != tokens(None)  # no seed anywhere: a random key per request
+
+
+def test_a_requests_own_seed_alone_keys_its_noise():
+    """As a seed does in OpenAI's API and vLLM: the same seed samples the same tokens, whatever the request id
+    (and the engine's seed); another seed samples others."""
+    def tokens(own_seed, rid, config_seed=None):
+        req = request(rid, SamplingParams(do_sample=True, temperature=2.0, seed=own_seed))
+        run(Sampler(seed=config_seed), [req], 10)
+        return req.generated
+
+    assert tokens(7, "a") == tokens(7, "b") == tokens(7, "c", config_seed=3)
+    assert tokens(7, "a") != tokens(8, "a")
 
 
 def test_top_k_zero_and_minus_one_both_mean_off():
@@ -162,7 +175,7 @@ def sample_many(logits: torch.Tensor, params: SamplingParams, n: int = 20000) ->
     from driver.logits_processing import SampleRow
     from driver.sampler import pick
 
-    key = request_key(12345, "stats")
+    key = request_key(12345, None, "stats")
     rows = [SampleRow("stats", params, key, index) for index in range(n)]
     tokens = pick(logits.expand(n, -1), rows).tokens
     return torch.bincount(tokens, minlength=logits.shape[-1]).double()
