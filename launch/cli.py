@@ -50,6 +50,12 @@ def run_ranks(args: argparse.Namespace, module: str, extra: list[str]) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.replicas > 1 or args.spread:  # R groups behind one router (launch/replicas.py)
+        if args.launcher != "ray":
+            raise SystemExit("lockstep serve: --replicas and --spread need --launcher ray")
+        from launch.replicas import run_cli as run_replicas
+
+        return run_replicas(args)
     args.state_file = weights_record_path(args.run_dir)
     if args.launcher == "ray":  # the ranks become Ray actors; this process waits for SIGINT, then ends them
         from launch.ray_launcher import run_cli
@@ -119,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--launcher", choices=["torchrun", "ray"], default="torchrun",
                     help="ray: start the ranks as Ray actors in a placement group (RAY_ADDRESS joins a running Ray)")
     sv.add_argument("--gpu", action="store_true", help="with --launcher ray: one GPU per rank")
+    sv.add_argument("--replicas", type=int, default=1, help="with --launcher ray: this many groups of --tp ranks "
+                    "behind one router at --address (docs/replicas.md)")
+    sv.add_argument("--spread", action="store_true", help="with --replicas: every group on a different node")
     sv.set_defaults(func=serve)
 
     gen = sub.add_parser("generate", help="offline batch: JSONL prompts in, JSONL outputs out")
