@@ -306,8 +306,7 @@ class Router:
         r.sent = len(out.generated_tokens)
 
     def _final(self, r: Routed, out: GenerationOutput) -> None:
-        if r.streaming:
-            self._tokens(r, out)
+        """The final output (it carries every token, the last ones not sent as `tokens`, as the driver does)."""
         self._forget(r)
         self.counters.finished += 1
         self._send(r.ident, P.FINAL, output=out.to_dict() | {"request_id": r.request_id})
