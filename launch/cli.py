@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--replicas", type=int, default=1, help="with --launcher ray: this many groups of --tp ranks "
                     "behind one router at --address (docs/replicas.md)")
     sv.add_argument("--spread", action="store_true", help="with --replicas: every group on a different node")
+    sv.add_argument("--service-name", default="lockstep", help="with --replicas: the named Ray actor (namespace "
+                    "lockstep) whose client() Ray jobs take")
     sv.set_defaults(func=serve)
 
     gen = sub.add_parser("generate", help="offline batch: JSONL prompts in, JSONL outputs out")

@@ -32,6 +32,30 @@ from launch.ray_launcher import RayCluster, start_ray_cluster
 from launch.serve import load_preset
 
 NODE_SLIVER = 0.001  # of a node's `node:<ip>` resource, per bundle: pins a group to that node
+SERVICE_NAMESPACE = "lockstep"  # where the ServiceHandle actor is named
+
+
+class ServiceHandle:
+    """A named, detached Ray actor that hands out the service's client: any Ray job or task of the same Ray
+    cluster finds it with `ray.get_actor(name, namespace=...)` and gets a `cluster.Client` of the router
+    (`client()`), which pickles as its settings and connects in the caller's process."""
+
+    def __init__(self, address: str):
+        self._address = address
+
+    def address(self) -> str:
+        return self._address
+
+    def client(self, **kwargs: Any) -> Client:
+        return Client(self._address, **kwargs)
+
+
+def publish(address: str, name: str, namespace: str = SERVICE_NAMESPACE) -> Any:
+    """Start the ServiceHandle actor `name` in `namespace` (no CPU: it only answers with the address)."""
+    import ray
+
+    return ray.remote(ServiceHandle).options(name=name, namespace=namespace, lifetime="detached", num_cpus=0,
+                                             max_restarts=-1).remote(address)
 
 
 @dataclass
@@ -44,6 +68,8 @@ class Replicas:
     owns_ray: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
     supervisors: list[threading.Thread] = field(default_factory=list)
+    service: Any = None  # the ServiceHandle actor, when published
+    closed: bool = False
 
     @property
     def address(self) -> str:
@@ -64,6 +90,11 @@ class Replicas:
         """Stop the router, the supervision and every group; each group's rank exit codes."""
         import ray
 
+        if self.closed:
+            return []
+        self.closed = True
+        if self.service is not None:
+            ray.kill(self.service, no_restart=True)
         self.stop.set()
         self.router.close()
         for t in self.supervisors:
@@ -91,10 +122,12 @@ def spread_nodes(replicas: int, cpus: int, gpus: int) -> list[str]:
 def start_replicas(model_dir: str | os.PathLike, tp: int | list[int] = 1, replicas: int = 2,
                    config: dict | str | os.PathLike | None = None, address: str | None = None,
                    spread: bool = False, gpu: bool = False, max_restarts: int = 3, ready_timeout: float = 300.0,
-                   ray_init: dict | None = None, run_dir: str | None = None, policy: str | None = None) -> Replicas:
+                   ray_init: dict | None = None, run_dir: str | None = None, policy: str | None = None,
+                   service_name: str | None = None) -> Replicas:
     """Start `replicas` groups of `tp` ranks (or one group per entry of a list of TP sizes) and the router bound
     to `address` (default tcp://127.0.0.1:5555); returns once every replica is healthy. `config`: the preset
-    (its `[router]` table sets RouterConfig fields). Ray is initialised with `ray_init` if it is not yet."""
+    (its `[router]` table sets RouterConfig fields). Ray is initialised with `ray_init` if it is not yet.
+    `service_name`: publish a ServiceHandle actor of that name (namespace `lockstep`) for Ray jobs."""
     import ray
 
     tps = list(tp) if isinstance(tp, list) else [tp] * replicas
@@ -132,6 +165,8 @@ def start_replicas(model_dir: str | os.PathLike, tp: int | list[int] = 1, replic
         raise
     fleet = Replicas(groups, router, run_dir, owns_ray)
     fleet.supervise(max_restarts)
+    if service_name:
+        fleet.service = publish(router.address, service_name)
     return fleet
 
 
@@ -140,7 +175,8 @@ def run_cli(args: Any) -> int:
     `ready <address>`, serve until SIGINT or SIGTERM, then shut everything down."""
     fleet = start_replicas(args.model, tp=args.tp, replicas=args.replicas, config=args.config,
                            address=args.address, spread=args.spread, gpu=getattr(args, "gpu", False),
-                           max_restarts=getattr(args, "max_restarts", 3), run_dir=getattr(args, "run_dir", None))
+                           max_restarts=getattr(args, "max_restarts", 3), run_dir=getattr(args, "run_dir", None),
+                           service_name=args.service_name)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own SIGTERM handler
         signal.signal(sig, lambda *_: stop.set())
