@@ -99,6 +99,7 @@ class Router:
         self.events: deque[Callable[[], None]] = deque()  # run on the router thread
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
+        self.wake_lock = threading.Lock()
         self.stop_event = threading.Event()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -131,8 +132,10 @@ class Router:
         self.pool.close()
         self.sock.close(linger=0)
         self.ctx.term()
-        os.close(self.wake_r)
-        os.close(self.wake_w)
+        with self.wake_lock:
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            self.wake_r = self.wake_w = -1
 
     # ------------------------------------------------------------------ from other threads
     def later(self, fn: Callable[[], None]) -> None:
@@ -141,10 +144,13 @@ class Router:
         self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self.wake_w, b"x")
-        except (BlockingIOError, OSError):  # full: the router is awake anyway; closed: it stopped
-            pass
+        with self.wake_lock:  # never write to a closed pipe's fd number, which another file may reuse
+            if self.wake_w < 0:
+                return
+            try:
+                os.write(self.wake_w, b"x")
+            except BlockingIOError:  # full: the router is awake anyway
+                pass
 
     def _on_lost(self, index: int, req: PendingRequest, cause: ClientError) -> None:
         self.failover.lost(index, req, cause)

@@ -53,3 +53,4 @@ def test_pushed_weights_are_not_updated_over():
     result = update_all(fleet, "/new", fallbacks=["/model"] * 2)
     assert not result["ok"] and result["replica"] == 1 and "cannot be loaded again" in result["error"]
     assert [r.calls for r in fleet] == [[], []]
+

@@ -200,6 +200,19 @@ def test_spread_needs_as_many_nodes_as_replicas(fleet, make_checkpoint):
         start_replicas(make_checkpoint("llama"), tp=1, replicas=2, config=PRESET, spread=True)
 
 
+def submit_job(jobs, entry: str, timeout: float = 90.0) -> str:
+    """Submit, retrying while the head answers 500 (its dashboard agent, which runs jobs, has not registered
+    yet: Ray says "No available agent to submit job, please try again later")."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return jobs.submit_job(entrypoint=entry, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
 def test_a_ray_job_takes_the_service_handle_and_gets_correct_outputs(ray_head, fleet, make_checkpoint):
     """A script submitted with Ray's JobSubmissionClient finds the ServiceHandle actor by name and generates."""
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -208,7 +221,7 @@ def test_a_ray_job_takes_the_service_handle_and_gets_correct_outputs(ray_head, f
     ps = prompts()[:4]
     entry = " ".join(shlex.quote(a) for a in (sys.executable, str(REPO / "tests" / "scripts" / "replicas_job.py"),
                                               SERVICE, json.dumps(ps), str(NEW)))
-    job = jobs.submit_job(entrypoint=entry, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    job = submit_job(jobs, entry)
     wait_until(lambda: jobs.get_job_status(job) in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED),
                120, "the job ended")
     logs = jobs.get_job_logs(job)
@@ -233,3 +246,10 @@ def test_one_tp2_replica_next_to_one_tp1(ray_head, fleet, make_checkpoint):
     assert_all_exact(results, make_checkpoint("llama"), n=REQUESTS // 2)
     assert [r["world_size"] for r in health["replicas"]] == [2, 1] and health["world_size"] == 3
     assert all(r["routed"] > 0 for r in stats["replicas"]), stats["replicas"]
+
+
+def test_replicas_need_the_ray_launcher():
+    from launch.cli import main
+
+    with pytest.raises(SystemExit, match="--replicas and --spread need --launcher ray"):
+        main(["serve", "--model", "unused", "--replicas", "2"])
