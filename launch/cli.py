@@ -50,6 +50,12 @@ def run_ranks(args: argparse.Namespace, module: str, extra: list[str]) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.replicas > 1 or args.spread:  # R groups behind one router (launch/replicas.py)
+        if args.launcher != "ray":
+            raise SystemExit("lockstep serve: --replicas and --spread need --launcher ray")
+        from launch.replicas import run_cli as run_replicas
+
+        return run_replicas(args)
     args.state_file = weights_record_path(args.run_dir)
     if args.launcher == "ray":  # the ranks become Ray actors; this process waits for SIGINT, then ends them
         from launch.ray_launcher import run_cli
@@ -126,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="ray: start the ranks as Ray actors in a placement group (RAY_ADDRESS joins a running Ray)")
     sv.add_argument("--gpu", action="store_true", help="with --launcher ray: one GPU per rank")
     sv.add_argument("--http", help="HOST:PORT: also serve the OpenAI-compatible HTTP API from rank 0 (docs/http.md)")
+    sv.add_argument("--replicas", type=int, default=1, help="with --launcher ray: this many groups of --tp ranks "
+                    "behind one router at --address (docs/replicas.md)")
+    sv.add_argument("--spread", action="store_true", help="with --replicas: every group on a different node")
+    sv.add_argument("--service-name", default="lockstep", help="with --replicas: the named Ray actor (namespace "
+                    "lockstep) whose client() Ray jobs take")
     sv.set_defaults(func=serve)
 
     hp = sub.add_parser("http", help="the OpenAI-compatible HTTP gateway of a running cluster, as its own process")

@@ -223,7 +223,8 @@ def wait_dead(actor: Any, deadline: float) -> bool:
 
 def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | str | os.PathLike | None = None,
                       address: str | None = None, gpu: bool = False, ready_timeout: float = 300.0,
-                      ray_init: dict | None = None, state_file: str | None = None) -> RayCluster:
+                      ray_init: dict | None = None, state_file: str | None = None,
+                      bundle_extra: dict[str, float] | None = None, name: str | None = None) -> RayCluster:
     """Start `tp` ranks of `lockstep serve` as Ray actors in a PACK placement group; returns once rank 0
     serves (the address it bound is `.address`).
 
@@ -232,7 +233,9 @@ def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | 
     bind tcp://0.0.0.0:PORT for clients on other nodes). Ray is initialised with `ray_init` if it is not
     yet (RAY_ADDRESS, if set, joins a running Ray cluster). On any failure before ready, everything started
     is torn down and RuntimeError names the rank and its traceback. `state_file`: the record of the weights
-    served (driver/served_weights.py), on rank 0's node; `restart()` serves them again.
+    served (driver/served_weights.py), on rank 0's node; `restart()` serves them again. `bundle_extra`: more
+    resources each bundle asks for (launch/replicas.py pins a group to a node with `{"node:<ip>": 0.001}`);
+    `name`: the placement group's name (default lockstep-<pid>).
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -244,8 +247,8 @@ def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | 
     owns_ray = not ray.is_initialized()
     if owns_ray:
         ray.init(**(ray_init or {}))
-    bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-    pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK", name=f"lockstep-{os.getpid()}")
+    bundle = ({"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}) | (bundle_extra or {})
+    pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK", name=name or f"lockstep-{os.getpid()}")
     actors: list[Any] = []
     handle = RayCluster(address="", actors=actors, placement_group=pg, owns_ray=owns_ray,
                         start_args={"model_dir": model_dir, "preset": preset, "address": address, "gpu": gpu,
