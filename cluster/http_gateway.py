@@ -99,7 +99,7 @@ def make_app(client: AsyncClient, model: Model, admin_token: str | None) -> Fast
             stats = await client.stats()
         except ClientError as e:
             raise HttpError.of(e) from None
-        return Response(render(stats.get("metrics", {}), model.name),
+        return Response(render(stats, model.name),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def answer(request: Request, body: Any, chat: bool) -> Response:

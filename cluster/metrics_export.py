@@ -2,7 +2,9 @@
 
 Names follow vLLM's under a `lockstep:` prefix, each labelled with `model_name`, so existing dashboards need only
 the prefix changed; `gpu_cache_usage_perc` and `time_per_output_token_seconds` repeat `kv_cache_usage_perc` and
-`inter_token_latency_seconds` under their older vLLM names. Torch-free.
+`inter_token_latency_seconds` under their older vLLM names. Behind a replica router (cluster/router.py) every series
+also has a `replica` label, one per replica (sum over it for the whole service); `merge` gives the `stats` reply's
+summed map. Torch-free.
 """
 
 from __future__ import annotations
@@ -41,39 +43,81 @@ HISTOGRAMS = (
 
 
 class MetricsSnapshot(Collector):
-    """The families of one `metrics` map (collected once per scrape)."""
+    """The families of one or more `metrics` maps (collected once per scrape): {replica label: map}, with the
+    label None for a single driver (no `replica` label then)."""
 
-    def __init__(self, metrics: dict[str, Any], model_name: str):
-        self.metrics, self.model_name = metrics, model_name
+    def __init__(self, maps: dict[str | None, dict[str, Any]], model_name: str):
+        self.maps, self.model_name = maps, model_name
+        self.names = ["model_name"] + (["replica"] if None not in maps else [])
+
+    def _labels(self, replica: str | None) -> list[str]:
+        return [self.model_name] + ([replica] if replica is not None else [])
 
     def collect(self) -> Iterator[Metric]:
-        m, labels = self.metrics, [self.model_name]
         for name, key, doc in GAUGES:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            g.add_metric(labels, float(m.get(key, 0)))
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=self.names)
+            for replica, m in self.maps.items():
+                g.add_metric(self._labels(replica), float(m.get(key, 0)))
             yield g
         for name, key, doc in COUNTERS:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            c.add_metric(labels, float(m.get(key, 0)))
+            c = CounterMetricFamily(PREFIX + name, doc, labels=self.names)
+            for replica, m in self.maps.items():
+                c.add_metric(self._labels(replica), float(m.get(key, 0)))
             yield c
         success = CounterMetricFamily(PREFIX + "request_success", "Requests that ended, by finish reason.",
-                                      labels=["model_name", "finished_reason"])
-        for reason, n in sorted(m.get("request_success", {}).items()):
-            success.add_metric([self.model_name, reason], float(n))
+                                      labels=self.names + ["finished_reason"])
+        for replica, m in self.maps.items():
+            for reason, n in sorted(m.get("request_success", {}).items()):
+                success.add_metric(self._labels(replica) + [reason], float(n))
         yield success
         for name, key, doc in HISTOGRAMS:
-            h = m.get(key) or {"buckets": [["+Inf", 0]], "sum": 0.0}
-            fam = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            fam.add_metric(labels, [(_bound(b), float(n)) for b, n in h["buckets"]], float(h["sum"]))
+            fam = HistogramMetricFamily(PREFIX + name, doc, labels=self.names)
+            for replica, m in self.maps.items():
+                h = m.get(key) or {"buckets": [["+Inf", 0]], "sum": 0.0}
+                fam.add_metric(self._labels(replica), [(_bound(b), float(n)) for b, n in h["buckets"]],
+                               float(h["sum"]))
             yield fam
+
+
+def merge(maps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One `metrics` map for several drivers: counts, gauges of requests and histograms summed (bucket by
+    bucket), KV cache usage averaged, the lowest weight version (every replica serves at least it)."""
+    out: dict[str, Any] = {}
+    if not maps:
+        return out
+    for key in ("num_requests_running", "num_requests_waiting", "restart_count", "prompt_tokens",
+                "generation_tokens", *(k for _, k, _ in COUNTERS)):
+        out[key] = sum(m.get(key, 0) for m in maps)
+    out["kv_cache_usage_perc"] = sum(m.get("kv_cache_usage_perc", 0.0) for m in maps) / len(maps)
+    out["weight_version"] = min(m.get("weight_version", 0) for m in maps)
+    success: dict[str, int] = {}
+    for m in maps:
+        for reason, n in m.get("request_success", {}).items():
+            success[reason] = success.get(reason, 0) + n
+    out["request_success"] = success
+    for _, key, _ in HISTOGRAMS:
+        hs = [m[key] for m in maps if m.get(key)]
+        if hs:
+            out[key] = {"buckets": [[b, sum(h["buckets"][i][1] for h in hs)] for i, (b, _) in enumerate(hs[0]["buckets"])],
+                        "sum": sum(h["sum"] for h in hs), "count": sum(h["count"] for h in hs)}
+    return out
+
+
+def replica_maps(stats: dict[str, Any]) -> dict[str | None, dict[str, Any]]:
+    """The metrics maps of a `stats` reply: one per replica behind a router (labelled by its index), else the
+    driver's own."""
+    if "replicas" in stats:
+        return {str(r.get("index", i)): (r.get("stats") or {}).get("metrics", {})
+                for i, r in enumerate(stats["replicas"])}
+    return {None: stats.get("metrics", {})}
 
 
 def _bound(b: float | str) -> str:
     return "+Inf" if b == "+Inf" else repr(float(b))
 
 
-def render(metrics: dict[str, Any], model_name: str) -> bytes:
-    """The Prometheus text exposition of a `metrics` map."""
+def render(stats: dict[str, Any], model_name: str) -> bytes:
+    """The Prometheus text exposition of a `stats` reply's metrics (a driver's, or a router's per replica)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(MetricsSnapshot(metrics, model_name))
+    registry.register(MetricsSnapshot(replica_maps(stats), model_name))
     return generate_latest(registry)

@@ -66,6 +66,10 @@ class Routed:
     up: PendingRequest  # the request on its replica's client (a new one after each failover)
     replica: int
     sent: int = 0  # generated tokens forwarded to the client
+    # of the current upstream request's cumulative text and logprobs (which start again after a failover's resume
+    # point): how much was forwarded
+    text_sent: int = 0
+    logprobs_sent: int = 0
 
 
 @dataclass
@@ -254,6 +258,7 @@ class Router:
             raise P.ProtocolError(Code.DUPLICATE_REQUEST_ID, f"request {rid!r} is in flight", s.mid, rid)
         replica = self.pool.choose(s.input_ids)
         params: dict[str, Any] = {"text": s.text} if s.text is not None else {}
+        params |= {"stop": s.stop, "return_text": s.return_text, "logprobs": s.logprobs}
         if s.resume_tokens or s.resumes:  # a client resuming through the router
             params |= {"resume_tokens": s.resume_tokens, "resume_versions": s.resume_versions, "resumes": s.resumes}
         try:
@@ -308,7 +313,12 @@ class Router:
         before = [(i, v) for i, v in out.weight_versions if i <= start]
         versions = [[start, before[-1][1]]] if before else []
         versions += [[i, v] for i, v in out.weight_versions if i > start]
-        self._send(r.ident, P.TOKENS, request_id=r.request_id, tokens=new, index=start, versions=versions)
+        extra: dict[str, Any] = {}
+        if out.text is not None:
+            extra["text"], r.text_sent = out.text[r.text_sent:], len(out.text)
+        if r.up.fields.get("logprobs"):
+            extra["logprobs"], r.logprobs_sent = out.logprobs[r.logprobs_sent:], len(out.logprobs)
+        self._send(r.ident, P.TOKENS, request_id=r.request_id, tokens=new, index=start, versions=versions, **extra)
         r.sent = len(out.generated_tokens)
 
     def _final(self, r: Routed, out: GenerationOutput) -> None:
@@ -333,7 +343,7 @@ class Router:
             self.pool.finished(target.index)
             return
         self.pool.finished(r.replica)  # the unit it held on the replica that lost it
-        r.up, r.replica = new, target.index
+        r.up, r.replica, r.text_sent, r.logprobs_sent = new, target.index, 0, 0
         self._watch(r)
 
     def _forget(self, r: Routed, cancel: bool = False) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from cluster import protocol as P
 from cluster.errors import ClientError
 from cluster.fleet_update import update_all
+from cluster.metrics_export import merge
 
 STATS_WAIT_S = 5.0
 
@@ -57,6 +58,7 @@ class RouterStats:
                      "failovers": router.failover.moved, "policy": router.config.policy,
                      "prefix_routed": sum(r["prefix_routed"] for r in replicas),
                      "affinity_entries": len(router.pool.affinity)}
+        total["metrics"] = merge([line["stats"].get("metrics", {}) for line in replicas if line["stats"]])
         return total | {"router": counters, "replicas": replicas,
                         "restart_count": sum(r["restart_count"] for r in replicas),
                         "weights": {"versions": [r["weight_version"] for r in replicas]}}

@@ -60,11 +60,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.launcher == "ray":  # the ranks become Ray actors; this process waits for SIGINT, then ends them
         from launch.ray_launcher import run_cli
 
-        if args.http:
-            print("lockstep serve: --http runs with --launcher torchrun; with ray, start `lockstep http "
-                  "--address ...` next to it", file=sys.stderr)
-            return 2
-        return run_cli(args)
+        return run_cli(args)  # --http: the gateway runs in this process, in front of rank 0's address
     extra = ["--model", args.model, "--state-file", args.state_file]
     if args.config:
         extra += ["--config", args.config]

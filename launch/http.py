@@ -97,6 +97,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a TOML preset; its [serve] http_admin_token protects the admin routes")
 
 
+def start_beside(address: str, args: argparse.Namespace) -> Gateway | None:
+    """The gateway of `lockstep serve --http` in the launcher's own process (the Ray launcher, the replicas'
+    router), in front of `address`; None when --http was not given."""
+    if not getattr(args, "http", None):
+        return None
+    from launch.serve import load_preset
+
+    settings = settings_for(args.model, None, load_preset(args.config))
+    return Gateway(address, args.http, settings).start_thread()
+
+
 def run(args: argparse.Namespace) -> int:
     """`lockstep http`: the gateway as its own process, until interrupted."""
     from launch.serve import load_preset

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from cluster.client import Client
+from launch.http import start_beside
 from launch.serve import RANK_FAILED_EXIT, load_preset
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])  # where `cluster`, `driver`, `worker`, `launch` live
@@ -341,9 +342,13 @@ def run_cli(args: Any) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"ready {handle.address}", flush=True)
     code: int | None = None
+    gateway = None
     try:
+        gateway = start_beside(handle.address, args)  # --http: the OpenAI gateway in front of rank 0's address
         code = handle.supervise(stop, getattr(args, "max_restarts", 0))
     finally:
+        if gateway is not None:
+            gateway.stop()
         codes = handle.shutdown()
     if code is None:
         code = max((c for c in codes if c is not None), default=0)

@@ -28,6 +28,7 @@ from typing import Any
 from cluster.client import Client
 from cluster.config import ContinuousBatchingConfig
 from cluster.router import Router, RouterConfig
+from launch.http import start_beside
 from launch.ray_launcher import RayCluster, start_ray_cluster
 from launch.serve import load_preset
 
@@ -181,8 +182,12 @@ def run_cli(args: Any) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own SIGTERM handler
         signal.signal(sig, lambda *_: stop.set())
     print(f"ready {fleet.address}", flush=True)
+    gateway = None
     try:
+        gateway = start_beside(fleet.address, args)  # --http: the OpenAI gateway in front of the router
         stop.wait()
     finally:
+        if gateway is not None:
+            gateway.stop()
         fleet.shutdown()
     return 0

@@ -15,6 +15,7 @@ import shlex
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -119,6 +120,53 @@ def test_many_requests_from_several_clients_match_transformers(fleet, make_check
     assert all(r["routed"] >= REQUESTS // 4 for r in stats["replicas"]), stats["replicas"]  # both served
     assert stats["router"]["finished"] >= REQUESTS and stats["tokens_generated"] >= REQUESTS * NEW
     assert sum(r["stats"]["tokens_generated"] for r in stats["replicas"]) == stats["tokens_generated"]
+
+
+def test_the_http_gateway_in_front_of_the_router(fleet, make_checkpoint):
+    """One front door over HTTP too (`lockstep serve --replicas R --http ...` runs this gateway): text, streamed
+    text with logprobs and stop strings pass through the router as through one driver."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from launch.http import Gateway, settings_for
+
+    model_dir = make_checkpoint("llama")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ps = prompts()[:3]
+    want = [tok.decode(t, skip_special_tokens=True) for t in hf_greedy(model_dir, ps, NEW)]
+    gateway = Gateway(fleet.address, f"127.0.0.1:{free_port()}", settings_for(str(model_dir), None, {})).start_thread()
+    try:
+        oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for p, text in zip(ps, want):
+            assert oai.completions.create(model=model_dir.name, prompt=p, max_tokens=NEW,
+                                          temperature=0).choices[0].text == text
+        chunks = list(oai.completions.create(model=model_dir.name, prompt=ps[1], max_tokens=NEW, temperature=0,
+                                             stream=True, logprobs=1))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want[1]
+        assert sum(len(c.choices[0].logprobs.token_logprobs) for c in chunks if c.choices and c.choices[0].logprobs) \
+            == len(hf_greedy(model_dir, [ps[1]], NEW)[0])
+        stop = want[2][len(want[2]) // 2:][:2]
+        assert stop.strip(), want[2]
+        cut = oai.completions.create(model=model_dir.name, prompt=ps[2], max_tokens=NEW, temperature=0, stop=[stop])
+        assert cut.choices[0].text == want[2][:want[2].find(stop)] and cut.choices[0].finish_reason == "stop"
+        # metrics: one series per replica on /metrics, their sum in the router's stats
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(gateway.url + "/metrics", timeout=30) as r:
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        per_replica = {s.labels["replica"]: s.value for s in families["lockstep:generation_tokens"].samples
+                       if s.name.endswith("_total")}
+        with fleet.client() as c:
+            stats = c.stats()
+        assert set(per_replica) == {"0", "1"} and all(v > 0 for v in per_replica.values()), per_replica
+        assert stats["metrics"]["generation_tokens"] >= sum(per_replica.values())  # counted at least as late
+        assert stats["metrics"]["generation_tokens"] == sum(
+            r["stats"]["metrics"]["generation_tokens"] for r in stats["replicas"])
+        ttft = stats["metrics"]["time_to_first_token_seconds"]
+        assert ttft["count"] == sum(r["stats"]["metrics"]["time_to_first_token_seconds"]["count"]
+                                    for r in stats["replicas"]) == ttft["buckets"][-1][1]
+    finally:
+        gateway.stop()
 
 
 def test_prefix_affinity_routes_a_shared_prefix_to_one_replica(fleet):
