@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -41,24 +42,52 @@ def make_checkpoint(model_root):
 
 
 _REFERENCE: dict[tuple, list[list[int]]] = {}
+# transformers' reference outputs on disk, keyed by everything they depend on: the checkpoint's bytes (config,
+# generation config, weights), the prompts, the token count, and the transformers and torch versions. A key that
+# is not there is computed (and written); committed entries spare a clean clone the reference generates.
+REFERENCES = REPO / "tests" / "references"
+
+
+def reference_key(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> str:
+    import torch
+    import transformers
+
+    h = hashlib.sha256()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        h.update((Path(model_dir) / name).read_bytes())
+    h.update(json.dumps([prompts, new_tokens, transformers.__version__, torch.__version__]).encode())
+    return h.hexdigest()[:40]
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """transformers' own generate, greedy, float32, on the CPU, one prompt at a time (no padding)."""
+    """transformers' own generate, greedy, float32, on the CPU, one prompt at a time (no padding); cached in
+    memory and in tests/references."""
+    key = (str(model_dir), tuple(map(tuple, prompts)), new_tokens)
+    if key not in _REFERENCE:
+        path = REFERENCES / f"{reference_key(model_dir, prompts, new_tokens)}.json"
+        if path.exists():
+            _REFERENCE[key] = json.loads(path.read_text())
+        else:
+            _REFERENCE[key] = transformers_greedy(model_dir, prompts, new_tokens)
+            REFERENCES.mkdir(exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(_REFERENCE[key]))
+            tmp.replace(path)
+    return _REFERENCE[key]
+
+
+def transformers_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    key = (str(model_dir), tuple(map(tuple, prompts)), new_tokens)
-    if key not in _REFERENCE:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        outs = []
-        with torch.no_grad():
-            for p in prompts:
-                ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
-                                     attention_mask=torch.ones(1, len(p), dtype=torch.long))
-                outs.append(ids[0, len(p):].tolist())
-        _REFERENCE[key] = outs
-    return _REFERENCE[key]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            outs.append(ids[0, len(p):].tolist())
+    return outs
 
 
 def run_ranks(script: str, args: list[str], nproc: int = 2, timeout: float = 300,

@@ -9,7 +9,7 @@ import pytest
 
 import cluster
 from cluster.outputs import RequestStatus
-from tests.conftest import hf_greedy, read_json, run_ranks
+from tests.conftest import hf_greedy, read_json, run_ranks, transformers_greedy
 from tests.workloads import NEW_TOKENS, SCENARIOS, prompts_for
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -88,3 +88,12 @@ def test_sliding_window_matches_transformers(make_checkpoint):
                                continuous_batching_config=cluster.ContinuousBatchingConfig(page_size=16,
                                                                                           max_batch_tokens=64))
     assert [o.generated_tokens for o in out.values()] == hf_greedy(model_dir, prompts)
+
+
+def test_cached_references_are_transformers_own(make_checkpoint):
+    """tests/references only spares the work: a few prompts generated afresh equal the cached answers."""
+    model_dir = make_checkpoint("qwen3")
+    prompts = prompts_for("mixed", cluster.load(model_dir).config.vocab_size)
+    picked = [0, 7, 15]
+    assert transformers_greedy(model_dir, [prompts[i] for i in picked], NEW_TOKENS) == \
+        [hf_greedy(model_dir, prompts)[i] for i in picked]
