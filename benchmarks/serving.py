@@ -44,7 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # nothing heavy at module level: the spawned client process imports this file
 
-from benchmarks.serving_common import NUM_WARM, PAGE, WARM_TOKENS, CpuWindow, say, speed_probe  # noqa: E402
+from benchmarks.serving_common import (  # noqa: E402
+    NUM_WARM, PAGE, WARM_TOKENS, CpuWindow, on_arrivals, say, speed_probe)
 from benchmarks.serving_report import report  # noqa: E402
 from benchmarks.serving_transformers import run_transformers  # noqa: E402
 
@@ -108,17 +109,7 @@ def client_main(address: str, prompts: list[list[int]], warm: list[list[int]], a
                 err = f"{type(e).__name__}: {e}"
             rec.update(first=first, last=last, n=n, status=status, error=err)
 
-        threads = []
-        t0 = time.perf_counter() + 0.05
-        for i, a in enumerate(arrivals):
-            delay = t0 + a - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            th = threading.Thread(target=one, args=(i, t0), daemon=True)
-            th.start()
-            threads.append(th)
-        for th in threads:
-            th.join()
+        on_arrivals(arrivals, one)
         stats_after = client.stats()
         client.close()
         for rec, a in zip(recs, arrivals):

@@ -4,7 +4,9 @@ machine was (other processes' CPU time while an engine ran, and a quick speed pr
 from __future__ import annotations
 
 import os
+import threading
 import time
+from typing import Callable
 
 PAGE = 256  # page_size: both engines' default
 WARM_TOKENS = 8
@@ -54,3 +56,20 @@ class CpuWindow:
     def others(self) -> tuple[float, float]:
         """(other processes' CPU seconds, the window's wall seconds)."""
         return max(0.0, (cpu_busy_s() - self.busy0) - (own_cpu_s() - self.own0)), time.monotonic() - self.t0
+
+
+def on_arrivals(arrivals: list[float], one: Callable[[int, float], None]) -> float:
+    """Start `one(i, t0)` on its own thread at t0 + arrivals[i] (t0: a moment from now) and wait for them all;
+    returns t0."""
+    threads = []
+    t0 = time.perf_counter() + 0.05
+    for i, a in enumerate(arrivals):
+        delay = t0 + a - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        th = threading.Thread(target=one, args=(i, t0), daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    return t0

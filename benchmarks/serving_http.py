@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from benchmarks.serving_common import PAGE, WARM_TOKENS, CpuWindow, say
+from benchmarks.serving_common import PAGE, WARM_TOKENS, CpuWindow, on_arrivals, say
 
 
 def text_prompts(model_dir: Path, prompts: list[list[int]]) -> tuple[list[str], list[list[int]]]:
@@ -87,17 +87,7 @@ def http_client_main(url: str, bodies: list[dict], warm: list[dict], arrivals: l
         def one(i: int, t0: float) -> None:
             recs[i] = stream_one(url, bodies[i], t0)
 
-        threads = []
-        t0 = time.perf_counter() + 0.05
-        for i, a in enumerate(arrivals):
-            delay = t0 + a - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            th = threading.Thread(target=one, args=(i, t0), daemon=True)
-            th.start()
-            threads.append(th)
-        for th in threads:
-            th.join()
+        on_arrivals(arrivals, one)
         for rec, a in zip(recs, arrivals):
             rec["arrival"] = a
         out_q.put({"records": recs})
