@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import os
-import queue
 import random
 import sys
 import threading
@@ -45,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # nothing heavy at module level: the spawned client process imports this file
 
 from benchmarks.serving_common import (  # noqa: E402
-    NUM_WARM, PAGE, WARM_TOKENS, CpuWindow, on_arrivals, say, speed_probe)
+    NUM_WARM, PAGE, WARM_TOKENS, CpuWindow, client_message, on_arrivals, say, speed_probe)
 from benchmarks.serving_report import report  # noqa: E402
 from benchmarks.serving_transformers import run_transformers  # noqa: E402
 
@@ -132,7 +131,6 @@ def preset_toml(args) -> str:
 
 
 def run_lockstep(args, prompts, warm, arrivals) -> dict:
-    import multiprocessing as mp
 
     from launch.local_server import local_server
 
@@ -146,22 +144,9 @@ def run_lockstep(args, prompts, warm, arrivals) -> dict:
                       ready_timeout=args.ready_timeout) as server:
         got = server.address
         say(f"lockstep: ready at {got} after {time.monotonic() - t_start:.1f}s; client process (spawn) starts")
-        ctx = mp.get_context("spawn")
-        out_q = ctx.Queue()
         sampling = {"do_sample": False} if args.model_samples else {}  # else the server's default is greedy
-        client = ctx.Process(target=client_main, args=(got, prompts, warm, arrivals, args.new_tokens, sampling,
-                                                       out_q))
-        client.start()
-        try:
-            msg = out_q.get(timeout=args.run_timeout)
-        except queue.Empty:
-            msg = {"error": f"the client sent nothing within {args.run_timeout}s"}
-        client.join(30)
-        if client.is_alive():
-            client.kill()
-            client.join(5)
-        if "error" in msg:
-            raise RuntimeError(f"client process failed: {msg['error']}")
+        msg = client_message(client_main, (got, prompts, warm, arrivals, args.new_tokens, sampling),
+                             args.run_timeout, "client process")
         result["records"] = msg["records"]
         sb, sa = msg["stats_before"], msg["stats_after"]
         result["note"] = (f"server steps in the timed run {sa.get('step', 0) - sb.get('step', 0)}, preemptions "

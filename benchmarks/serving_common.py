@@ -73,3 +73,27 @@ def on_arrivals(arrivals: list[float], one: Callable[[int, float], None]) -> flo
     for th in threads:
         th.join()
     return t0
+
+
+def client_message(target: Callable[..., None], args: tuple, timeout: float, what: str) -> dict:
+    """Run `target(*args, out_q)` in a spawned process and return the message it puts on out_q (its `records`
+    and whatever else it reports; RuntimeError naming `what` if it reports an error or sends nothing within
+    `timeout` s)."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    client = ctx.Process(target=target, args=(*args, out_q))
+    client.start()
+    try:
+        msg = out_q.get(timeout=timeout)
+    except queue.Empty:
+        msg = {"error": f"the client sent nothing within {timeout}s"}
+    client.join(30)
+    if client.is_alive():
+        client.kill()
+        client.join(5)
+    if "error" in msg:
+        raise RuntimeError(f"{what} failed: {msg['error']}")
+    return msg

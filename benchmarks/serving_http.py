@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from benchmarks.serving_common import PAGE, WARM_TOKENS, CpuWindow, on_arrivals, say
+from benchmarks.serving_common import PAGE, WARM_TOKENS, CpuWindow, client_message, on_arrivals, say
 
 
 def text_prompts(model_dir: Path, prompts: list[list[int]]) -> tuple[list[str], list[list[int]]]:
@@ -98,22 +97,8 @@ def http_client_main(url: str, bodies: list[dict], warm: list[dict], arrivals: l
 
 
 def timed_run(args, url: str, bodies: list[dict], warm: list[dict], arrivals: list[float]) -> list[dict]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
-    client = ctx.Process(target=http_client_main, args=(url, bodies, warm, arrivals, out_q))
-    client.start()
-    try:
-        msg = out_q.get(timeout=args.run_timeout)
-    except queue.Empty:
-        msg = {"error": f"the client sent nothing within {args.run_timeout}s"}
-    client.join(30)
-    if client.is_alive():
-        client.kill()
-    if "error" in msg:
-        raise RuntimeError(f"HTTP client process failed: {msg['error']}")
-    return msg["records"]
+    return client_message(http_client_main, (url, bodies, warm, arrivals), args.run_timeout,
+                          "HTTP client process")["records"]
 
 
 def bodies_for(args, texts: list[str], extra: dict, tokens: int) -> list[dict]:

@@ -82,10 +82,7 @@ def make_app(client: AsyncClient, model: Model, admin_token: str | None) -> Fast
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        try:
-            data = await client.health()
-        except ClientError as e:
-            raise HttpError.of(e) from None
+        data = await client.health()  # a refusal: on_client_error answers it
         return JSONResponse(data, status_code=200 if data.get("ok") else 503)
 
     @app.get("/v1/models")
@@ -95,11 +92,7 @@ def make_app(client: AsyncClient, model: Model, admin_token: str | None) -> Fast
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        try:
-            stats = await client.stats()
-        except ClientError as e:
-            raise HttpError.of(e) from None
-        return Response(render(stats, model.name),
+        return Response(render(await client.stats(), model.name),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def answer(request: Request, body: Any, chat: bool) -> Response:
