@@ -21,7 +21,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from cluster import protocol as P
 from cluster.client_io import PING_EVERY_S, RESUMABLE, IOThread, PendingRequest, settle, then  # noqa: F401
@@ -48,17 +48,21 @@ class Client:
     """Blocking client of a Lockstep cluster at `address`. `timeout` bounds every wait; `server_timeout_s`
     is how long a server may stay silent, while this client waits for it, before calls end with
     ServerGone. `resume`: resubmit the requests the server loses, up to `max_resumes` times each, waiting at
-    most `resume_timeout_s` for a healthy server each time; a request not resumed ends with RequestLost."""
+    most `resume_timeout_s` for a healthy server each time; a request not resumed ends with RequestLost.
+    `on_lost(req, cause)`: who takes the requests the server loses instead of this client's own Resumer (the
+    replica router's failover, which resumes them on another replica)."""
 
     def __init__(self, address: str = P.DEFAULT_ADDRESS, server_key: bytes | None = None,
                  client_keys: tuple[bytes, bytes] | None = None, timeout: float | None = 600.0,
                  max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES, server_timeout_s: float = 5.0,
-                 resume: bool = True, max_resumes: int = 3, resume_timeout_s: float = 60.0):
+                 resume: bool = True, max_resumes: int = 3, resume_timeout_s: float = 60.0,
+                 on_lost: Callable[[PendingRequest, ClientError], None] | None = None):
         self.address, self.server_key, self.client_keys = address, server_key, client_keys
         self.timeout, self.max_frame_bytes, self.server_timeout_s = timeout, max_frame_bytes, server_timeout_s
         # (`resume()` is the pause's end: the setting is `auto_resume`)
         self.auto_resume, self.max_resumes, self.resume_timeout_s = resume, max_resumes, resume_timeout_s
-        self.resumer = Resumer(self, max_resumes, resume_timeout_s)
+        self.resumer = Resumer(self, max_resumes, resume_timeout_s) if on_lost is None else None
+        self.on_lost = on_lost if on_lost is not None else self.resumer.lost
         self._io: IOThread | None = None
         self._io_lock = threading.Lock()
 
@@ -79,7 +83,7 @@ class Client:
             if self._io is None or self._io.closed:
                 old = self._io
                 self._io = IOThread(self.address, self.server_key, self.client_keys, self.max_frame_bytes,
-                                    self.server_timeout_s, self.resumer.lost if self.auto_resume else None)
+                                    self.server_timeout_s, self.on_lost if self.auto_resume else None)
                 if old is not None:
                     self._io.adopt(old)  # their callers still collect the errors that ended them
                     self._finalizer.detach()
@@ -93,7 +97,8 @@ class Client:
         """Say goodbye (the server cancels this client's unfinished requests at once) and close the socket;
         calls still outstanding end with `client_closed`. A client that is garbage-collected without
         close() is closed the same way."""
-        self.resumer.close()  # requests waiting for a resume end with RequestLost (client_closed)
+        if self.resumer is not None:
+            self.resumer.close()  # requests waiting for a resume end with RequestLost (client_closed)
         with self._io_lock:
             io, self._io = self._io, None
         if io is not None:

@@ -15,6 +15,7 @@ Torch-free.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -32,26 +33,13 @@ log = logging.getLogger("lockstep")
 POLICIES = ("affinity", "least", "round_robin")
 
 
-class LostHook:
-    """Stands in for a client's Resumer (same two methods): a lost request goes to `on_lost(index, req, cause)`."""
-
-    def __init__(self, index: int, on_lost: Callable[[int, PendingRequest, ClientError], None]):
-        self.index, self.on_lost = index, on_lost
-
-    def lost(self, req: PendingRequest, cause: ClientError) -> None:
-        self.on_lost(self.index, req, cause)
-
-    def close(self) -> None:
-        """Nothing waits here: the failover owns the lost requests."""
-
-
 class ReplicaClient(Client):
     """The reference client of one replica whose lost requests go to the router's failover."""
 
     def __init__(self, address: str, index: int, on_lost: Callable[[int, PendingRequest, ClientError], None],
                  server_timeout_s: float):
-        super().__init__(address, server_timeout_s=server_timeout_s, resume=True, timeout=None)
-        self.resumer = LostHook(index, on_lost)  # type: ignore[assignment]  (read when the I/O thread opens)
+        super().__init__(address, server_timeout_s=server_timeout_s, resume=True, timeout=None,
+                         on_lost=functools.partial(on_lost, index))
 
 
 @dataclass
