@@ -122,7 +122,7 @@ def run_lockstep_http(args, texts, warm_texts, arrivals) -> dict:
         rc = server.stop()
     others, wall = window.others()
     return {"engine": "lockstep-http", "tp": args.tp, "threads": args.server_threads, "records": records,
-            "note": f"through the gateway in rank 0's process; server exit status {rc}", "others": (others, wall)}
+            "note": f"through the gateway (a child process of rank 0); server exit status {rc}", "others": (others, wall)}
 
 
 def run_transformers_serve(args, texts, warm_texts, arrivals) -> dict:

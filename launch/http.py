@@ -1,6 +1,7 @@
-"""Running the HTTP gateway (cluster/http_gateway.py) under uvicorn: `lockstep http` as its own process, or inside
-`lockstep serve --http HOST:PORT` on rank 0, in its own thread with its own event loop. Either way it talks to the
-driver's ZeroMQ address through an AsyncClient, and prints `http http://HOST:PORT` once it listens.
+"""Running the HTTP gateway (cluster/http_gateway.py) under uvicorn: `lockstep http` as its own process (which
+`lockstep serve --http HOST:PORT` starts from rank 0: launch/http_child.py), or in a thread with its own event loop
+in the launcher's process (`--launcher ray`, replicas). Either way it talks to the driver's ZeroMQ address through
+an AsyncClient, and prints `http http://HOST:PORT` once it listens.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import threading
 
 from cluster.protocol import DEFAULT_ADDRESS
@@ -26,8 +28,10 @@ def parse_listen(listen: str) -> tuple[str, int]:
 class Gateway:
     """One gateway: an AsyncClient of `address` and a uvicorn server on `listen`."""
 
-    def __init__(self, address: str, listen: str, settings):
+    def __init__(self, address: str, listen: str, settings, parent_pid: int | None = None):
+        """`parent_pid`: leave once this process's parent is no longer that pid (`--exit-with-parent`)."""
         self.address, (self.host, self.port), self.settings = address, parse_listen(listen), settings
+        self.parent_pid = parent_pid
         self.server = None
         self.started = threading.Event()
         self.error: BaseException | None = None
@@ -56,6 +60,12 @@ class Gateway:
             if self.server.started:
                 print(f"http {self.url}", flush=True)
             self.started.set()
+            while self.parent_pid is not None and not task.done():
+                if os.getppid() != self.parent_pid:  # the parent is gone (killed outright): let the port go
+                    log.warning("the HTTP gateway's parent (pid %s) is gone: stopping", self.parent_pid)
+                    self.server.should_exit = True
+                    break
+                await asyncio.sleep(0.2)
             await task
         finally:
             self.started.set()
@@ -95,6 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="the checkpoint directory (name and tokenizer); default: the server's")
     p.add_argument("--model-name", help="the model name clients send (default: the checkpoint directory's name)")
     p.add_argument("--config", help="a TOML preset; its [serve] http_admin_token protects the admin routes")
+    p.add_argument("--exit-with-parent", type=int, metavar="PID",
+                   help="stop when this process's parent is no longer PID (how `lockstep serve --http` runs it)")
 
 
 def start_beside(address: str, args: argparse.Namespace) -> Gateway | None:
@@ -113,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     from launch.serve import load_preset
 
     logging.basicConfig(level=logging.INFO)
-    gateway = Gateway(args.address, args.listen, settings_for(args.model, args.model_name, load_preset(args.config)))
+    gateway = Gateway(args.address, args.listen, settings_for(args.model, args.model_name, load_preset(args.config)),
+                      parent_pid=args.exit_with_parent)
     try:
         asyncio.run(gateway.serve())
     except KeyboardInterrupt:

@@ -1,9 +1,11 @@
 """A tokenizer made locally for made checkpoints: a byte-level BPE trained on Python's own docstrings.
 
 Nothing is downloaded: the training text is the documentation strings of a fixed list of standard-library
-modules, read in a fixed order, so one Python version always makes the same tokenizer. Ids 0, 1, 2 are
-`<pad>`, `<s>`, `</s>`, then the ChatML markers; when the text runs out of merges before `vocab_size`, reserved
-special tokens fill the rest, so `len(tokenizer) == vocab_size`. It is saved as a transformers fast tokenizer
+modules, read in a fixed order, so one Python version always makes the same tokenizer. When those run out of
+merges before `vocab_size` (about 14.8k tokens), the source of the standard library's top-level modules is added
+(about 6 MB in all: 32k tokens), so that a model's every token decodes to text, as a hub tokenizer's do. Ids 0,
+1, 2 are `<pad>`, `<s>`, `</s>`, then the ChatML markers; if even that text runs out, reserved special tokens
+fill the rest, so `len(tokenizer) == vocab_size`. It is saved as a transformers fast tokenizer
 (`AutoTokenizer.from_pretrained` loads it) with a ChatML chat template; encoding prepends `<s>`.
 """
 
@@ -14,6 +16,7 @@ import functools
 import importlib
 import inspect
 import os
+import sysconfig
 import warnings
 from pathlib import Path
 
@@ -52,6 +55,12 @@ def corpus() -> list[str]:
     return [t for t in texts if t]
 
 
+def source_corpus() -> list[str]:
+    """More training text for large vocabularies: the standard library's top-level modules, in name order."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    return [p.read_text(encoding="utf-8", errors="replace") for p in sorted(lib.glob("*.py"))]
+
+
 def _doc(obj: object) -> str:
     try:
         doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None
@@ -72,12 +81,19 @@ def _trained(vocab_size: int) -> str:
 
     if vocab_size < min_vocab_size():
         raise ValueError(f"vocab_size={vocab_size} is below the {min_vocab_size()} tokens a byte-level BPE needs")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer)
+
+    def train(texts: list[str]) -> Tokenizer:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                      show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer)
+        return tok
+
+    tok = train(corpus())
+    if tok.get_vocab_size(with_added_tokens=True) < vocab_size:  # the docstrings ran out of merges
+        tok = train(corpus() + source_corpus())
     size = tok.get_vocab_size(with_added_tokens=True)
     if size > vocab_size:
         raise ValueError(f"vocab_size={vocab_size} is below the {size} tokens a byte-level BPE needs")

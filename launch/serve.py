@@ -63,7 +63,7 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     signal during loading still interrupts the load); `on_ready(address)` runs on rank 0 once it serves,
     right after it prints `ready <address>`. `state_file`: the record of the weights served
     (driver/served_weights.py); a restarted group serves what it says again. `http`: HOST:PORT of the
-    OpenAI-compatible gateway rank 0 runs in a thread of its own (launch/http.py), a client of the front door.
+    OpenAI-compatible gateway rank 0 runs as a child process (launch/http_child.py), a client of the front door.
     """
     import cluster
     from cluster.config import ContinuousBatchingConfig
@@ -94,10 +94,11 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
         tokenizer = load_tokenizer(model_dir)
         frontend = Frontend(manager, fe_cfg, tokenizer, record, model_path=model_dir).start()
         if http:
-            from launch.http import Gateway, settings_for
+            from cluster.config import http_admin_token
+            from launch.http_child import GatewayProcess
 
-            gateway = Gateway(loopback_of(frontend.address), http, settings_for(model_dir, None, preset))
-            gateway.start_thread()
+            gateway = GatewayProcess(loopback_of(frontend.address), http, model_dir,
+                                     http_admin_token(preset.get("serve"))).start()
         print(f"ready {frontend.address}", flush=True)
         if on_ready is not None:
             on_ready(frontend.address)

@@ -5,8 +5,14 @@ seed, usage, disconnects that cancel, error bodies, /metrics through prometheus_
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 import urllib.error
 import urllib.request
 
@@ -260,3 +266,68 @@ def test_separate_gateway_without_token_refuses_admin(server, model_dir):
         assert status == 200 and body["usage"]["completion_tokens"] == 3
     finally:
         gateway.stop()
+
+
+# ------------------------------------------------------------------ the gateway as rank 0's child process
+def gateway_pids(listen: str) -> list[int]:
+    """The pids of `lockstep http` processes listening on `listen` (their command lines, from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"http" in argv and listen.encode() in argv and b"--exit-with-parent" in argv:
+                found.append(int(entry))
+    return found
+
+
+def test_a_killed_gateway_process_comes_back(server, model_dir):
+    """`lockstep serve --http` runs the gateway as a child of rank 0; killed outright, it is started again and
+    serves the same address (this test runs last in the module: the gateway is briefly away)."""
+    listen = server.http.removeprefix("http://")
+    (pid,) = gateway_pids(listen)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            status, body = http(server, "POST", "/v1/completions", {"model": model_dir.name, "prompt": PROMPT_IDS,
+                                                                    "max_tokens": 2})
+            if status == 200:
+                break
+        except OSError:  # not listening yet
+            pass
+        time.sleep(0.3)
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    assert gateway_pids(listen) not in ([], [pid])
+
+
+def test_the_gateway_process_leaves_with_its_parent(model_dir):
+    """`--exit-with-parent`: a gateway whose parent is killed outright stops and lets its port go."""
+    port = free_port()
+    script = (f"{sys.executable} -m launch.cli http --address tcp://127.0.0.1:{free_port()} --listen "
+              f"127.0.0.1:{port} --model {model_dir} --exit-with-parent $$ & echo child $!; wait")
+    parent = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True,
+                              env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+    child = int(parent.stdout.readline().split()[1])
+    try:
+        assert any(line.startswith("http http") for line in parent.stdout), "the gateway did not start"
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{child}"):
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":  # a zombie: it has exited
+                    break
+            time.sleep(0.1)
+        else:
+            assert not os.path.exists(f"/proc/{child}"), "the gateway outlived its parent"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # the port is free again
+    finally:
+        try:
+            os.killpg(parent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

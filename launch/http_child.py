@@ -1,0 +1,119 @@
+"""`lockstep serve --http`: the HTTP gateway as a child process of rank 0, supervised there.
+
+The gateway (launch/http.py, `lockstep http`) is a client of the driver's front door like any other. Run in a
+thread of rank 0 it shared the step loop's GIL: every streamed chunk it wrote could hold the next step back by up
+to a switch interval, and every step held its event loop back (benchmarks/serving.py --http measured +12 ms a
+token and +47 ms to the first one over the ZeroMQ path; as a process of its own, +3 ms and +24 ms). So rank 0
+starts `python -m launch.cli http --address <front door> --listen HOST:PORT --model DIR --exit-with-parent PID`:
+
+- `start` returns once the child prints `http http://HOST:PORT` (its output is passed on to rank 0's), and raises
+  if it exits first, after a few tries (a restarted group may find the old child still letting the port go);
+- a supervisor thread starts it again when it exits while the group still serves, with a growing pause;
+- the child leaves by itself when rank 0 is gone (`--exit-with-parent`: it watches its parent's pid), so a rank 0
+  killed outright leaves no gateway holding the port;
+- the admin token goes to the child in LOCKSTEP_HTTP_ADMIN_TOKEN, never on its command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from cluster.config import HTTP_ADMIN_TOKEN_ENV
+
+log = logging.getLogger("lockstep")
+
+REPO = Path(__file__).resolve().parents[1]
+START_TRIES = 5
+MAX_PAUSE_S = 30.0
+
+
+class GatewayProcess:
+    """The gateway of `lockstep serve --http`, as a supervised child process (rank 0 only)."""
+
+    def __init__(self, address: str, listen: str, model_dir: str | None, admin_token: str | None):
+        self.listen = listen
+        self.command = [sys.executable, "-m", "launch.cli", "http", "--address", address, "--listen", listen,
+                        "--exit-with-parent", str(os.getpid())]
+        if model_dir:
+            self.command += ["--model", str(model_dir)]
+        self.env = dict(os.environ)
+        self.env.pop(HTTP_ADMIN_TOKEN_ENV, None)
+        if admin_token:
+            self.env[HTTP_ADMIN_TOKEN_ENV] = admin_token
+        pythonpath = [str(REPO)] + [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        self.env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+        self.proc: subprocess.Popen | None = None
+        self.stopping = threading.Event()
+        self.restarts = 0
+
+    def start(self, timeout: float = 120.0) -> "GatewayProcess":
+        """Start the child and return once it listens; RuntimeError when it cannot."""
+        last = ""
+        for attempt in range(START_TRIES):
+            ok, last = self._spawn(timeout)
+            if ok:
+                threading.Thread(target=self._supervise, name="lockstep-http-supervisor", daemon=True).start()
+                return self
+            time.sleep(1.0 + attempt)
+        raise RuntimeError(f"the HTTP gateway did not start on {self.listen} after {START_TRIES} tries:\n{last}")
+
+    def _spawn(self, timeout: float) -> tuple[bool, str]:
+        """One start: (listening, its last output lines)."""
+        proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=self.env, cwd=REPO)
+        listening = threading.Event()
+        tail: list[str] = []
+
+        def pump() -> None:  # pass the child's output on; note when it listens
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                tail[:] = (tail + [line])[-20:]
+                if line.startswith("http http"):
+                    listening.set()
+            listening.set()  # it ended: start() looks at proc.poll()
+
+        threading.Thread(target=pump, name="lockstep-http-output", daemon=True).start()
+        if listening.wait(timeout) and proc.poll() is None:
+            self.proc = proc
+            return True, ""
+        proc.kill()
+        proc.wait()
+        return False, "".join(tail)
+
+    def _supervise(self) -> None:
+        """Start the child again whenever it exits while rank 0 still serves."""
+        pause = 1.0
+        while not self.stopping.is_set():
+            proc = self.proc
+            code = proc.wait() if proc is not None else None
+            if self.stopping.is_set():
+                return
+            self.restarts += 1
+            log.error("the HTTP gateway (pid %s) exited with status %s; starting it again in %.0f s", proc.pid,
+                      code, pause)
+            if self.stopping.wait(pause):
+                return
+            ok, last = self._spawn(120.0)
+            if not ok:
+                log.error("the HTTP gateway did not start again:\n%s", last)
+            pause = 1.0 if ok else min(2 * pause, MAX_PAUSE_S)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the child (SIGTERM, then SIGKILL) and its supervision."""
+        self.stopping.set()
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
