@@ -64,6 +64,7 @@ VOCAB = 256
 CONTEXT = 2048
 PAGE = 256
 PARTS = ("schedule", "plan", "bcast", "prepare", "sample", "collect")
+DEVICE_PARTS = ("forward", "gather", "dsample")  # the device thread's; `share` (the rest of its time) is derived
 
 
 class FakeHead:
@@ -99,8 +100,11 @@ class SimulatedForward:
         self.step_s = 0.005
 
     def __call__(self, ids: torch.Tensor, meta: Any) -> torch.Tensor:
-        time.sleep(self.step_s)
+        self.sleep(self.step_s)
         return self.logits[:meta.logits_idx.numel()]
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
 
 
 def resolved(max_seqs: int, steps: int) -> ResolvedConfig:
@@ -122,16 +126,20 @@ def build_runner(rc: ResolvedConfig, groups: Any) -> tuple[ModelRunner, Simulate
     return runner, forward
 
 
-class HostClock:
-    """Seconds the loop thread spends in each part; calls from other threads (the device's) are not counted."""
+class Clock:
+    """Seconds spent in each part by the loop thread (`host`), or by every other thread (the device's)."""
 
-    def __init__(self) -> None:
-        self.spent = dict.fromkeys(PARTS, 0.0)
+    def __init__(self, parts: tuple[str, ...], host: bool) -> None:
+        self.parts, self.host = parts, host
+        self.spent = dict.fromkeys(parts, 0.0)
         self.main = threading.get_ident()
+
+    def reset(self) -> None:
+        self.spent = dict.fromkeys(self.parts, 0.0)
 
     def wrap(self, part: str, fn: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != self.main:
+            if (threading.get_ident() == self.main) != self.host:
                 return fn(*args, **kwargs)
             t0 = time.perf_counter()
             try:
@@ -141,7 +149,8 @@ class HostClock:
         return timed
 
 
-def instrument(engine: Engine, runner: ModelRunner, clock: HostClock, send_plan: Callable) -> None:
+def instrument(engine: Engine, runner: ModelRunner, clock: Clock, device: Clock, forward: "SimulatedForward",
+               send_plan: Callable) -> None:
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     engine._plan = clock.wrap("plan", engine._plan)
     engine_module.send_plan = clock.wrap("bcast", send_plan)
@@ -150,6 +159,10 @@ def instrument(engine: Engine, runner: ModelRunner, clock: HostClock, send_plan:
     engine.sampler.launch = clock.wrap("sample", engine.sampler.launch)  # serial only: overlapped, it runs
     engine.sampler.collect = clock.wrap("collect", engine.sampler.collect)  # on the device thread
     engine._apply = clock.wrap("collect", engine._apply)
+    engine.sampler.launch = device.wrap("dsample", engine.sampler.launch)
+    forward.sleep = device.wrap("forward", SimulatedForward.sleep.__get__(forward))
+    head = runner.model.lm_head
+    head.gather = device.wrap("gather", FakeHead.gather.__get__(head))
 
 
 def prefilled(engine: Engine, seqs: int, new_tokens: int) -> None:
@@ -169,13 +182,14 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
     engine.send(Command.PUBLISH, msgpack.packb({"step_ms": step_ms}))  # the workers' simulated forward time
     forward.step_s = step_ms / 1000
     prefilled(engine, seqs, warmup + steps + 4)
-    clock = HostClock()
+    clock, device = Clock(PARTS, host=True), Clock(DEVICE_PARTS, host=False)
     send_plan = engine_module.send_plan
-    instrument(engine, runner, clock, send_plan)
+    instrument(engine, runner, clock, device, forward, send_plan)
     try:
         for _ in range(warmup):
             engine.step()
-        clock.spent = dict.fromkeys(PARTS, 0.0)
+        clock.reset()
+        device.reset()
         t0, busy0 = time.perf_counter(), runner.stream.busy_s
         for _ in range(steps):
             engine.step()
@@ -187,7 +201,8 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
         engine.end(req, RequestStatus.CANCELLED)
     return {"seqs": seqs, "step_ms": step_ms, "busy": 100 * steps * step_ms / 1000 / wall,
             "thread": 100 * busy / wall, "wall_ms": 1000 * wall / steps,
-            **{k: 1000 * v / steps for k, v in clock.spent.items()}}
+            **{k: 1000 * v / steps for k, v in (clock.spent | device.spent).items()},
+            "share": 1000 * (busy - sum(device.spent.values())) / steps}
 
 
 def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, bool]], warmup: int, steps: int,
@@ -230,6 +245,15 @@ def table(results: list[dict]) -> str:
         host = sum(r[p] for p in PARTS)
         rows.append(f"{r['tp']:>3} {r['seqs']:>5} {r['step_ms']:>6g} {'on' if r['overlap'] else 'off':>7} "
                     f"{r['busy']:>7.1f} {r['thread']:>9.1f} {r['wall_ms']:>8.2f} {host:>8.2f} " + " ".join(f"{r[p]:>8.2f}" for p in PARTS))
+    rows += ["", "rank 0's device thread, ms a step (share: the token broadcast and waits; bound: forward / (forward +",
+             "gather + sample), the busy % this simulation allows with no host time at all):"]
+    head = f"{'tp':>3} {'seqs':>5} {'fwd ms':>6} {'overlap':>7} " + " ".join(
+        f"{p:>8}" for p in ("forward", "gather", "sample", "share", "bound %"))
+    rows += [head, "-" * len(head)]
+    for r in results:
+        bound = 100 * r["forward"] / max(1e-9, r["forward"] + r["gather"] + r["dsample"])
+        rows.append(f"{r['tp']:>3} {r['seqs']:>5} {r['step_ms']:>6g} {'on' if r['overlap'] else 'off':>7} "
+                    + " ".join(f"{r[p]:>8.2f}" for p in ("forward", "gather", "dsample", "share")) + f" {bound:>8.1f}")
     return "\n".join(rows)
 
 

@@ -1,16 +1,17 @@
 """`lockstep serve --http`: the HTTP gateway as a child process of rank 0, supervised there.
 
 The gateway (launch/http.py, `lockstep http`) is a client of the driver's front door like any other. Run in a
-thread of rank 0 it shared the step loop's GIL: every streamed chunk it wrote could hold the next step back by up
-to a switch interval, and every step held its event loop back (benchmarks/serving.py --http measured +12 ms a
-token and +47 ms to the first one over the ZeroMQ path; as a process of its own, +3 ms and +24 ms). So rank 0
-starts `python -m launch.cli http --address <front door> --listen HOST:PORT --model DIR --exit-with-parent PID`:
+thread of rank 0 it shared the step loop's GIL: HTTP work could hold a step back, and a step the event loop (in
+one run of benchmarks/serving.py --http the in-thread gateway added 12 ms a token over the ZeroMQ path; as a
+process, the median of five runs is 6 ms). So rank 0 starts
+`python -m launch.cli http --address <front door> --listen HOST:PORT --model DIR --exit-with-parent PID`:
 
 - `start` returns once the child prints `http http://HOST:PORT` (its output is passed on to rank 0's), and raises
   if it exits first, after a few tries (a restarted group may find the old child still letting the port go);
 - a supervisor thread starts it again when it exits while the group still serves, with a growing pause;
-- the child leaves by itself when rank 0 is gone (`--exit-with-parent`: it watches its parent's pid), so a rank 0
-  killed outright leaves no gateway holding the port;
+- it runs in a session of its own, so a signal to rank 0's process group reaches rank 0 alone, which stops it
+  (`stop`); and it leaves by itself when rank 0 is gone (`--exit-with-parent`: it watches its parent's pid), so
+  a rank 0 killed outright leaves no gateway holding the port;
 - the admin token goes to the child in LOCKSTEP_HTTP_ADMIN_TOKEN, never on its command line.
 """
 
@@ -65,8 +66,10 @@ class GatewayProcess:
 
     def _spawn(self, timeout: float) -> tuple[bool, str]:
         """One start: (listening, its last output lines)."""
+        # a session of its own: a Ctrl-C (or a launcher's SIGINT) to rank 0's process group must not end the gateway
+        # before rank 0 does (the supervisor would start it again while the group stops); `stop` ends it
         proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=self.env, cwd=REPO)
+                                env=self.env, cwd=REPO, start_new_session=True)
         listening = threading.Event()
         tail: list[str] = []
 
