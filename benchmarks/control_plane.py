@@ -23,6 +23,9 @@ prompts counted as computed: no prefill forward), runs --warmup steps, then meas
             plan (Engine._plan), bcast (send_plan), prepare (ModelRunner.prepare), sample (building the
             sample rows; serial: the whole sampling) and collect (the tokens into the requests, endings);
             waits for the device are not host time.
+  device    rank 0's device thread per step: forward, gather (the fake logits), sample (overlapped: the sampler's
+            launch), share (the rest: the token broadcast and its waits for the other rank), and the busy bound
+            forward / (forward + gather + sample) that this simulation allows with no host time at all
 and prints, per configuration, `busy=<percent> step_ms=<ms> seqs=<n> tp=<n> overlap=<on|off>` (step_ms: the
 simulated forward time). Timings on a shared 2-core machine are noisy. See docs/benchmarks.md.
 """

@@ -68,6 +68,19 @@ def test_made_tokenizer_loads_round_trips_and_chats(tok):
     assert tok.decode(ids) == chat and ids[0] == tok.convert_tokens_to_ids("<|im_start|>") == 3
 
 
+def test_a_32k_made_tokenizer_gives_nearly_every_id_text(tmp_path):
+    """The small model's vocabulary: the docstrings alone run out of merges at about 14.8k tokens, so the stdlib's
+    sources are learnt too; a random model's tokens then decode to text, as a hub tokenizer's do (before, 17k of
+    the 32k ids were reserved special tokens that decode to "", and first-text timings over HTTP meant little)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(make_tokenizer(tmp_path, 32000))
+    assert len(tok) == 32000
+    ids = random.Random(0).sample(range(32000), 2000)
+    empty = sum(tok.decode([i], skip_special_tokens=True) == "" for i in ids)
+    assert empty <= 20, f"{empty} of 2000 ids decode to no text"
+
+
 def test_make_model_writes_a_tokenizer_unless_told_not_to(tmp_path, capsys):
     from transformers import AutoConfig, AutoTokenizer
 
