@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import threading
 
 from cluster.protocol import DEFAULT_ADDRESS
@@ -23,6 +24,19 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not host:
         raise ValueError(f"--http/--listen wants HOST:PORT, got {listen!r}")
     return host.strip("[]"), int(port)
+
+
+def bind_listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) as uvicorn binds one (SO_REUSEADDR); OSError when it cannot be."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class Gateway:
@@ -54,7 +68,11 @@ class Gateway:
             config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", lifespan="off",
                                     timeout_graceful_shutdown=2)
             self.server = uvicorn.Server(config)
-            task = asyncio.ensure_future(self.server.serve())
+            try:
+                sock = bind_listen(self.host, self.port)
+            except OSError as e:
+                raise RuntimeError(f"the HTTP gateway cannot listen on {self.url}: {e.strerror or e}") from None
+            task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
             while not self.server.started and not task.done():
                 await asyncio.sleep(0.02)
             if self.server.started:
@@ -131,4 +149,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(gateway.serve())
     except KeyboardInterrupt:
         pass
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
     return 0

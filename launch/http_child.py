@@ -7,7 +7,8 @@ process, the median of five runs is 6 ms). So rank 0 starts
 `python -m launch.cli http --address <front door> --listen HOST:PORT --model DIR --exit-with-parent PID`:
 
 - `start` returns once the child prints `http http://HOST:PORT` (its output is passed on to rank 0's), and raises
-  if it exits first, after a few tries (a restarted group may find the old child still letting the port go);
+  if it exits first, or at once if the address stays in use for PORT_WAIT_S (a restarted group may find the old
+  child still letting the port go);
 - a supervisor thread starts it again when it exits while the group still serves, with a growing pause;
 - it runs in a session of its own, so a signal to rank 0's process group reaches rank 0 alone, which stops it
   (`stop`); and it leaves by itself when rank 0 is gone (`--exit-with-parent`: it watches its parent's pid), so
@@ -30,7 +31,7 @@ from cluster.config import HTTP_ADMIN_TOKEN_ENV
 log = logging.getLogger("lockstep")
 
 REPO = Path(__file__).resolve().parents[1]
-START_TRIES = 5
+PORT_WAIT_S = 5.0  # a gateway left by a rank 0 killed outright lets its port go within about 2 s
 MAX_PAUSE_S = 30.0
 
 
@@ -54,15 +55,14 @@ class GatewayProcess:
         self.restarts = 0
 
     def start(self, timeout: float = 120.0) -> "GatewayProcess":
-        """Start the child and return once it listens; RuntimeError when it cannot."""
-        last = ""
-        for attempt in range(START_TRIES):
-            ok, last = self._spawn(timeout)
-            if ok:
-                threading.Thread(target=self._supervise, name="lockstep-http-supervisor", daemon=True).start()
-                return self
-            time.sleep(1.0 + attempt)
-        raise RuntimeError(f"the HTTP gateway did not start on {self.listen} after {START_TRIES} tries:\n{last}")
+        """Start the child and return once it listens; RuntimeError when it cannot (its last output says why)."""
+        if not port_free(self.listen, PORT_WAIT_S):
+            raise RuntimeError(f"the HTTP gateway cannot listen on {self.listen}: the address is in use")
+        ok, last = self._spawn(timeout)
+        if not ok:
+            raise RuntimeError(f"the HTTP gateway did not start on {self.listen}:\n{last}")
+        threading.Thread(target=self._supervise, name="lockstep-http-supervisor", daemon=True).start()
+        return self
 
     def _spawn(self, timeout: float) -> tuple[bool, str]:
         """One start: (listening, its last output lines)."""
@@ -103,7 +103,7 @@ class GatewayProcess:
                       code, pause)
             if self.stopping.wait(pause):
                 return
-            ok, last = self._spawn(120.0)
+            ok, last = port_free(self.listen, PORT_WAIT_S) and self._spawn(120.0) or (False, "the address is in use")
             if not ok:
                 log.error("the HTTP gateway did not start again:\n%s", last)
             pause = 1.0 if ok else min(2 * pause, MAX_PAUSE_S)
@@ -120,3 +120,19 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def port_free(listen: str, wait_s: float) -> bool:
+    """Whether HOST:PORT can be bound (as the gateway binds it), trying for up to `wait_s`."""
+    from launch.http import bind_listen, parse_listen
+
+    host, port = parse_listen(listen)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            bind_listen(host, port).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+        time.sleep(0.2)

@@ -24,6 +24,7 @@ from cluster.client import Client
 from cluster.errors import Code
 from cluster.http_errors import STATUS, HttpError, status_of
 from launch.http import Gateway, settings_for
+from launch.http_child import GatewayProcess
 from launch.torchrun import free_port
 from tests.conftest import hf_greedy
 from tests.serving import fast_config, serve
@@ -331,3 +332,19 @@ def test_the_gateway_process_leaves_with_its_parent(model_dir):
             os.killpg(parent.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_gateway_on_a_taken_address_says_so(model_dir):
+    """`lockstep http` on an address in use exits 1 with one line that says so (not uvicorn's traceback), and
+    rank 0's GatewayProcess refuses at once, naming the address."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = subprocess.run([sys.executable, "-m", "launch.cli", "http", "--address", "tcp://127.0.0.1:1",
+                               "--listen", listen, "--model", str(model_dir)], capture_output=True, text=True,
+                              timeout=120, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert f"cannot listen on http://{listen}" in done.stderr
+        with pytest.raises(RuntimeError, match=f"cannot listen on {listen}: the address is in use"):
+            GatewayProcess("tcp://127.0.0.1:1", listen, str(model_dir), None).start()
