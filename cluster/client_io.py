@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -30,6 +29,7 @@ from cluster import protocol as P
 from cluster.errors import ClientError, Code, RequestLost, ServerGone
 from cluster.outputs import GenerationOutput
 from cluster.pending_request import PendingRequest, settle  # noqa: F401  (re-exported)
+from cluster.wake_pipe import WakePipe
 
 log = logging.getLogger("lockstep")
 
@@ -96,8 +96,7 @@ class IOThread:
         self.mids = itertools.count(1)
         self.heard = time.monotonic()  # when the last frame from the server arrived
         self.busy_since = time.monotonic()  # when something last became outstanding after nothing was
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_w, False)
+        self.waker = WakePipe()
         self.closed = False  # no more calls: close() was called or the thread ended
         self.failure: ClientError | None = None  # why the thread ended, when it did not end by close()
         self.thread = threading.Thread(target=self._run, name="lockstep-client", daemon=True)
@@ -199,13 +198,7 @@ class IOThread:
             self.pause_held = held
 
     def _wake(self) -> None:
-        with self.lock:  # the I/O thread closes the pipe under the lock: never write to a reused fd number
-            if self.wake_w < 0:
-                return
-            try:
-                os.write(self.wake_w, b"x")
-            except BlockingIOError:
-                pass
+        self.waker.wake()
 
     def close(self) -> None:
         """Say goodbye and end the thread, which fails what is still outstanding (`client_closed`) and
@@ -233,14 +226,14 @@ class IOThread:
         """The loop; returns None once closed, or ServerGone when the server fell silent."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.wake_r, zmq.POLLIN)
+        poller.register(self.waker.fd, zmq.POLLIN)
         last_ping = 0.0
         while True:
             with self.lock:
                 wait = 0.02 if self.outbox else 0.25 if self._busy() else PING_EVERY_S
             events = dict(poller.poll(int(wait * 1000)))
-            if self.wake_r in events:
-                os.read(self.wake_r, 65536)
+            if self.waker.fd in events:
+                self.waker.drain()
             if self.closed:
                 return None
             self._flush()
@@ -371,7 +364,4 @@ class IOThread:
             self.sock.close(linger=linger)
             self.ctx.term()
         finally:
-            with self.lock:
-                os.close(self.wake_r)
-                os.close(self.wake_w)
-                self.wake_r = self.wake_w = -1
+            self.waker.close()

@@ -196,6 +196,11 @@ class Resumer:
 
     def _give_up(self, item: Lost, reason: str, why: str | None = None) -> None:
         self._forget(item)
-        req, cause = item.req, item.cause
-        message = cause.message if why is None else f"{cause.message}; {why}"
-        req.end(RequestLost(cause.code, message, req.request_id, reason, len(req.tokens), req.resumes))
+        item.req.end(lost_error(item.req, item.cause, reason, why))
+
+
+def lost_error(req: PendingRequest, cause: ClientError, reason: str, why: str | None = None) -> RequestLost:
+    """The RequestLost that ends `req`, lost for `cause` and given up for `reason` (RequestLost's), `why` added to
+    the cause's message; it counts the tokens delivered and the resumes made."""
+    message = cause.message if why is None else f"{cause.message}; {why}"
+    return RequestLost(cause.code, message, req.request_id, reason, len(req.tokens), req.resumes)

@@ -16,9 +16,9 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
-from cluster.client_resume import RETRY_CODES
+from cluster.client_resume import RETRY_CODES, lost_error
 from cluster.errors import ClientError, Code, RequestLost
 from cluster.pending_request import PendingRequest
 from cluster.replica_pool import Replica, ReplicaPool
@@ -75,12 +75,16 @@ class Failover:
             self._give_up(item, RequestLost.CLIENT_CLOSED)
 
     def _run(self) -> None:
+        next_round = 0.0
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: self.waiting or self.closed)
+                # rounds start WAIT_S / 5 apart: what went back in line is not tried again at once
+                self.cond.wait_for(lambda: self.closed, max(0.0, next_round - time.monotonic()))
                 if self.closed:
                     return
                 batch, self.waiting = self.waiting, []
+            next_round = time.monotonic() + WAIT_S / 5
             if not self.pool.wait_healthy(WAIT_S):
                 self._requeue(batch)
                 continue
@@ -92,6 +96,8 @@ class Failover:
                     self._give_up(item, RequestLost.REFUSED, f"the resume failed: {type(e).__name__}: {e}")
 
     def _requeue(self, items: list[Lost]) -> None:
+        """Put `items` back in line (any thread: a refusal comes on the target client's I/O thread, which must
+        not sleep); those past their deadline end instead. The failover thread spaces its rounds."""
         now = time.monotonic()
         for item in [i for i in items if i.deadline <= now]:
             self._give_up(item, RequestLost.NO_SERVER, f"no healthy replica within resume_timeout_s="
@@ -99,7 +105,6 @@ class Failover:
         with self.cond:
             self.waiting.extend(i for i in items if i.deadline > now)
             self.cond.notify_all()
-        time.sleep(WAIT_S / 5)
 
     def _resume(self, item: Lost) -> None:
         """Submit the request again on a healthy replica; a refusal worth retrying puts it back in line."""
@@ -108,12 +113,10 @@ class Failover:
             self._requeue([item])
             return
         old = item.req
-        fields: dict[str, Any] = dict(old.fields)
+        fields = old.resume_fields()
         sampling = fields.pop("sampling", None) or {}
         try:
-            new, accepted = target.client.submit_future(
-                fields.pop("input_ids", None), **fields, **sampling, resume_tokens=list(old.tokens),
-                resume_versions=list(old.versions), resumes=old.resumes + 1)
+            new, accepted = target.client.submit_future(fields.pop("input_ids", None), **fields, **sampling)
         except ClientError as e:  # the target's client refused it locally (an id it still tracks)
             self.pool.finished(target.index)
             self._retry_or_end(item, e)
@@ -137,7 +140,4 @@ class Failover:
             self._give_up(item, RequestLost.REFUSED, f"the replica refused the resume: {error}")
 
     def _give_up(self, item: Lost, reason: str, why: str | None = None) -> None:
-        req, cause = item.req, item.cause
-        message = cause.message if why is None else f"{cause.message}; {why}"
-        self.on_failed(req.request_id, RequestLost(cause.code, message, req.request_id, reason, len(req.tokens),
-                                                   req.resumes))
+        self.on_failed(item.req.request_id, lost_error(item.req, item.cause, reason, why))

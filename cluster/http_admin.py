@@ -10,13 +10,12 @@ belongs to that client, so any caller holding the token may resume it. Torch-fre
 from __future__ import annotations
 
 import hmac
-from typing import Any, Awaitable, Literal
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from cluster.client import AsyncClient
-from cluster.errors import ClientError, WeightUpdateError
 from cluster.http_errors import ADMIN_TOKEN_UNSET, UNAUTHORIZED, HttpError
 
 
@@ -38,38 +37,30 @@ def check_token(request: Request, token: str | None) -> None:
 
 
 def admin_router(client: AsyncClient, token: str | None) -> APIRouter:
+    """The admin routes; a refusal from the driver (a ClientError) is answered by the app's handler."""
     router = APIRouter()
-
-    async def call(work: Awaitable[Any]) -> Any:
-        """The driver's answer, its refusal as an HttpError (the caller checked the token first)."""
-        try:
-            return await work
-        except WeightUpdateError as e:
-            raise HttpError(e.code, e.message) from None
-        except ClientError as e:
-            raise HttpError.of(e) from None
 
     @router.post("/pause")
     async def pause(request: Request) -> dict:
         check_token(request, token)
-        await call(client.pause())
+        await client.pause()
         return {"paused": True}
 
     @router.post("/resume")
     async def resume(request: Request) -> dict:
         check_token(request, token)
-        await call(client.resume())
+        await client.resume()
         return {"paused": False}
 
     @router.post("/update_weights")
     async def update_weights(request: Request, body: UpdateWeightsBody) -> dict:
         check_token(request, token)
-        return await call(client.update_weights(body.path, body.kv_policy))
+        return await client.update_weights(body.path, body.kv_policy)
 
     @router.get("/weight_version")
     async def weight_version(request: Request) -> dict:
         check_token(request, token)
-        weights = (await call(client.health())).get("weights", {})
+        weights = (await client.health()).get("weights", {})
         return {"weight_version": weights.get("version", 0), "weights": weights}
 
     return router

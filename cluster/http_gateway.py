@@ -25,6 +25,7 @@ from cluster.http_errors import HttpError
 from cluster.metrics_export import render
 from cluster.openai_schema import ChatCompletionRequest, CompletionRequest
 from cluster.openai_serving import Model, OpenAIServing, until_done_or_gone
+from driver.text_output import load_tokenizer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -38,16 +39,6 @@ class GatewaySettings:
     model_dir: str | None = None
     model_name: str | None = None
     admin_token: str | None = None
-
-
-def load_tokenizer(model_dir: str | None) -> Any:
-    """The checkpoint's tokenizer, or None when it has none."""
-    if not model_dir or not any(os.path.exists(os.path.join(model_dir, f))
-                                for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 async def resolve_model(client: AsyncClient, settings: GatewaySettings) -> Model:

@@ -85,8 +85,7 @@ def merge(maps: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if not maps:
         return out
-    for key in ("num_requests_running", "num_requests_waiting", "restart_count", "prompt_tokens",
-                "generation_tokens", *(k for _, k, _ in COUNTERS)):
+    for key in ("num_requests_running", "num_requests_waiting", "restart_count", *(k for _, k, _ in COUNTERS)):
         out[key] = sum(m.get(key, 0) for m in maps)
     out["kv_cache_usage_perc"] = sum(m.get("kv_cache_usage_perc", 0.0) for m in maps) / len(maps)
     out["weight_version"] = min(m.get("weight_version", 0) for m in maps)

@@ -10,10 +10,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.errors import Code
+from cluster.protocol import MAX_STOP_STRINGS
 from cluster.http_errors import HttpError
 
 MAX_N = 16  # choices per request (each is one submit)
-MAX_STOP = 16  # the wire's limit on stop strings (docs/protocol.md)
 
 
 class StreamOptions(BaseModel):
@@ -39,8 +39,8 @@ class _Common(BaseModel):
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP:
-            raise HttpError(Code.BAD_FIELD, f"at most {MAX_STOP} stop strings are allowed", "stop")
+        if len(stops) > MAX_STOP_STRINGS:  # the wire's limit, refused here with the field named
+            raise HttpError(Code.BAD_FIELD, f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
         return stops
 
     def include_usage(self) -> bool:

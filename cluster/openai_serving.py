@@ -131,13 +131,6 @@ class OpenAIServing:
         return tok(text, add_special_tokens=False)["input_ids"]
 
     # ------------------------------------------------------------------ running choices
-    async def _submit(self, choice: Choice, params: dict[str, Any], streaming: bool) -> None:
-        try:
-            await self.client.submit(choice.source.get("input_ids"), text=choice.source.get("text"),
-                                     request_id=choice.request_id, streaming=streaming, **choice.params(params))
-        except ClientError as e:
-            raise HttpError.of(e) from None
-
     def _cancel(self, choices: list[Choice]) -> None:
         """Best effort: tell the server to drop these requests (nobody waits for the replies)."""
         for c in choices:
@@ -148,9 +141,9 @@ class OpenAIServing:
     async def _run(self, choices: list[Choice], params: dict[str, Any]) -> None:
         """Every choice to its final output (a non-streaming call); cancelled: the server drops them."""
         async def one(c: Choice) -> None:
-            await self._submit(c, params, False)
             try:
-                c.advance(await self.client.result(c.request_id))
+                c.advance(await self.client.generate(c.source.get("input_ids"), text=c.source.get("text"),
+                                                     request_id=c.request_id, **c.params(params)))
             except ClientError as e:
                 raise HttpError.of(e) from None
         try:

@@ -121,7 +121,7 @@ class ReplicaPool:
         with self.lock:
             pool = [r for r in self.replicas if r.healthy]
             others = [r for r in pool if r.index != origin]
-            if not (others or pool):
+            if not pool:
                 return None
             chosen = self._least(others or pool)
             chosen.outstanding += 1

@@ -17,7 +17,6 @@ Torch-free: it runs in the `lockstep serve --replicas` process.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -30,9 +29,10 @@ import zmq
 from cluster import protocol as P
 from cluster.errors import ClientError, Code
 from cluster.failover import Failover
-from cluster.outputs import GenerationOutput
+from cluster.outputs import GenerationOutput, versions_between
 from cluster.pending_request import PendingRequest
 from cluster.replica_pool import Replica, ReplicaPool
+from cluster.wake_pipe import WakePipe
 from driver.admin import binds_locally
 from driver.client_outbox import ClientOutbox
 
@@ -101,9 +101,7 @@ class Router:
         self.counters = Counters()
         self.routed: dict[str, Routed] = {}
         self.events: deque[Callable[[], None]] = deque()  # run on the router thread
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_w, False)
-        self.wake_lock = threading.Lock()
+        self.waker = WakePipe()
         self.stop_event = threading.Event()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -136,10 +134,7 @@ class Router:
         self.pool.close()
         self.sock.close(linger=0)
         self.ctx.term()
-        with self.wake_lock:
-            os.close(self.wake_r)
-            os.close(self.wake_w)
-            self.wake_r = self.wake_w = -1
+        self.waker.close()
 
     # ------------------------------------------------------------------ from other threads
     def later(self, fn: Callable[[], None]) -> None:
@@ -148,13 +143,7 @@ class Router:
         self._wake()
 
     def _wake(self) -> None:
-        with self.wake_lock:  # never write to a closed pipe's fd number, which another file may reuse
-            if self.wake_w < 0:
-                return
-            try:
-                os.write(self.wake_w, b"x")
-            except BlockingIOError:  # full: the router is awake anyway
-                pass
+        self.waker.wake()
 
     def _on_lost(self, index: int, req: PendingRequest, cause: ClientError) -> None:
         self.failover.lost(index, req, cause)
@@ -169,13 +158,13 @@ class Router:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.wake_r, zmq.POLLIN)
+        poller.register(self.waker.fd, zmq.POLLIN)
         next_sweep = time.monotonic() + 1.0
         while not self.stop_event.is_set():
             try:
                 events = dict(poller.poll(250 if not self.outbox.backlogs else 10))
-                if self.wake_r in events:
-                    os.read(self.wake_r, 65536)
+                if self.waker.fd in events:
+                    self.waker.drain()
                 while self.events:
                     self.events.popleft()()
                 if self.sock in events:
@@ -305,14 +294,13 @@ class Router:
         self._watch(r)
 
     def _tokens(self, r: Routed, out: GenerationOutput) -> None:
+        if not r.streaming:  # its caller waits for the final output only
+            return
         new = out.generated_tokens[r.sent:]
-        if not new or not r.streaming:
-            r.sent = max(r.sent, len(out.generated_tokens)) if r.streaming else r.sent
+        if not new:
             return
         start = r.sent
-        before = [(i, v) for i, v in out.weight_versions if i <= start]
-        versions = [[start, before[-1][1]]] if before else []
-        versions += [[i, v] for i, v in out.weight_versions if i > start]
+        versions = [list(p) for p in versions_between(out.weight_versions, start, len(out.generated_tokens))]
         extra: dict[str, Any] = {}
         if out.text is not None:
             extra["text"], r.text_sent = out.text[r.text_sent:], len(out.text)

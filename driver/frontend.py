@@ -24,6 +24,7 @@ import zmq
 
 from cluster import protocol as P
 from cluster.errors import Code
+from cluster.wake_pipe import WakePipe
 from driver.admin import AdminPolicy, CurveKeys, PauseOwner
 from driver.client_outbox import ClientOutbox
 from driver.request_desk import ClientState, RequestDesk
@@ -59,8 +60,7 @@ class Frontend:
         self.config = config
         self.tokenizer = tokenizer
         self.replies: deque[_Reply] = deque()  # computed on other threads, sent from this one
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_w, False)
+        self.waker = WakePipe()
         self.stop_event = threading.Event()
         self.counters = {"received": 0, "rejected": 0, "accepted": 0, "finished": 0, "disconnect_cancels": 0,
                          "slow_client_cancels": 0, "slow_client_overflows": 0, "loop_deadline_fails": 0}
@@ -106,6 +106,8 @@ class Frontend:
         self.stop_event.set()
         self._wake()
         self.thread.join(10)
+        if not self.thread.is_alive():  # a thread still polling keeps its pipe
+            self.waker.close()
         if self.auth is not None:
             self.auth.stop()
 
@@ -116,16 +118,13 @@ class Frontend:
         self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self.wake_w, b"x")
-        except BlockingIOError:  # the pipe is full: the front door is already awake
-            pass
+        self.waker.wake()
 
     # -------------------------------------------------------------- the thread
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.wake_r, zmq.POLLIN)
+        poller.register(self.waker.fd, zmq.POLLIN)
         next_sweep = time.monotonic() + 1.0
         while not self.stop_event.is_set():
             try:
@@ -148,8 +147,8 @@ class Frontend:
     def _turn(self, poller: zmq.Poller) -> None:
         """Read what clients sent, deliver what the loop produced, admit, and flush backlogs."""
         events = dict(poller.poll(20 if self.outbox.backlogs else 500))
-        if self.wake_r in events:
-            os.read(self.wake_r, 65536)
+        if self.waker.fd in events:
+            self.waker.drain()
         if self.sock in events:
             for _ in range(1000):  # drain, bounded so outputs are never starved
                 try:

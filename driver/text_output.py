@@ -15,6 +15,7 @@ The request desk (driver/request_desk.py) owns one per ticket whose text is on.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,3 +144,13 @@ class TextOutput:
         out.status, out.finish_reason, out.stop_string = RequestStatus.FINISHED, "stop", self.matched
         out.error = out.error_code = None
         out.text = self.text
+
+
+def load_tokenizer(model_dir: str | None) -> Any:
+    """The checkpoint's tokenizer (transformers' AutoTokenizer), or None when it has none."""
+    if not model_dir or not any(os.path.exists(os.path.join(model_dir, f))
+                                for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

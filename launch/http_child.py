@@ -52,7 +52,6 @@ class GatewayProcess:
         self.env["PYTHONPATH"] = os.pathsep.join(pythonpath)
         self.proc: subprocess.Popen | None = None
         self.stopping = threading.Event()
-        self.restarts = 0
 
     def start(self, timeout: float = 120.0) -> "GatewayProcess":
         """Start the child and return once it listens; RuntimeError when it cannot (its last output says why)."""
@@ -98,7 +97,6 @@ class GatewayProcess:
             code = proc.wait() if proc is not None else None
             if self.stopping.is_set():
                 return
-            self.restarts += 1
             log.error("the HTTP gateway (pid %s) exited with status %s; starting it again in %.0f s", proc.pid,
                       code, pause)
             if self.stopping.wait(pause):

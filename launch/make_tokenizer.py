@@ -91,9 +91,10 @@ def _trained(vocab_size: int) -> str:
         tok.train_from_iterator(texts, trainer)
         return tok
 
-    tok = train(corpus())
+    docs = corpus()
+    tok = train(docs)
     if tok.get_vocab_size(with_added_tokens=True) < vocab_size:  # the docstrings ran out of merges
-        tok = train(corpus() + source_corpus())
+        tok = train(docs + source_corpus())
     size = tok.get_vocab_size(with_added_tokens=True)
     if size > vocab_size:
         raise ValueError(f"vocab_size={vocab_size} is below the {size} tokens a byte-level BPE needs")

@@ -28,6 +28,7 @@ from typing import Any
 from cluster.client import Client
 from cluster.config import ContinuousBatchingConfig
 from cluster.router import Router, RouterConfig
+from launch.cli import weights_record_path
 from launch.http import start_beside
 from launch.ray_launcher import RayCluster, start_ray_cluster
 from launch.serve import load_preset
@@ -65,7 +66,6 @@ class Replicas:
 
     groups: list[RayCluster]
     router: Router
-    run_dir: str  # each replica's weights record lives in replica-<i>/ here
     owns_ray: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
     supervisors: list[threading.Thread] = field(default_factory=list)
@@ -137,8 +137,9 @@ def start_replicas(model_dir: str | os.PathLike, tp: int | list[int] = 1, replic
     model_dir = str(Path(model_dir).resolve())
     preset = load_preset(config)
     router_config = RouterConfig(**preset.get("router", {}))
-    router_config.page_size = preset.get("continuous_batching", {}).get("page_size",
-                                                                         ContinuousBatchingConfig.page_size)
+    # the replicas' page size as their managers resolve it (checked, block_size alias included): affinity hashes
+    # the same pages the replicas' block managers do
+    router_config.page_size = ContinuousBatchingConfig.from_any(preset.get("continuous_batching")).page_size
     router_config.address = address or router_config.address
     router_config.policy = policy or router_config.policy
     owns_ray = not ray.is_initialized()
@@ -150,11 +151,9 @@ def start_replicas(model_dir: str | os.PathLike, tp: int | list[int] = 1, replic
         nodes = spread_nodes(len(tps), max(tps), max(tps) if gpu else 0) if spread else [None] * len(tps)
         bind = "tcp://0.0.0.0:*" if spread else "tcp://127.0.0.1:*"
         for i, (n, node) in enumerate(zip(tps, nodes)):
-            state = Path(run_dir) / f"replica-{i}" / "weights.json"
-            state.parent.mkdir(parents=True, exist_ok=True)
-            state.unlink(missing_ok=True)
+            state = weights_record_path(os.path.join(run_dir, f"replica-{i}"))
             groups.append(start_ray_cluster(model_dir, tp=n, config=preset, address=bind, gpu=gpu,
-                                            ready_timeout=ready_timeout, state_file=str(state),
+                                            ready_timeout=ready_timeout, state_file=state,
                                             bundle_extra={f"node:{node}": NODE_SLIVER} if node else None,
                                             name=f"lockstep-{os.getpid()}-replica-{i}"))
         router = Router([g.address for g in groups], router_config, [model_dir] * len(groups)).start(ready_timeout)
@@ -164,7 +163,7 @@ def start_replicas(model_dir: str | os.PathLike, tp: int | list[int] = 1, replic
         if owns_ray:
             ray.shutdown()
         raise
-    fleet = Replicas(groups, router, run_dir, owns_ray)
+    fleet = Replicas(groups, router, owns_ray)
     fleet.supervise(max_restarts)
     if service_name:
         fleet.service = publish(router.address, service_name)

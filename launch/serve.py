@@ -90,6 +90,7 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     frontend = gateway = None
     if model.groups.is_driver:
         from driver.frontend import Frontend
+        from driver.text_output import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
         frontend = Frontend(manager, fe_cfg, tokenizer, record, model_path=model_dir).start()
@@ -183,14 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     code = serve_rank(args.model, args.config, args.address, stop, on_started=install_signal_handlers,
                       state_file=args.state_file, http=args.http)
     os._exit(code)  # daemon threads may sit in a broken collective: leave without joining them
-
-
-def load_tokenizer(model_dir: str):
-    if not any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 if __name__ == "__main__":

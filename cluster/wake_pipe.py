@@ -1,0 +1,39 @@
+"""Waking a thread that sleeps in `zmq.Poller.poll` from any other thread: the front door, the client's I/O
+thread and the replicas' router each poll their socket and one of these.
+
+Register `fd` for POLLIN; any thread calls `wake`; the polling thread calls `drain` when `fd` fired. `close`
+closes both ends once; a `wake` after it does nothing (it never writes to a closed descriptor's number, which
+another file may have reused). Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+
+class WakePipe:
+    def __init__(self) -> None:
+        self.fd, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._lock = threading.Lock()
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._write < 0:
+                return
+            try:
+                os.write(self._write, b"x")
+            except BlockingIOError:  # full: the thread is awake anyway
+                pass
+
+    def drain(self) -> None:
+        os.read(self.fd, 65536)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._write < 0:
+                return
+            os.close(self.fd)
+            os.close(self._write)
+            self.fd = self._write = -1
