@@ -95,15 +95,27 @@ class FakeModel:
 
 
 class SimulatedForward:
-    """A forward that takes `step_s` of device time and returns fixed fake logits for meta's logit rows."""
+    """A device step of `step_s`: the forward, returning fixed fake logits for meta's logit rows, and the device
+    work around it that runs here for real on the device thread (the logits gather, sampling, the token broadcast,
+    the burst's advance). The forward sleeps the step's time less the CPU time (time.thread_time) the device
+    thread spent on that work since the last forward, so each step costs the device `step_s` unless that work
+    alone takes longer; the thread's waits (for the other rank in a collective, for the GIL, for work to be queued)
+    are not deducted: they stay lost time."""
 
     def __init__(self, tp: int, rank: int, rows: int):
         g = torch.Generator().manual_seed(rank)
         self.logits = torch.randn(rows, VOCAB // tp, generator=g)
         self.step_s = 0.005
+        self.calls = 0
+        self.cpu_mark: float | None = None  # the device thread's CPU clock when the last forward ended
+        self.around_s = 0.0  # CPU seconds of device work around the forwards, summed
 
     def __call__(self, ids: torch.Tensor, meta: Any) -> torch.Tensor:
-        self.sleep(self.step_s)
+        self.calls += 1
+        around = 0.0 if self.cpu_mark is None else time.thread_time() - self.cpu_mark
+        self.around_s += around
+        self.sleep(max(0.0, self.step_s - around))
+        self.cpu_mark = time.thread_time()
         return self.logits[:meta.logits_idx.numel()]
 
     def sleep(self, seconds: float) -> None:
@@ -181,7 +193,8 @@ def prefilled(engine: Engine, seqs: int, new_tokens: int) -> None:
 
 def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: int, step_ms: float,
           warmup: int, steps: int) -> dict:
-    """One configuration on the driver; the workers follow its plans."""
+    """One configuration on the driver; the workers follow its plans. `steps` counts forwards (a burst plan
+    runs several); every figure is per forward."""
     engine.send(Command.PUBLISH, msgpack.packb({"step_ms": step_ms}))  # the workers' simulated forward time
     forward.step_s = step_ms / 1000
     prefilled(engine, seqs, warmup + steps + 4)
@@ -189,32 +202,33 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
     send_plan = engine_module.send_plan
     instrument(engine, runner, clock, device, forward, send_plan)
     try:
-        for _ in range(warmup):
+        while forward.calls < warmup:
             engine.step()
         clock.reset()
         device.reset()
-        t0, busy0 = time.perf_counter(), runner.stream.busy_s
-        for _ in range(steps):
+        t0, busy0, calls0, plans0 = time.perf_counter(), runner.stream.busy_s, forward.calls, engine.step_no
+        while forward.calls - calls0 < steps:
             engine.step()
-        wall, busy = time.perf_counter() - t0, runner.stream.busy_s - busy0
         engine.flush()
+        wall, busy = time.perf_counter() - t0, runner.stream.busy_s - busy0
+        steps, plans = forward.calls - calls0, engine.step_no - plans0
     finally:
         engine_module.send_plan = send_plan
     for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.end(req, RequestStatus.CANCELLED)
-    return {"seqs": seqs, "step_ms": step_ms, "busy": 100 * steps * step_ms / 1000 / wall,
+    return {"seqs": seqs, "step_ms": step_ms, "burst": steps / max(1, plans), "busy": 100 * steps * step_ms / 1000 / wall,
             "thread": 100 * busy / wall, "wall_ms": 1000 * wall / steps,
             **{k: 1000 * v / steps for k, v in (clock.spent | device.spent).items()},
             "share": 1000 * (busy - sum(device.spent.values())) / steps}
 
 
-def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, bool]], warmup: int, steps: int,
+def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, bool, int]], warmup: int, steps: int,
               out: Any) -> None:
     os.environ.update(WORLD_SIZE=str(tp), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     groups = init_groups(cpu_group_timeout=600, device="cpu")
-    rc = resolved(max(s for s, _, _ in configs), warmup + steps)
+    rc = resolved(max(c[0] for c in configs), warmup + steps + max(c[3] for c in configs))
     runner, forward = build_runner(rc, groups)
     try:
         if rank != 0:
@@ -222,10 +236,10 @@ def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, boo
                 forward.step_s = msgpack.unpackb(plan.data)["step_ms"] / 1000
             return
         results = []
-        for seqs, step_ms, overlap in configs:
-            engine = Engine(runner, dataclasses.replace(rc, overlap=overlap), groups, seed=0)
+        for seqs, step_ms, overlap, burst in configs:
+            engine = Engine(runner, dataclasses.replace(rc, overlap=overlap, decode_burst=burst), groups, seed=0)
             row = drive(engine, runner, forward, seqs, step_ms, warmup, steps)
-            results.append(row | {"tp": tp, "overlap": overlap})
+            results.append(row | {"tp": tp, "overlap": overlap, "max_burst": burst})
             print(line(results[-1]), flush=True)
         engine.send(Command.STOP)
         out.put(results)
@@ -236,31 +250,40 @@ def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, boo
 
 def line(r: dict) -> str:
     return (f"busy={r['busy']:.1f} step_ms={r['step_ms']:g} seqs={r['seqs']} tp={r['tp']} "
-            f"overlap={'on' if r['overlap'] else 'off'}")
+            f"overlap={'on' if r['overlap'] else 'off'} burst={r['max_burst']}")
+
+
+def mode(r: dict) -> str:
+    """off, on, or on with bursts of up to k forwards a plan (`on/8`)."""
+    return "off" if not r["overlap"] else "on" if r["max_burst"] == 1 else f"on/{r['max_burst']}"
 
 
 def table(results: list[dict]) -> str:
-    head = f"{'tp':>3} {'seqs':>5} {'fwd ms':>6} {'overlap':>7} {'busy %':>7} {'dev thr %':>9} {'step ms':>8} " \
-        f"{'host ms':>8} " + \
+    key = f"{'tp':>3} {'seqs':>5} {'fwd ms':>6} {'overlap':>7} "
+
+    def start(r: dict) -> str:
+        return f"{r['tp']:>3} {r['seqs']:>5} {r['step_ms']:>6g} {mode(r):>7} "
+
+    head = key + f"{'busy %':>7} {'dev thr %':>9} {'step ms':>8} {'fwd/plan':>8} {'host ms':>8} " + \
         " ".join(f"{p:>8}" for p in PARTS)
-    rows = [head, "-" * len(head)]
+    rows = ["overlap on/k: overlapped with multi-step decode, up to k forwards a plan; ms are per forward", "",
+            head, "-" * len(head)]
     for r in results:
         host = sum(r[p] for p in PARTS)
-        rows.append(f"{r['tp']:>3} {r['seqs']:>5} {r['step_ms']:>6g} {'on' if r['overlap'] else 'off':>7} "
-                    f"{r['busy']:>7.1f} {r['thread']:>9.1f} {r['wall_ms']:>8.2f} {host:>8.2f} " + " ".join(f"{r[p]:>8.2f}" for p in PARTS))
-    rows += ["", "rank 0's device thread, ms a step (share: the token broadcast and waits; bound: forward / (forward +",
+        rows.append(start(r) + f"{r['busy']:>7.1f} {r['thread']:>9.1f} {r['wall_ms']:>8.2f} {r['burst']:>8.2f} "
+                    f"{host:>8.2f} " + " ".join(f"{r[p]:>8.2f}" for p in PARTS))
+    rows += ["", "rank 0's device thread, ms a forward (share: the token broadcast and waits; bound: forward / (forward +",
              "gather + sample), the busy % this simulation allows with no host time at all):"]
-    head = f"{'tp':>3} {'seqs':>5} {'fwd ms':>6} {'overlap':>7} " + " ".join(
-        f"{p:>8}" for p in ("forward", "gather", "sample", "share", "bound %"))
+    head = key + " ".join(f"{p:>8}" for p in ("forward", "gather", "sample", "share", "bound %"))
     rows += [head, "-" * len(head)]
     for r in results:
         bound = 100 * r["forward"] / max(1e-9, r["forward"] + r["gather"] + r["dsample"])
-        rows.append(f"{r['tp']:>3} {r['seqs']:>5} {r['step_ms']:>6g} {'on' if r['overlap'] else 'off':>7} "
-                    + " ".join(f"{r[p]:>8.2f}" for p in ("forward", "gather", "dsample", "share")) + f" {bound:>8.1f}")
+        rows.append(start(r) + " ".join(f"{r[p]:>8.2f}" for p in ("forward", "gather", "dsample", "share"))
+                    + f" {bound:>8.1f}")
     return "\n".join(rows)
 
 
-def run_tp(tp: int, configs: list[tuple[int, float, bool]], warmup: int, steps: int) -> list[dict]:
+def run_tp(tp: int, configs: list[tuple[int, float, bool, int]], warmup: int, steps: int) -> list[dict]:
     from launch.torchrun import free_port
 
     ctx = mp.get_context("spawn")
@@ -282,13 +305,16 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=None)
     ap.add_argument("--seqs", type=int, nargs="+", default=None)
     ap.add_argument("--step-ms", type=float, nargs="+", default=[2.0, 5.0])
+    ap.add_argument("--burst", type=int, default=8,
+                    help="also run overlapped with multi-step decode (decode_burst) of this many forwards; 1: not")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=None, help="measured steps per configuration")
     args = ap.parse_args()
     tps = args.tp or ([2] if args.quick else [2, 4])
     seqs = args.seqs or ([256] if args.quick else [8, 64, 256, 512])
     steps = args.steps or (150 if args.quick else 100)
-    configs = [(n, ms, ov) for n in seqs for ms in args.step_ms for ov in (False, True)]
+    modes = [(False, 1), (True, 1)] + ([(True, args.burst)] if args.burst > 1 else [])
+    configs = [(n, ms, ov, k) for n in seqs for ms in args.step_ms for ov, k in modes]
     results = []
     for tp in tps:
         results += run_tp(tp, configs, args.warmup, steps)

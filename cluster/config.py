@@ -1,6 +1,7 @@
 """Configuration in one place: the seed's ContinuousBatchingConfig, its validation, and its resolution.
 
-`ContinuousBatchingConfig` keeps every field of transformers' class with the same name and default.
+`ContinuousBatchingConfig` keeps every field of transformers' class with the same name and default, plus
+Lockstep's own (`LOCKSTEP_FIELDS`, defaults that change nothing).
 `resolve_config` turns it into `ResolvedConfig`: plain numbers that the driver, the workers and the static
 buffers are sized from. A field that cannot apply on this hardware resolves to its effective value, and the
 reasons are collected in `ResolvedConfig.notes` so the manager can report them in one log line.
@@ -19,6 +20,7 @@ from typing import Any
 from cluster.compile_settings import CompileSettings, compile_decision
 
 # Defaults where the seed says "inferred" and there is no GPU memory to infer from.
+LOCKSTEP_FIELDS = ("decode_burst",)  # ContinuousBatchingConfig's fields that transformers' class does not have
 CPU_KV_CACHE_BYTES = 1 << 30  # KV budget on a CPU rank when num_blocks is None (1 GiB)
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
 DEFAULT_MAX_REQUESTS_PER_BATCH = {"cpu": 128, "cuda": 1024}
@@ -32,7 +34,8 @@ ATTN_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}  # work of one paged SDP
 
 @dataclass
 class ContinuousBatchingConfig:
-    """Every field of transformers' ContinuousBatchingConfig, same names and defaults (see shared/seed)."""
+    """Every field of transformers' ContinuousBatchingConfig, same names and defaults (see shared/seed), then
+    Lockstep's own (LOCKSTEP_FIELDS)."""
 
     page_size: int = 256
     num_blocks: int | None = None
@@ -64,6 +67,9 @@ class ContinuousBatchingConfig:
     use_default_compile_configs: bool | None = None
     max_cached_graphs: int | None = None
     block_size: int | None = None
+    # Lockstep's own: multi-step decode. Overlapped, a decode-only batch whose rows need no token history on the
+    # host runs up to this many forwards from one plan (cluster/plan.py StepPlan.burst); 1: one step a plan
+    decode_burst: int = 1
 
     def __post_init__(self) -> None:
         if self.use_default_compile_configs is not None:
@@ -124,6 +130,8 @@ class ContinuousBatchingConfig:
             bad("cpu_offload_space_safety_threshold", "must be in [0, 1]")
         if self.cpu_group_timeout is not None and self.cpu_group_timeout <= 0:
             bad("cpu_group_timeout", "must be positive or None")
+        if not isinstance(self.decode_burst, int) or isinstance(self.decode_burst, bool) or self.decode_burst < 1:
+            bad("decode_burst", "must be a positive integer")
 
     @classmethod
     def from_any(cls, obj: Any) -> "ContinuousBatchingConfig":
@@ -179,6 +187,8 @@ class ResolvedConfig:
     num_host_blocks: int = 0
     # overlapped scheduling (use_async_batching): step N+1 is scheduled, broadcast and prepared while step N runs
     overlap: bool = False
+    # multi-step decode (decode_burst): the most forwards one decode-only plan runs; 1 unless overlap is on
+    decode_burst: int = 1
 
     @property
     def max_tokens_padded(self) -> int:
@@ -238,6 +248,10 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
     # overlapped scheduling hides the host's step work behind an asynchronous forward; the CPU's forward is
     # synchronous, so there it would only add one collective a step
     overlap = cfg.use_async_batching if cfg.use_async_batching is not None else device_kind == "cuda"
+    burst = cfg.decode_burst if overlap else 1
+    if cfg.decode_burst > 1 and not overlap:
+        notes.append(f"decode_burst {cfg.decode_burst} -> 1: multi-step decode needs overlapped scheduling "
+                     "(use_async_batching=True)")
     num_host_blocks = host_pool_pages(cfg, kv_bytes_per_token * page, system_ram, notes)
     varlen_compile, decode_compile, compile_notes = compile_decision(
         cfg.varlen_compile_config, cfg.decode_compile_config, cfg.default_compile_level, use_flash_attn=use_flash)
@@ -255,7 +269,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         allow_block_sharing=cfg.allow_block_sharing,
         safety_margin=cfg.safety_margin if cfg.safety_margin is not None else 0.0,
         cpu_group_timeout=cfg.cpu_group_timeout, notes=notes, attn_chunk_elements=ATTN_CHUNK_ELEMENTS[device_kind],
-        num_host_blocks=num_host_blocks, overlap=bool(overlap), varlen_compile=varlen_compile,
+        num_host_blocks=num_host_blocks, overlap=bool(overlap), decode_burst=burst, varlen_compile=varlen_compile,
         decode_compile=decode_compile)
 
 

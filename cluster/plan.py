@@ -44,7 +44,7 @@ class H(IntEnum):
     WEIGHT_VERSION = 8
     DATA_LEN = 9
     SHARE_TOKENS = 10  # 1: overlapped step (see StepPlan.share_tokens)
-    RESERVED_11 = 11
+    BURST = 11  # decode steps this STEP plan runs back to back (see StepPlan.burst); 0 or 1: one
     NUM_SWAP_OUT = 12  # KV page copies device -> host pool before the forward (cpu_offload_space)
     NUM_SWAP_IN = 13  # host pool -> device, after the swap-outs
 
@@ -76,6 +76,10 @@ class StepPlan:
     # overlapped scheduling: every rank broadcasts this step's sampled tokens on the device group after its
     # forward, and the NEXT step's input ids may read them: an id -(1 + j) is sampled row j of this step
     share_tokens: bool = False
+    # multi-step decode: a decode-only, overlapped plan every rank runs `burst` times back to back, each forward
+    # reading the tokens the one before sampled and broadcast, with its positions, slots and KV lengths advanced
+    # on the device (worker/runner.py `launch_burst`); the driver sends no plan in between
+    burst: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +114,7 @@ class StepPlan:
         h[H.WEIGHT_VERSION] = self.weight_version
         h[H.DATA_LEN] = len(self.data)
         h[H.SHARE_TOKENS] = int(self.share_tokens)
+        h[H.BURST] = self.burst
         return h
 
     def payload(self) -> np.ndarray:
@@ -129,7 +134,8 @@ def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> S
         raise RuntimeError(f"control channel out of step: header magic {int(h[H.MAGIC]):#x}")
     t, b, nb = int(h[H.NUM_TOKENS]), int(h[H.NUM_SEQS]), int(h[H.TABLE_WIDTH])
     plan = StepPlan(command=Command(int(h[H.COMMAND])), step=int(h[H.STEP]),
-                    weight_version=int(h[H.WEIGHT_VERSION]), data=data, share_tokens=bool(h[H.SHARE_TOKENS]))
+                    weight_version=int(h[H.WEIGHT_VERSION]), data=data, share_tokens=bool(h[H.SHARE_TOKENS]),
+                    burst=max(1, int(h[H.BURST])))
     if payload is not None and payload.size:
         o = 0
         plan.input_ids = payload[o:o + t]; o += t

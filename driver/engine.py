@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
+import torch
 
 from cluster.config import ResolvedConfig
 from cluster.dist import Groups, send_plan
@@ -35,7 +37,7 @@ class InFlight:
     """An overlapped step whose sampling is queued but not collected."""
 
     sampled: list[Request]  # one per sampled logits row, in row order
-    launched: Handle[Launched]
+    launched: list[Handle[Launched]]  # one per forward of the step (a burst runs several)
     weight_version: int
     row_of: dict[int, int] = field(default_factory=dict)  # id(request) -> its row: input id -(1 + row) next step
 
@@ -51,6 +53,7 @@ class Engine:
         self.step_no = 0
         self.weight_version = 0
         self.num_tokens_generated = 0
+        self.num_burst_forwards = 0  # forwards run by bursts beyond their plan's first (multi-step decode)
         self.rank_states = None  # every rank's state row, as of the last plan (see cluster.plan.S)
         self.in_flight: InFlight | None = None  # overlapped: the step launched last, not collected yet
 
@@ -85,10 +88,15 @@ class Engine:
         return s is not None and bool(s[1:, S.WANTS_RESULTS].any())
 
     def flush(self) -> list[Request]:
-        """Collect the step in flight, if any; returns the requests that got a token or ended."""
+        """Collect the step in flight, if any (a burst's tokens in order); returns the requests that got a token
+        or ended, each once."""
         f, self.in_flight = self.in_flight, None
-        return [] if f is None else self._apply(f.sampled, self.sampler.collect(f.launched.value()),
-                                                f.weight_version, pending=True)
+        if f is None:
+            return []
+        events = []
+        for launched in f.launched:
+            events += self._apply(f.sampled, self.sampler.collect(launched.value()), f.weight_version, pending=True)
+        return list(dict.fromkeys(events)) if len(f.launched) > 1 else events
 
     def abandon(self) -> None:
         """Drop the step in flight without waiting for it (a failure path: its requests are ended anyway)."""
@@ -112,15 +120,18 @@ class Engine:
                 self.send(Command.PUBLISH, data)
             return events
         batch.sort(key=lambda s: s.num_tokens != 1)  # the decode group goes first
+        burst = self.scheduler.burst_length(batch) if self.rc.overlap else 1  # allocates its pages: before _plan
         plan = self._plan(batch)
         plan.data = data
         plan.swap_out, plan.swap_in = self.scheduler.take_swaps()
         sampled = [s.req for s, m in zip(batch, plan.sample) if m]
         plan.share_tokens = self.rc.overlap and bool(sampled)
+        plan.burst = burst  # > 1 only when every row samples (so share_tokens is set)
+        self.num_burst_forwards += burst - 1
         self.rank_states = send_plan(plan, self.groups)
         logits = self.runner.launch(plan)
         for s in batch:
-            s.req.num_computed += s.num_tokens
+            s.req.num_computed += s.num_tokens + plan.burst - 1
         if not plan.share_tokens:  # in series: every token so far is on the host after this step
             events += self.flush()
             self._register(batch)
@@ -128,12 +139,19 @@ class Engine:
             self.step_no += 1
             return events
         for req in sampled:
-            req.num_pending += 1
+            req.num_pending += plan.burst
         events += self.flush()  # the previous step: now every token this step ran is on the host
         self._register(batch)
         host_rows = self.sampler.rows([None if r.is_finished else r for r in sampled])
-        launched = self.runner.stream.submit(lambda: self.sampler.launch(logits.in_order(), *host_rows))
-        self.runner.share(lambda: launched.in_order().tokens)
+        launched: list[Handle[Launched]] = []
+
+        def sample(i: int, forward: Handle) -> Callable[[], torch.Tensor]:
+            """Queue the sampling of the burst's forward i (token index + i); give its tokens, in stream order."""
+            h = self.runner.stream.submit(lambda: self.sampler.launch(forward.in_order(), *host_rows, offset=i))
+            launched.append(h)
+            return lambda: h.in_order().tokens
+
+        self.runner.share_burst(logits, sample)
         self.in_flight = InFlight(sampled, launched, self.weight_version, {id(r): j for j, r in enumerate(sampled)})
         self.step_no += 1
         return events
@@ -195,7 +213,7 @@ class Engine:
             r = s.req
             start, stop = r.num_computed, r.num_computed + s.num_tokens
             p, known = len(r.prompt_ids), len(r.prompt_ids) + len(r.generated)
-            if start == known:  # a one-token decode of its pending token
+            if r.num_pending and start == known + r.num_pending - 1:  # a one-token decode of its last pending token
                 ids.append(-1 - row_of[id(r)])
             elif stop == known and start == known - 1 and start >= p:  # a one-token decode, on the host
                 ids.append(r.generated[start - p])

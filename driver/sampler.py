@@ -47,22 +47,24 @@ class Picks(NamedTuple):
     invalid: torch.Tensor
 
 
-def with_noise(processed: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Sampling rows' processed logits plus their Gumbel noise; other rows unchanged."""
+def with_noise(processed: torch.Tensor, rows: list[SampleRow], offset: int = 0) -> torch.Tensor:
+    """Sampling rows' processed logits plus their Gumbel noise (for token index row.index + offset); other rows
+    unchanged."""
     def noisy(x: torch.Tensor, ix: list[int]) -> torch.Tensor:
         keys = torch.tensor([signed64(rows[i].key) for i in ix], dtype=torch.int64, device=x.device)
-        index = torch.tensor([rows[i].index for i in ix], dtype=torch.int64, device=x.device)
+        index = torch.tensor([rows[i].index + offset for i in ix], dtype=torch.int64, device=x.device)
         return x + gumbel(keys, index, x.shape[-1])
 
     return on_rows(processed, [i for i, r in enumerate(rows) if r.samples], noisy, processed)
 
 
-def pick(logits: torch.Tensor, rows: list[SampleRow]) -> Picks:
+def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0) -> Picks:
     """The batch's tokens and logprobs ([N, vocab] logits, one row each), computed on the logits' device in
-    float32 without waiting on it."""
+    float32 without waiting on it. `offset`: the rows' tokens come that many after their `index` (the later
+    forwards of a burst; only rows that need no token history burst)."""
     logits = logits.float()
     processed = process_logits(logits, rows)
-    scores = with_noise(processed, rows)
+    scores = with_noise(processed, rows, offset)
     best, tokens = scores.max(-1)  # the first of equal maxima, as argmax
     invalid = ~best.isfinite()  # max propagates a NaN, so an unprocessed row's NaN shows here
     if processed is not logits:  # a filter may have masked a NaN away: a NaN anywhere makes the row's sum NaN
@@ -122,9 +124,9 @@ def host_draws(host: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
     return out
 
 
-def draws(logits: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
+def draws(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0) -> list[Draw]:
     """pick, then the step's one transfer to the host."""
-    return host_draws(to_host(pick(logits, rows))[0], rows)
+    return host_draws(to_host(pick(logits, rows, offset))[0], rows)
 
 
 class Sampler:
@@ -154,20 +156,20 @@ class Sampler:
         return early, live, rows
 
     def launch(self, logits: torch.Tensor, early: list[Draw | None], live: list[int],
-               rows: list[SampleRow]) -> Launched:
+               rows: list[SampleRow], offset: int = 0) -> Launched:
         """The device half: pick every live row and start the transfer, without waiting on the device (unless
-        some row breaks the batch: then the rows are sampled one at a time, here)."""
+        some row breaks the batch: then the rows are sampled one at a time, here). `offset`: see `pick`."""
         n = len(early)
         if not live:
             return Launched(torch.zeros(n, dtype=torch.int64, device=logits.device), early, live, rows, None)
         index = None if len(live) == n else torch.tensor(live, device=logits.device)
         mine = logits if index is None else logits[index]
         try:
-            picks = pick(mine, rows)
+            picks = pick(mine, rows, offset)
         except Exception:  # noqa: BLE001  (some row broke the batch: find which, one row at a time)
             alone = list(early)
             for j, row in zip(live, rows):
-                alone[j] = self._alone(logits[j:j + 1], row)
+                alone[j] = self._alone(logits[j:j + 1], row, offset)
             tokens = torch.tensor([d.token if d is not None and d.token is not None else 0 for d in alone],
                                   dtype=torch.int64)
             return Launched(tokens.to(logits.device), alone, [], [], None)
@@ -188,8 +190,8 @@ class Sampler:
         return out
 
     @staticmethod
-    def _alone(logits: torch.Tensor, row: SampleRow) -> Draw:
+    def _alone(logits: torch.Tensor, row: SampleRow, offset: int) -> Draw:
         try:
-            return draws(logits, [row])[0]
+            return draws(logits, [row], offset)[0]
         except Exception as e:  # noqa: BLE001
             return Draw(None, None, e)

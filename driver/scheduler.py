@@ -68,6 +68,27 @@ class Scheduler:
             self._admit(batch, budget, impossible)
         return batch, impossible
 
+    def burst_length(self, batch: list[Scheduled]) -> int:
+        """How many decode forwards this batch runs from one plan (multi-step decode, rc.decode_burst), with each
+        row's pages allocated that far ahead: more than one only when nobody waits to be admitted, every row is
+        a one-token decode that samples without token history on the host (no repetition penalty, no generation
+        option), and every row has that many tokens left before its limits."""
+        k = self.rc.decode_burst
+        if k <= 1 or self.waiting:
+            return 1
+        max_len = self.rc.max_model_len
+        for s in batch:
+            r = s.req
+            if s.num_tokens != 1 or not s.samples or r.sampling.repetition_penalty != 1.0 or r.sampling.constrained:
+                return 1
+            ahead = r.num_tokens_ahead
+            k = min(k, r.max_new_tokens - (ahead - len(r.prompt_ids)), max_len - ahead)
+            if k <= 1:
+                return 1
+        if not all(self.blocks.allocate(s.req, s.req.num_computed + k) for s in batch):
+            return 1  # pages already given to some rows stay theirs: they need them within k tokens anyway
+        return k
+
     def _room(self, batch: list[Scheduled], budget: list[int]) -> bool:
         return budget[0] > 0 and len(batch) < self.rc.max_requests_per_batch
 

@@ -1,5 +1,6 @@
 """Greedy outputs token-identical to transformers' generate (float32, CPU), for every architecture and TP size,
-under chunked prefill, prefix sharing and preemption, with overlapped scheduling (use_async_batching) off and on."""
+under chunked prefill, prefix sharing and preemption, with overlapped scheduling (use_async_batching) off and on,
+and with multi-step decode (decode_burst) on."""
 
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ import pytest
 import cluster
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy, read_json, run_ranks, transformers_greedy
-from tests.workloads import NEW_TOKENS, SCENARIOS, prompts_for
+from tests.workloads import MODES, NEW_TOKENS, SCENARIOS, prompts_for
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
-MODES = {"serial": False, "overlap": True}  # mode -> use_async_batching
 
 
-def check_scenario(name: str, tokens: list[list[int]], status: list[int], stats: dict, reference) -> None:
+def check_scenario(name: str, tokens: list[list[int]], status: list[int], stats: dict, reference,
+                   mode: str) -> None:
     assert len(tokens) == len(reference)
     for i, (got, want) in enumerate(zip(tokens, reference)):
         assert got == want, f"{name}: prompt {i} differs from transformers: {got[:10]} vs {want[:10]}"
     assert all(s == RequestStatus.FINISHED for s in status)
+    if mode == "burst":
+        assert stats["burst_forwards"] > 0, "multi-step decode ran no burst: the mode tests nothing"
     if name == "sharing":
         assert stats["prefix_hit_blocks"] > 0, "the shared-prefix scenario reused no block"
     if name == "preempt":
@@ -39,11 +42,11 @@ def test_tp1_matches_transformers(arch, mode, make_checkpoint):
     model = cluster.load(model_dir)
     for name, (fields, kind) in SCENARIOS.items():
         prompts = prompts_for(kind, model.config.vocab_size)
-        config = cluster.ContinuousBatchingConfig(**fields, use_async_batching=MODES[mode])
+        config = cluster.ContinuousBatchingConfig(**fields, **MODES[mode])
         out = model.generate_batch(prompts, continuous_batching_config=config, max_new_tokens=NEW_TOKENS)
         assert list(out) == [f"req_{i}" for i in range(len(prompts))]
         check_scenario(name, [o.generated_tokens for o in out.values()], [o.status for o in out.values()],
-                       model.last_stats, hf_greedy(model_dir, prompts))
+                       model.last_stats, hf_greedy(model_dir, prompts), mode)
 
 
 TP2_CASES = {a: (a, {}) for a in ARCHS} | {"llama-kv1": ("llama", {"num_key_value_heads": 1})}
@@ -70,7 +73,8 @@ def test_tp2_matches_transformers(case, mode, tp2_outputs):
     vocab = cluster.load(model_dir).config.vocab_size
     for name, (_, kind) in SCENARIOS.items():
         r = results[f"{name}/{mode}"]
-        check_scenario(name, r["tokens"], r["status"], r["stats"], hf_greedy(model_dir, prompts_for(kind, vocab)))
+        check_scenario(name, r["tokens"], r["status"], r["stats"], hf_greedy(model_dir, prompts_for(kind, vocab)),
+                       mode)
         assert rank1[f"{name}/{mode}"] == r["tokens"], "rank 1 got different results from rank 0"
 
 

@@ -35,6 +35,11 @@ SCENARIOS = {
     "offload": (dict(page_size=16, num_blocks=32, max_batch_tokens=128, cpu_offload_space=0.05), "mixed"),
 }
 
+# how the parity tests run each scenario: one step a plan in series, overlapped, and overlapped with multi-step
+# decode (a decode-only batch runs up to 4 forwards a plan)
+MODES = {"serial": dict(use_async_batching=False), "overlap": dict(use_async_batching=True),
+         "burst": dict(use_async_batching=True, decode_burst=4)}
+
 
 def prompts_for(kind: str, vocab: int) -> list[list[int]]:
     return mixed_prompts(vocab) if kind == "mixed" else shared_prefix_prompts(vocab)

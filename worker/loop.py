@@ -34,9 +34,8 @@ def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate, barrier: C
             yield plan
         if plan.command == Command.STEP:
             faults.hit("worker_execute", rank=groups.rank, step=plan.step)
-            if plan.share_tokens:  # overlapped: queue the forward, then the broadcast of its sampled tokens
-                runner.launch(plan)
-                runner.share(None)
+            if plan.share_tokens:  # overlapped: queue the forward(s), each followed by the broadcast of its tokens
+                runner.share_burst(runner.launch(plan), None)
             else:
                 runner.execute(plan)
         elif plan.command == Command.PAUSE:

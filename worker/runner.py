@@ -118,38 +118,59 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Handle[torch.Tensor | None]:
-        """Prepare the plan's inputs here (host) and queue its forward on this runner's stream; the handle's
-        result is what `execute` returns. Input ids -(1 + j) are resolved on the device from `shared_tokens`
-        (row j of the previous step's samples), after the previous step's `share`. Every rank calls it alike."""
+        """Prepare the plan's inputs here (host) and queue its (first) forward on this runner's stream; the
+        handle's result is what `execute` returns. Input ids -(1 + j) are resolved on the device from
+        `shared_tokens` (row j of the previous step's samples), after the previous step's `share_burst`. Every
+        rank calls it alike; for a plan with `share_tokens`, every rank then calls `share_burst`."""
         self.forwards.warm_up(self)  # the first time: compile what the compile configs ask for
+        run = self._prepared(plan)
+        self._burst = (plan.burst, run)  # what share_burst queues the rest of a burst with
+        return self.stream.submit(lambda: run(True))
+
+    def _prepared(self, plan: StepPlan) -> Callable[[bool], torch.Tensor | None]:
+        """Lay the plan out (at its graph bucket's shapes when it has one) and give the function that runs one
+        of its forwards on the device: the first (its KV page copies, the shared token ids) or, for a burst, a
+        later one (`_advance` first)."""
+        bucket = None
         if self.graphs is not None:
             self.capture_graphs()
             bucket = self.graphs.bucket(plan.num_seqs) if plan.num_decode == plan.num_seqs else None
-            if bucket is not None:
-                ids, meta, _ = self.prepare(plan, bucket=bucket)
-                rows = torch.from_numpy(np.nonzero(plan.sample)[0]).to(self.device)
-                refs = bool(plan.num_tokens) and int(plan.input_ids.min()) < 0
-
-                def replay() -> torch.Tensor | None:
-                    self.cache.apply_swaps(plan.swap_out, plan.swap_in)  # the plan's KV page copies come first
-                    if refs:
-                        self._resolve_ids(ids)
-                    logits = self.model.lm_head.gather(self.graphs.replay(bucket, static_inputs(ids, meta)))
-                    return None if logits is None else logits[rows].float()
-
-                return self.stream.submit(replay)
-        self.graph_stats["eager_steps"] += 1
-        ids, meta, n = self.prepare(plan)
+        if bucket is None:
+            self.graph_stats["eager_steps"] += plan.burst
+        ids, meta, n = self.prepare(plan, bucket=bucket)
         refs = bool(plan.num_tokens) and int(plan.input_ids.min()) < 0
+        rows = torch.from_numpy(np.nonzero(plan.sample)[0]).to(self.device) if bucket is not None else None
 
-        def forward() -> torch.Tensor | None:
-            self.cache.apply_swaps(plan.swap_out, plan.swap_in)  # the plan's KV page copies come first
-            if refs:
-                self._resolve_ids(ids)
+        def run(first: bool) -> torch.Tensor | None:
+            if first:
+                self.cache.apply_swaps(plan.swap_out, plan.swap_in)  # the plan's KV page copies come first
+                if refs:
+                    self._resolve_ids(ids)
+            else:
+                self._advance(ids, meta, plan.num_seqs)
+            if bucket is not None:
+                logits = self.model.lm_head.gather(self.graphs.replay(bucket, static_inputs(ids, meta)))
+                return None if logits is None else logits[rows].float()
             logits = self.model.lm_head.gather(self.forward_fn(ids, meta))
             return None if logits is None else logits[:n].float()
 
-        return self.stream.submit(forward)
+        return run
+
+    def _advance(self, ids: torch.Tensor, meta: AttnMeta, b: int) -> None:
+        """The next forward of a decode-only burst, in place in the static buffers on the device: each row's input
+        is the token just sampled for it (`shared_tokens`, row order), one position further, its cache slot
+        looked up in its block table (flash-attn) or in its key-slot list (laid out that far ahead)."""
+        ids[:b].copy_(self.shared_tokens[:b])
+        pos = meta.positions[:b]
+        pos += 1
+        meta.dec_q_pos[:b] += 1
+        if meta.dec_block_table is not None:
+            meta.dec_kv_lens[:b] += 1
+            page = meta.page_size
+            block = meta.dec_block_table[:b].gather(1, (pos // page)[:, None])[:, 0]
+            meta.slot_mapping[:b].copy_(block.long() * page + pos % page)
+        else:
+            meta.slot_mapping[:b].copy_(meta.dec_kv_slots[:b].gather(1, pos[:, None])[:, 0])
 
     def forward_fn(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         """The forward (eager, or compiled as the compile configs ask): this rank's logits shard for meta's logit
@@ -161,12 +182,22 @@ class ModelRunner:
         shared = self.shared_tokens
         ids.copy_(torch.where(ids < 0, shared[(-ids - 1).clamp(0, shared.numel() - 1)], ids))
 
-    def share(self, tokens: Callable[[], torch.Tensor] | None) -> Handle[None]:
-        """Queue, after this step's forward (and on the driver its sampling), the broadcast of the step's sampled
-        tokens from rank 0 into every rank's `shared_tokens`, on the device group: the next step's inputs read
-        them there, with no trip through the host. The driver passes a function that gives the tokens (in logits
-        row order; it runs in stream order), the other ranks None. Every rank calls it for a plan whose
-        `share_tokens` is set, after `launch`."""
+    @torch.inference_mode()
+    def share_burst(self, logits: Handle[torch.Tensor | None],
+                    sample: Callable[[int, Handle], Callable[[], torch.Tensor]] | None) -> None:
+        """Queue, for each forward of the plan last launched (`burst` of them), after it: on the driver its
+        sampling, then on every rank the broadcast of its sampled tokens from rank 0 into `shared_tokens` on the
+        device group (the next forward's inputs read them there, with no trip through the host), then the
+        burst's next forward. `sample(i, handle)` (the driver's; None elsewhere) queues forward i's sampling and
+        gives a function that returns its tokens in logits row order (it runs in stream order). Every rank calls
+        it, right after `launch` (whose handle is `logits`), for a plan whose `share_tokens` is set."""
+        burst, run = self._burst
+        for i in range(burst):
+            self._share(None if sample is None else sample(i, logits))
+            if i + 1 < burst:
+                logits = self.stream.submit(lambda: run(False))
+
+    def _share(self, tokens: Callable[[], torch.Tensor] | None) -> Handle[None]:
         shard = self.model.lm_head.shard
 
         def broadcast() -> None:

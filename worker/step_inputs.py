@@ -119,7 +119,9 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     """Lay `plan` out in the static buffers. Returns (input ids, attention metadata, real logit rows).
 
     `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes (rows, KV width, one logit
-    row per bucket row); None: the eager layout, padded only as far as this step needs."""
+    row per bucket row); None: the eager layout, padded only as far as this step needs. A burst plan
+    (`plan.burst` > 1) lists the decode group's key slots `burst - 1` positions further (the mask hides them
+    until its queries get there), so the forwards after the first only advance positions on the device."""
     page = rc.page_size
     scratch = scratch_block * page
     flash_on = rc.use_flash_attn
@@ -151,13 +153,14 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     ids[where], positions[where], slots[where] = plan.input_ids, pos, slot
 
     # decode group: one query per sequence; padding rows read and write only the scratch block
+    ahead = plan.burst - 1
     width = 0 if flash_on else rc.max_kv_padded if bucket is not None else \
-        round_up(int(kv_lens[:bd].max()), rc.kv_padding) if bd else 0
+        round_up(int(kv_lens[:bd].max()) + ahead, rc.kv_padding) if bd else 0
     dec_slots, dec_slots_dev = buf.alloc((bd_pad, width), fill=scratch)
     dec_q_pos, dec_q_pos_dev = buf.alloc((bd_pad,), fill=0)
     if bd:
         if width:
-            dec_slots[:bd] = kv_slots(tables[:bd], kv_lens[:bd], width, page, scratch)
+            dec_slots[:bd] = kv_slots(tables[:bd], kv_lens[:bd] + ahead, width, page, scratch)
         dec_q_pos[:bd] = kv_lens[:bd] - 1
 
     # prefill group: sequences padded to a common query length (the SDPA path's grids)

@@ -1,5 +1,6 @@
 """One torchrun launch of the TP parity test for several checkpoints: every rank runs every scenario of every
-checkpoint through generate_batch, with overlapped scheduling off ("serial") and on ("overlap"); rank 0 writes the outputs, rank 1 its own tokens. One launch for all of them
+checkpoint through generate_batch in every mode of tests/workloads.py MODES (serial, overlapped, multi-step decode);
+rank 0 writes the outputs, rank 1 its own tokens. One launch for all of them
 saves a process start, an import of torch and a group rendezvous per checkpoint.
 
     parity_rank.py OUT_PREFIX NAME=DIR [NAME=DIR ...]   ->   OUT_PREFIX.NAME.json and OUT_PREFIX.NAME.json.rank1
@@ -9,18 +10,16 @@ import json
 import sys
 
 import cluster
-from tests.workloads import NEW_TOKENS, SCENARIOS, prompts_for
-
-MODES = {"serial": False, "overlap": True}  # as tests/test_parity.py names them
+from tests.workloads import MODES, NEW_TOKENS, SCENARIOS, prompts_for
 
 
 def run(model_dir: str, out_path: str) -> None:
     model = cluster.load(model_dir)
     results = {}
-    for key, (fields, kind), overlap in [(f"{name}/{mode}", scenario, on) for name, scenario in SCENARIOS.items()
-                                         for mode, on in MODES.items()]:
+    for key, (fields, kind), mode_fields in [(f"{name}/{mode}", scenario, on) for name, scenario in SCENARIOS.items()
+                                             for mode, on in MODES.items()]:
         prompts = prompts_for(kind, model.config.vocab_size)
-        config = cluster.ContinuousBatchingConfig(**fields, use_async_batching=overlap)
+        config = cluster.ContinuousBatchingConfig(**fields, **mode_fields)
         out = model.generate_batch(prompts, continuous_batching_config=config, max_new_tokens=NEW_TOKENS)
         results[key] = {"tokens": [o.generated_tokens for o in out.values()],
                          "status": [int(o.status) for o in out.values()], "stats": model.last_stats}

@@ -1,0 +1,135 @@
+"""Multi-step decode (decode_burst): one plan runs several decode forwards, the positions, slots and KV lengths
+advanced on the device between them; the tokens equal transformers' and the one-step engine's, seeded sampling
+included; rows that need token history on the host, waiting requests and short budgets fall back to one step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cluster
+from cluster.config import ContinuousBatchingConfig, resolve_config
+from cluster.plan import StepPlan
+from driver.request import Request, SamplingParams
+from tests.conftest import hf_greedy
+from tests.test_overlap import run_engine
+from tests.workloads import mixed_prompts
+from worker.step_inputs import StaticBuffers, prepare_step
+
+
+def burst_config(**fields) -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(page_size=16, use_async_batching=True, decode_burst=4, **fields)
+
+
+def test_decode_burst_resolves_to_one_without_overlap():
+    def resolved(**fields):
+        return resolve_config(ContinuousBatchingConfig(**fields), device_kind="cpu", max_model_len=1024,
+                              kv_bytes_per_token=4096, free_bytes=None, flash_available=False)
+
+    assert resolved(decode_burst=8, use_async_batching=True).decode_burst == 8
+    off = resolved(decode_burst=8)
+    assert off.decode_burst == 1 and any("decode_burst 8 -> 1" in n for n in off.notes)
+    with pytest.raises(ValueError, match="decode_burst"):
+        ContinuousBatchingConfig(decode_burst=0)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_burst_plan_runs_several_forwards_with_transformers_tokens(make_checkpoint, graphs):
+    """Greedy, a burst of up to 4 forwards a plan: the same tokens as transformers; fewer plans than forwards; the
+    request with the shortest budget caps the burst. With (stand-in) graphs the bursts replay the bucket."""
+    from worker.graphs import EagerStandIn
+    from worker.model import KVHeads, head_dim_of
+    from worker.runner import ModelRunner
+
+    model_dir = make_checkpoint("llama")
+    model = cluster.load(model_dir)
+    runner, rc, groups = model.build_runner(burst_config(max_requests_per_batch=4))
+    if graphs:
+        runner = ModelRunner(model.model, rc, KVHeads(model.config, model.model.shard).kv_local,
+                             head_dim_of(model.config), model.dtype, model.device, graph_factory=EagerStandIn())
+    prompts, limits = mixed_prompts(2048)[3:6], [11, 6, 9]
+    tokens, plans = run_engine(runner, rc, groups, prompts, limits)
+    assert tokens == [t[:n] for t, n in zip(hf_greedy(model_dir, prompts), limits)]
+    bursts = [p.burst for p in plans]
+    assert max(bursts) == 4 and all(b == 1 or p.num_decode == p.num_seqs for b, p in zip(bursts, plans))
+    assert sum(bursts) > len(plans)
+    assert all(p.share_tokens for p in plans)
+    if graphs:
+        assert runner.graph_stats["replays"] >= sum(b for b in bursts if b > 1)
+
+
+def test_seeded_sampling_draws_the_same_tokens_in_bursts(make_checkpoint):
+    """Counter-based noise keyed by token index: a burst's forward i samples index + i, so seeded requests get
+    what one step a plan gives them."""
+    model = cluster.load(make_checkpoint("llama"))
+    prompts = mixed_prompts(model.config.vocab_size)[:4]
+    params = dict(do_sample=True, temperature=0.9, top_k=50, max_new_tokens=14)
+    got = {}
+    for burst in (1, 4):
+        cfg = ContinuousBatchingConfig(page_size=16, use_async_batching=True, decode_burst=burst, seed=7)
+        out = model.generate_batch(prompts, continuous_batching_config=cfg, **params)
+        got[burst] = [o.generated_tokens for o in out.values()]
+    assert got[4] == got[1] and all(len(t) == 14 for t in got[1])
+
+
+def test_rows_with_token_history_or_waiting_requests_run_one_step(make_checkpoint):
+    model = cluster.load(make_checkpoint("llama"))
+    runner, rc, groups = model.build_runner(burst_config())
+    from driver.engine import Engine
+
+    engine = Engine(runner, rc, groups, seed=None)
+    prompt = mixed_prompts(2048)[0]
+
+    def decoding(sampling: SamplingParams = SamplingParams(), max_new: int = 20) -> list:
+        r = Request("r", prompt, max_new_tokens=max_new, sampling=sampling)
+        r.generated, r.num_computed = [1, 2], len(prompt) + 1
+        assert engine.blocks.allocate(r, r.num_computed + 1)
+        from driver.scheduler import Scheduled
+        return [Scheduled(r, 1)]
+
+    assert engine.scheduler.burst_length(decoding()) == 4
+    assert engine.scheduler.burst_length(decoding(SamplingParams(repetition_penalty=1.2))) == 1
+    assert engine.scheduler.burst_length(decoding(SamplingParams(no_repeat_ngram_size=2))) == 1
+    assert engine.scheduler.burst_length(decoding(max_new=5)) == 3  # 2 generated: 3 left
+    assert engine.scheduler.burst_length(decoding(max_new=3)) == 1
+    engine.scheduler.waiting.append(Request("w", prompt, max_new_tokens=2))
+    assert engine.scheduler.burst_length(decoding()) == 1
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_advancing_on_the_device_lays_out_what_the_next_plan_would(make_checkpoint, flash):
+    """A burst's later forward (positions, slots, KV lengths and input ids advanced on the device, in both the
+    SDPA and the flash-attn layouts) reads exactly what preparing the next one-step plan on the host gives."""
+    import dataclasses
+
+    import torch
+
+    model = cluster.load(make_checkpoint("llama"))
+    runner, rc, _ = model.build_runner(ContinuousBatchingConfig(page_size=16))
+    rc = dataclasses.replace(rc, use_flash_attn=flash, max_blocks_per_request=8)
+    tables = np.array([[3, 7, 9, 0], [4, 5, 0, 0], [8, 2, 6, 1]], np.int32)
+    kv = np.array([17, 30, 40], np.int32)
+    one = np.ones(3, np.int32)
+
+    def plan(kv_lens, ids, burst=1):
+        return StepPlan(input_ids=np.asarray(ids, np.int32), q_lens=one, kv_lens=np.asarray(kv_lens, np.int32),
+                        sample=one, block_tables=tables, burst=burst)
+
+    def laid_out(buf, ids, meta):
+        fields = ["positions", "slot_mapping", "dec_q_pos"] + (["dec_kv_lens"] if flash else ["dec_kv_slots"])
+        return {"ids": ids.tolist(), **{f: getattr(meta, f).tolist() for f in fields}}
+
+    buf = StaticBuffers(rc, torch.device("cpu"))
+    ids, meta, _ = prepare_step(rc, buf, plan(kv, [5, 6, 7], burst=3), scratch_block=0)
+    runner.shared_tokens[:3] = torch.tensor([50, 60, 70])
+    runner._advance(ids, meta, 3)
+    runner.shared_tokens[:3] = torch.tensor([51, 61, 71])
+    runner._advance(ids, meta, 3)
+    got = laid_out(buf, ids, meta)
+    want_buf = StaticBuffers(rc, torch.device("cpu"))
+    want_ids, want_meta, _ = prepare_step(rc, want_buf, plan(kv + 2, [51, 61, 71], burst=1), scratch_block=0)
+    want = laid_out(want_buf, want_ids, want_meta)
+    if not flash:  # the burst's key-slot lists reach 2 positions further; the masks (dec_q_pos) hide them
+        width = len(want["dec_kv_slots"][0])
+        assert [row[:width] for row in got.pop("dec_kv_slots")] == want.pop("dec_kv_slots")
+    assert got == want
