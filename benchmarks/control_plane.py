@@ -71,14 +71,22 @@ DEVICE_PARTS = ("forward", "gather", "dsample")  # the device thread's; `share` 
 
 
 class FakeHead:
-    """Stands in for the model's ParallelLMHead: a real gather of fake logit shards on the device group."""
+    """Stands in for the model's ParallelLMHead: a real gather of fake logit shards on the device group; in series
+    the gather is the step's last device op, so it closes the step's window (`SimulatedForward.pace`)."""
 
     def __init__(self, shard: Shard):
         self.shard = shard
         self.vocab_size = VOCAB
+        self.forward: SimulatedForward | None = None
 
     def gather(self, local: torch.Tensor) -> torch.Tensor | None:
         """Every rank of the device group calls it (the real head's collective)."""
+        out = self.collective(local)
+        if self.forward is not None and not self.forward.overlapped:
+            self.forward.pace()
+        return out
+
+    def collective(self, local: torch.Tensor) -> torch.Tensor | None:
         if self.shard.size == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.shard.size)] if self.shard.rank == 0 else None
@@ -94,29 +102,64 @@ class FakeModel:
         self.lm_head = FakeHead(shard)
 
 
-class SimulatedForward:
-    """A device step of `step_s`: the forward, returning fixed fake logits for meta's logit rows, and the device
-    work around it that runs here for real on the device thread (the logits gather, sampling, the token broadcast,
-    the burst's advance). The forward sleeps the step's time less the CPU time (time.thread_time) the device
-    thread spent on that work since the last forward, so each step costs the device `step_s` unless that work
-    alone takes longer; the thread's waits (for the other rank in a collective, for the GIL, for work to be queued)
-    are not deducted: they stay lost time."""
+class SimulatedStream(ThreadStream):
+    """The simulated device's queue: a ThreadStream that also tells when the function it runs was queued."""
 
-    def __init__(self, tp: int, rank: int, rows: int):
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.queued = 0.0  # when the running function was submitted
+
+    def submit(self, fn: Callable[[], Any]) -> Any:
+        at = time.perf_counter()
+
+        def stamped() -> Any:
+            self.queued = at
+            return fn()
+
+        return super().submit(stamped)
+
+
+class SimulatedForward:
+    """The simulated device's step: a fixed window of `step_s` of device time. It opens when the device is free
+    (the last window closed) and the step's work is queued, whichever is later, so the device idles exactly
+    while the host is late; it holds the step's device work that runs here for real on the device thread (its
+    KV page copies, shared token ids or a burst's advance, the forward, which returns fixed fake logits at once,
+    the logits gather and, overlapped, the sampling and the token broadcast), and its last device op (`pace`:
+    the gather in series, the token broadcast overlapped) waits for it to close. A step whose work, waits for
+    the other ranks included, runs past the window closes late (`overrun_s`)."""
+
+    def __init__(self, tp: int, rank: int, rows: int, stream: SimulatedStream):
         g = torch.Generator().manual_seed(rank)
         self.logits = torch.randn(rows, VOCAB // tp, generator=g)
+        self.stream = stream
         self.step_s = 0.005
+        self.overlapped = False  # which op closes the window: the token broadcast (True) or the gather
         self.calls = 0
-        self.cpu_mark: float | None = None  # the device thread's CPU clock when the last forward ended
-        self.around_s = 0.0  # CPU seconds of device work around the forwards, summed
+        self.opened: float | None = None  # the open window's start (device time)
+        self.closed = 0.0  # when the last window closed
+        self.overrun_s = 0.0  # time steps ran past their window, summed
+        self.late_s = 0.0  # time the device waited for the host to queue a step's work, summed
+
+    def open(self) -> None:
+        """The step's device work begins (before its forward, or at it)."""
+        if self.opened is None:
+            self.opened = max(self.closed, self.stream.queued)
+            self.late_s += self.opened - self.closed
 
     def __call__(self, ids: torch.Tensor, meta: Any) -> torch.Tensor:
         self.calls += 1
-        around = 0.0 if self.cpu_mark is None else time.thread_time() - self.cpu_mark
-        self.around_s += around
-        self.sleep(max(0.0, self.step_s - around))
-        self.cpu_mark = time.thread_time()
+        self.open()
         return self.logits[:meta.logits_idx.numel()]
+
+    def pace(self) -> None:
+        """The step's last device op is done: wait for the window to close."""
+        assert self.opened is not None, "pace() without a step"
+        end, now = self.opened + self.step_s, time.perf_counter()
+        if end > now:
+            self.sleep(end - now)
+        else:
+            self.overrun_s += now - end
+        self.closed, self.opened = max(end, now), None
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -135,10 +178,29 @@ def build_runner(rc: ResolvedConfig, groups: Any) -> tuple[ModelRunner, Simulate
     shard = Shard(groups.rank, groups.world_size, groups.device_group)
     runner = ModelRunner(FakeModel(shard), rc, kv_heads=1, head_dim=8, dtype=torch.float16,
                          device=torch.device("cpu"))
-    runner.stream = ThreadStream(runner.device)
-    forward = SimulatedForward(groups.world_size, groups.rank, rc.max_requests_per_batch)
+    runner.stream = SimulatedStream(runner.device)
+    forward = SimulatedForward(groups.world_size, groups.rank, rc.max_requests_per_batch, runner.stream)
     runner.forward_fn = forward
+    runner.model.lm_head.forward = forward
+    share = runner._share
+
+    def paced_share(tokens: Any) -> Any:  # overlapped, the token broadcast closes the step's window
+        handle = share(tokens)
+        runner.stream.submit(forward.pace)
+        return handle
+
+    runner._share = paced_share
+    for name in ("_advance", "_resolve_ids"):  # a step's device work before its forward is in its window
+        setattr(runner, name, opening(forward, getattr(runner, name)))
+    runner.cache.apply_swaps = opening(forward, runner.cache.apply_swaps)
     return runner, forward
+
+
+def opening(forward: SimulatedForward, fn: Callable) -> Callable:
+    def opened(*args: Any) -> Any:
+        forward.open()
+        return fn(*args)
+    return opened
 
 
 class Clock:
@@ -174,10 +236,12 @@ def instrument(engine: Engine, runner: ModelRunner, clock: Clock, device: Clock,
     engine.sampler.launch = clock.wrap("sample", engine.sampler.launch)  # serial only: overlapped, it runs
     engine.sampler.collect = clock.wrap("collect", engine.sampler.collect)  # on the device thread
     engine._apply = clock.wrap("collect", engine._apply)
+    engine.sampler.collect_burst = clock.wrap("collect", engine.sampler.collect_burst)
+    engine._apply_burst = clock.wrap("collect", engine._apply_burst)
     engine.sampler.launch = device.wrap("dsample", engine.sampler.launch)
     forward.sleep = device.wrap("forward", SimulatedForward.sleep.__get__(forward))
     head = runner.model.lm_head
-    head.gather = device.wrap("gather", FakeHead.gather.__get__(head))
+    head.collective = device.wrap("gather", FakeHead.collective.__get__(head))
 
 
 def prefilled(engine: Engine, seqs: int, new_tokens: int) -> None:
@@ -195,8 +259,9 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
           warmup: int, steps: int) -> dict:
     """One configuration on the driver; the workers follow its plans. `steps` counts forwards (a burst plan
     runs several); every figure is per forward."""
-    engine.send(Command.PUBLISH, msgpack.packb({"step_ms": step_ms}))  # the workers' simulated forward time
-    forward.step_s = step_ms / 1000
+    # the workers' simulated step time, and which op closes a step's window
+    engine.send(Command.PUBLISH, msgpack.packb({"step_ms": step_ms, "overlap": engine.rc.overlap}))
+    forward.step_s, forward.overlapped = step_ms / 1000, engine.rc.overlap
     prefilled(engine, seqs, warmup + steps + 4)
     clock, device = Clock(PARTS, host=True), Clock(DEVICE_PARTS, host=False)
     send_plan = engine_module.send_plan
@@ -207,16 +272,19 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
         clock.reset()
         device.reset()
         t0, busy0, calls0, plans0 = time.perf_counter(), runner.stream.busy_s, forward.calls, engine.step_no
+        forward.overrun_s = forward.late_s = 0.0
         while forward.calls - calls0 < steps:
             engine.step()
         engine.flush()
+        runner.stream.submit(lambda: None).value()  # the last step's window closes
         wall, busy = time.perf_counter() - t0, runner.stream.busy_s - busy0
         steps, plans = forward.calls - calls0, engine.step_no - plans0
     finally:
         engine_module.send_plan = send_plan
     for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.end(req, RequestStatus.CANCELLED)
-    return {"seqs": seqs, "step_ms": step_ms, "burst": steps / max(1, plans), "busy": 100 * steps * step_ms / 1000 / wall,
+    return {"seqs": seqs, "step_ms": step_ms, "burst": steps / max(1, plans),
+            "overrun": 1000 * forward.overrun_s / steps, "late": 1000 * forward.late_s / steps, "busy": 100 * steps * step_ms / 1000 / wall,
             "thread": 100 * busy / wall, "wall_ms": 1000 * wall / steps,
             **{k: 1000 * v / steps for k, v in (clock.spent | device.spent).items()},
             "share": 1000 * (busy - sum(device.spent.values())) / steps}
@@ -233,7 +301,8 @@ def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, boo
     try:
         if rank != 0:
             for plan in worker_loop(runner, groups, PauseGate(), lambda: None, lambda: False):
-                forward.step_s = msgpack.unpackb(plan.data)["step_ms"] / 1000
+                sent = msgpack.unpackb(plan.data)
+                forward.step_s, forward.overlapped = sent["step_ms"] / 1000, sent["overlap"]
             return
         results = []
         for seqs, step_ms, overlap, burst in configs:
@@ -254,7 +323,7 @@ def line(r: dict) -> str:
 
 
 def mode(r: dict) -> str:
-    """off, on, or on with bursts of up to k forwards a plan (`on/8`)."""
+    """off, on, or on with bursts of up to k forwards a plan (`on/16`)."""
     return "off" if not r["overlap"] else "on" if r["max_burst"] == 1 else f"on/{r['max_burst']}"
 
 
@@ -272,14 +341,14 @@ def table(results: list[dict]) -> str:
         host = sum(r[p] for p in PARTS)
         rows.append(start(r) + f"{r['busy']:>7.1f} {r['thread']:>9.1f} {r['wall_ms']:>8.2f} {r['burst']:>8.2f} "
                     f"{host:>8.2f} " + " ".join(f"{r[p]:>8.2f}" for p in PARTS))
-    rows += ["", "rank 0's device thread, ms a forward (share: the token broadcast and waits; bound: forward / (forward +",
-             "gather + sample), the busy % this simulation allows with no host time at all):"]
-    head = key + " ".join(f"{p:>8}" for p in ("forward", "gather", "sample", "share", "bound %"))
+    rows += ["", "rank 0's device thread, ms a step: the window's wait (the forward's share of the step), the device",
+             "work in it (gather, sample; other: the token broadcast, a burst's advance, waits for the other ranks),",
+             "how far steps ran past their window (overrun) and how long the device waited for the host (late):"]
+    cols = ("forward", "gather", "dsample", "share", "overrun", "late")
+    head = key + " ".join(f"{p:>8}" for p in ("window", "gather", "sample", "other", "overrun", "late"))
     rows += [head, "-" * len(head)]
     for r in results:
-        bound = 100 * r["forward"] / max(1e-9, r["forward"] + r["gather"] + r["dsample"])
-        rows.append(start(r) + " ".join(f"{r[p]:>8.2f}" for p in ("forward", "gather", "dsample", "share"))
-                    + f" {bound:>8.1f}")
+        rows.append(start(r) + " ".join(f"{r[p]:>8.2f}" for p in cols))
     return "\n".join(rows)
 
 
@@ -305,7 +374,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=None)
     ap.add_argument("--seqs", type=int, nargs="+", default=None)
     ap.add_argument("--step-ms", type=float, nargs="+", default=[2.0, 5.0])
-    ap.add_argument("--burst", type=int, default=8,
+    ap.add_argument("--burst", type=int, default=16,
                     help="also run overlapped with multi-step decode (decode_burst) of this many forwards; 1: not")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=None, help="measured steps per configuration")

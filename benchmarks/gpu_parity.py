@@ -44,8 +44,9 @@ def free_device(device: str) -> None:
 
 
 def lockstep_run(model_dir: str, device: str, dtype: str, prompts, new_tokens: int, graphs: bool | None = None,
-                 logprobs: bool = False) -> tuple[list[list[int]], list[list[float]], str]:
-    """(tokens, logprobs, effective use_cuda_graph) of one generate_batch call on a freshly loaded model."""
+                 logprobs: bool = False, burst: int = 1) -> tuple[list[list[int]], list[list[float]], str]:
+    """(tokens, logprobs, effective use_cuda_graph; with `burst`, the forwards bursts ran past their plans' first)
+    of one generate_batch call on a freshly loaded model."""
     import cluster
     from transformers import GenerationConfig
 
@@ -60,12 +61,15 @@ def lockstep_run(model_dir: str, device: str, dtype: str, prompts, new_tokens: i
 
     model.build_runner = recording_build
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=new_tokens)
-    cb = cluster.ContinuousBatchingConfig(page_size=PAGE, use_cuda_graph=graphs, return_logprobs=logprobs)
+    cb = cluster.ContinuousBatchingConfig(page_size=PAGE, use_cuda_graph=graphs, return_logprobs=logprobs,
+                                          decode_burst=burst, use_async_batching=True if burst > 1 else None)
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
                                max_new_tokens=new_tokens)
     tokens = [list(o.generated_tokens) for o in out.values()]
     lps = [list(o.logprobs or []) for o in out.values()]
     effective = str(resolved[-1].use_cuda_graph) if resolved else "?"
+    if burst > 1:
+        effective += f"; burst forwards {model.last_stats.get('burst_forwards', 0)}"
     del model, out
     free_device(device)
     return tokens, lps, effective
@@ -146,6 +150,16 @@ def check_graphs(args, prompts, eager_tokens: list[list[int]]) -> dict:
                same == len(prompts))
 
 
+def check_bursts(args, prompts, eager_tokens: list[list[int]]) -> dict:
+    """Multi-step decode (8 forwards a plan, overlapped, decode graphs replayed with the metadata advanced on the
+    device) gives the one-step tokens."""
+    burst, _, effective = lockstep_run(args.model, args.device, "bfloat16", prompts, args.new_tokens, graphs=True,
+                                       burst=8)
+    same = sum(a == b for a, b in zip(burst, eager_tokens))
+    return row("multi-step decode (decode_burst=8) == one step (bfloat16 tokens)",
+               f"{same}/{len(prompts)} identical; use_cuda_graph {effective}", same == len(prompts))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -162,7 +176,7 @@ def main() -> int:
     t0 = time.perf_counter()
     rows = [check_fp32(args, prompts)]
     bf16_row, eager = check_bf16(args, prompts)
-    rows += [bf16_row, check_graphs(args, prompts, eager)]
+    rows += [bf16_row, check_graphs(args, prompts, eager), check_bursts(args, prompts, eager)]
     rows.append(row("parity checks time", f"{time.perf_counter() - t0:.1f} s on {args.device}", None))
     if args.json:
         Path(args.json).write_text(json.dumps(rows))

@@ -93,6 +93,10 @@ class Engine:
         f, self.in_flight = self.in_flight, None
         if f is None:
             return []
+        if len(f.launched) > 1:  # a burst: every row's tokens at once, unless some row failed
+            drawn = self.sampler.collect_burst([h.value() for h in f.launched])
+            if drawn is not None:
+                return self._apply_burst(f.sampled, *drawn, f.weight_version)
         events = []
         for launched in f.launched:
             events += self._apply(f.sampled, self.sampler.collect(launched.value()), f.weight_version, pending=True)
@@ -140,9 +144,24 @@ class Engine:
             return events
         for req in sampled:
             req.num_pending += plan.burst
-        events += self.flush()  # the previous step: now every token this step ran is on the host
+        if not any(r.sampling.needs_history for r in sampled):
+            # no row reads its tokens so far: queue this step's sampling (and a burst's every forward) first, then
+            # wait for the step in flight, so the device never waits for that wait
+            ahead = [r.num_pending - plan.burst for r in sampled]
+            launched = self._queue_sampling(logits, self.sampler.rows(sampled, ahead))
+            events += self.flush()
+        else:
+            events += self.flush()  # the previous step: now every token this step ran is on the host
+            launched = self._queue_sampling(logits, self.sampler.rows([None if r.is_finished else r
+                                                                       for r in sampled]))
         self._register(batch)
-        host_rows = self.sampler.rows([None if r.is_finished else r for r in sampled])
+        self.in_flight = InFlight(sampled, launched, self.weight_version, {id(r): j for j, r in enumerate(sampled)})
+        self.step_no += 1
+        return events
+
+    def _queue_sampling(self, logits: Handle, host_rows: tuple) -> list[Handle[Launched]]:
+        """Queue, behind the forward(s) of the plan just launched, each forward's sampling and token broadcast
+        (ModelRunner.share_burst); one handle per forward."""
         launched: list[Handle[Launched]] = []
 
         def sample(i: int, forward: Handle) -> Callable[[], torch.Tensor]:
@@ -152,9 +171,7 @@ class Engine:
             return lambda: h.in_order().tokens
 
         self.runner.share_burst(logits, sample)
-        self.in_flight = InFlight(sampled, launched, self.weight_version, {id(r): j for j, r in enumerate(sampled)})
-        self.step_no += 1
-        return events
+        return launched
 
     def _register(self, batch: list[Scheduled]) -> None:
         """Make the batch's newly full blocks findable, for requests whose tokens are all on the host (the block
@@ -199,6 +216,44 @@ class Engine:
             events.append(req)
             tokens += 1
         self.num_tokens_generated += tokens
+        return events
+
+    def _apply_burst(self, sampled: list[Request], live: list[int], tokens: list[list[int]],
+                     logprobs: list[list[float]] | None, version: int) -> list[Request]:
+        """`_apply` for a burst's forwards at once: each live row's tokens, cut after the first EOS or at its limits
+        (what applying them one forward at a time does, in one pass a request)."""
+        events = []
+        now = time.perf_counter()
+        max_len, total = self.rc.max_model_len, 0
+        for req in sampled:
+            req.num_pending -= len(tokens[0]) if tokens else 0
+        for j, row in enumerate(tokens):
+            req = sampled[live[j]]
+            if req.status >= RequestStatus.FINISHED:  # ended meanwhile: its tokens are dropped
+                continue
+            done = len(req.generated)
+            n = min(len(row), req.max_new_tokens - done, max_len - len(req.prompt_ids) - done)
+            eos = req.eos_token_ids
+            stop = bool(eos) and not eos.isdisjoint(row[:n])
+            if stop:
+                n = next(i for i, t in enumerate(row) if t in eos) + 1
+            if req.start_time < 0:
+                req.start_time = now
+            req.note_version(version)
+            req.generated.extend(row[:n])
+            if logprobs is not None and req.return_logprobs:
+                req.logprobs.extend(logprobs[j][:n])
+            if req.record_timestamps:
+                req.timestamps.extend([now] * n)
+            if req.status != RequestStatus.PENDING:  # PENDING: preempted while the burst was in flight
+                req.status = RequestStatus.DECODING
+            if stop:
+                self.end(req, RequestStatus.FINISHED, reason="stop")
+            elif done + n >= req.max_new_tokens or len(req.prompt_ids) + done + n >= max_len:
+                self.end(req, RequestStatus.FINISHED, reason="length")
+            events.append(req)
+            total += n
+        self.num_tokens_generated += total
         return events
 
     def _plan(self, batch: list[Scheduled]) -> StepPlan:

@@ -36,6 +36,12 @@ class SampleRow:
         return self.params.do_sample
 
     @property
+    def plain(self) -> bool:
+        """Greedy with nothing to process: its token is the argmax of its raw logits."""
+        c = self.constraints
+        return not self.params.do_sample and not self.penalised and not (c.bias or c.forced or c.banned)
+
+    @property
     def penalised(self) -> bool:
         return self.params.repetition_penalty != 1.0 and bool(self.seen)
 

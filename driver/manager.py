@@ -156,7 +156,8 @@ class ContinuousBatchingManager:
             return {}
         return {"step": e.step_no, "weight_version": e.weight_version, "tokens_generated": e.num_tokens_generated,
                 "preemptions": e.scheduler.num_preemptions, "prefix_hit_blocks": e.blocks.prefix_hit_blocks,
-                "burst_forwards": e.num_burst_forwards, "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                "burst_forwards": e.num_burst_forwards, "running": len(e.scheduler.running),
+                "waiting": len(e.scheduler.waiting),
                 "free_blocks": e.blocks.num_free, "num_blocks": e.blocks.num_blocks,
                 "num_host_blocks": e.scheduler.host.num_slots, **e.scheduler.offload_stats(),
                 "cuda_graphs": dict(self.runner.graph_stats)}

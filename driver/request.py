@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,12 @@ class SamplingParams:
         return bool(self.min_new_tokens or self.min_length or self.no_repeat_ngram_size or self.bad_words_ids
                     or self.sequence_bias or self.forced_bos_token_id is not None or self.forced_eos_token_id
                     or self.suppress_tokens or self.begin_suppress_tokens)
+
+    @functools.cached_property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's tokens so far (repetition penalty, generation options): then a
+        step's rows wait until every earlier token is on the host, and the request never runs in a burst."""
+        return self.repetition_penalty != 1.0 or self.constrained
 
     @property
     def greedy(self) -> bool:

@@ -58,13 +58,16 @@ def with_noise(processed: torch.Tensor, rows: list[SampleRow], offset: int = 0) 
     return on_rows(processed, [i for i, r in enumerate(rows) if r.samples], noisy, processed)
 
 
-def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0) -> Picks:
+def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0, plain: bool | None = None) -> Picks:
     """The batch's tokens and logprobs ([N, vocab] logits, one row each), computed on the logits' device in
     float32 without waiting on it. `offset`: the rows' tokens come that many after their `index` (the later
-    forwards of a burst; only rows that need no token history burst)."""
+    forwards of a burst; only rows that need no token history burst). `plain`: whether every row is
+    SampleRow.plain (None: look), so that the logits need no processing and no noise."""
     logits = logits.float()
-    processed = process_logits(logits, rows)
-    scores = with_noise(processed, rows, offset)
+    if plain is None:
+        plain = all(r.plain for r in rows)
+    processed = logits if plain else process_logits(logits, rows)
+    scores = processed if plain else with_noise(processed, rows, offset)
     best, tokens = scores.max(-1)  # the first of equal maxima, as argmax
     invalid = ~best.isfinite()  # max propagates a NaN, so an unprocessed row's NaN shows here
     if processed is not logits:  # a filter may have masked a NaN away: a NaN anywhere makes the row's sum NaN
@@ -76,12 +79,13 @@ def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0) -> Picks:
     return Picks(tokens, logprobs, invalid)
 
 
-def sample_row(req: Request, seed: int | None) -> SampleRow:
-    """The request's row for this step; its noise key is made on first use and kept on the request."""
+def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
+    """The request's row for this step, `ahead` tokens after those on the host (its tokens still in flight); its
+    noise key is made on first use and kept on the request."""
     p = req.sampling
     if req.sample_key is None:
         req.sample_key = request_key(p.seed, seed, req.request_id)
-    return SampleRow(req.request_id, p, req.sample_key, req.token_index,
+    return SampleRow(req.request_id, p, req.sample_key, req.token_index + ahead,
                      tuple(set(req.tokens)) if p.repetition_penalty != 1.0 else (), req.return_logprobs,
                      constraints(req))
 
@@ -137,10 +141,12 @@ class Sampler:
         """One draw per row of `logits` [N, vocab]; a row's failure is its Draw's `error`, never an exception."""
         return self.collect(self.launch(logits, *self.rows(reqs)))
 
-    def rows(self, reqs: list[Request | None]) -> tuple[list[Draw | None], list[int], list[SampleRow]]:
+    def rows(self, reqs: list[Request | None], ahead: list[int] | None = None
+             ) -> tuple[list[Draw | None], list[int], list[SampleRow], bool]:
         """The host half of a launch (it reads the requests: call it on the loop thread, once every token
-        before this step is on the host): (early failures, live row numbers, their SampleRows). A None request
-        (one that ended meanwhile) gets no row and no Draw."""
+        before this step is on the host, or with `ahead`, each request's tokens still in flight, when no row
+        needs its token history): (early failures, live row numbers, their SampleRows, whether every row
+        is plain greedy). A None request (one that ended meanwhile) gets no row and no Draw."""
         early: list[Draw | None] = [None] * len(reqs)
         live: list[int] = []
         rows: list[SampleRow] = []
@@ -149,23 +155,24 @@ class Sampler:
                 continue
             try:
                 faults.hit("sample", request=req.request_id)
-                rows.append(sample_row(req, self.seed))
+                rows.append(sample_row(req, self.seed, ahead[i] if ahead else 0))
                 live.append(i)
             except Exception as e:  # noqa: BLE001  (whatever it is, it belongs to this request alone)
                 early[i] = Draw(None, None, e)
-        return early, live, rows
+        return early, live, rows, all(r.plain for r in rows)
 
     def launch(self, logits: torch.Tensor, early: list[Draw | None], live: list[int],
-               rows: list[SampleRow], offset: int = 0) -> Launched:
+               rows: list[SampleRow], plain: bool = False, offset: int = 0) -> Launched:
         """The device half: pick every live row and start the transfer, without waiting on the device (unless
-        some row breaks the batch: then the rows are sampled one at a time, here). `offset`: see `pick`."""
+        some row breaks the batch: then the rows are sampled one at a time, here). `plain`, `offset`: see
+        `pick`."""
         n = len(early)
         if not live:
             return Launched(torch.zeros(n, dtype=torch.int64, device=logits.device), early, live, rows, None)
         index = None if len(live) == n else torch.tensor(live, device=logits.device)
         mine = logits if index is None else logits[index]
         try:
-            picks = pick(mine, rows, offset)
+            picks = pick(mine, rows, offset, plain)
         except Exception:  # noqa: BLE001  (some row broke the batch: find which, one row at a time)
             alone = list(early)
             for j, row in zip(live, rows):
@@ -188,6 +195,23 @@ class Sampler:
             for i, draw in zip(launched.live, host_draws(launched.host, launched.rows)):
                 out[i] = draw
         return out
+
+    @staticmethod
+    def collect_burst(launched: list[Launched]) -> tuple[list[int], list[list[int]], list[list[float]] | None] | None:
+        """A burst's draws at once, waiting for each forward's transfer: (the live rows, each one's tokens in order,
+        each one's logprobs in order when some row asked for them). None when some row failed or the batch fell
+        back to one row at a time in any of the forwards: then `collect` them one by one."""
+        live = launched[0].live
+        if any(x.host is None or x.live != live or any(d is not None for d in x.early) for x in launched):
+            return None
+        for x in launched:
+            if x.event is not None:
+                x.event.synchronize()
+        host = torch.stack([x.host for x in launched])  # [forwards, 3, live rows]
+        if bool(host[:, 2].any()):
+            return None
+        logprobs = host[:, 1].T.tolist() if any(r.logprobs for r in launched[0].rows) else None
+        return live, host[:, 0].T.long().tolist(), logprobs
 
     @staticmethod
     def _alone(logits: torch.Tensor, row: SampleRow, offset: int) -> Draw:

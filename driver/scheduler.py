@@ -79,7 +79,7 @@ class Scheduler:
         max_len = self.rc.max_model_len
         for s in batch:
             r = s.req
-            if s.num_tokens != 1 or not s.samples or r.sampling.repetition_penalty != 1.0 or r.sampling.constrained:
+            if s.num_tokens != 1 or not s.samples or r.sampling.needs_history:
                 return 1
             ahead = r.num_tokens_ahead
             k = min(k, r.max_new_tokens - (ahead - len(r.prompt_ids)), max_len - ahead)

@@ -133,3 +133,25 @@ def test_advancing_on_the_device_lays_out_what_the_next_plan_would(make_checkpoi
         width = len(want["dec_kv_slots"][0])
         assert [row[:width] for row in got.pop("dec_kv_slots")] == want.pop("dec_kv_slots")
     assert got == want
+
+
+def test_bursts_cut_at_eos_and_limits_with_the_same_tokens_logprobs_and_endings(make_checkpoint):
+    """An EOS list that ends requests inside a burst, varied max_new_tokens and logprobs: the same tokens,
+    logprobs, statuses and finish reasons as one forward a plan; the tokens a burst drew past an ending are
+    dropped."""
+    model = cluster.load(make_checkpoint("llama", vocab_size=512))
+    prompts = mixed_prompts(512)[:10]
+    eos = list(range(7, 512, 512 // 64 + 1))[:64]  # about 1 token in 8 ends a request
+    got = {}
+    for burst in (1, 4):
+        cfg = ContinuousBatchingConfig(page_size=16, use_async_batching=True, decode_burst=burst,
+                                       return_logprobs=True)
+        out = model.generate_batch(prompts, continuous_batching_config=cfg, max_new_tokens=23, eos_token_id=eos)
+        got[burst] = [(o.generated_tokens, o.status, o.finish_reason, np.round(o.logprobs, 4).tolist())
+                      for o in out.values()]
+        if burst > 1:
+            assert model.last_stats["burst_forwards"] > 0
+    assert got[4] == got[1]
+    lengths = [len(t) for t, *_ in got[1]]
+    assert any(n < 23 for n in lengths) and any(n == 23 for n in lengths)  # EOS endings, and length endings
+    assert all(len(lp) == len(t) for t, _, _, lp in got[1])

@@ -91,14 +91,14 @@ def test_logprobs_match_transformers_scores_tp2(make_checkpoint, tmp_path):
 def test_a_row_that_fails_to_sample_fails_only_its_request(make_checkpoint, monkeypatch):
     import driver.sampler
 
-    real = driver.sampler.process_logits
+    real = driver.sampler.pick
 
-    def broken(logits, rows):  # any batch holding req_1 raises: the sampler must find req_1 row by row
+    def broken(logits, rows, *args):  # any batch holding req_1 raises: the sampler must find req_1 row by row
         if any(r.request_id == "req_1" for r in rows):
             raise RuntimeError("boom in row req_1")
-        return real(logits, rows)
+        return real(logits, rows, *args)
 
-    monkeypatch.setattr(driver.sampler, "process_logits", broken)
+    monkeypatch.setattr(driver.sampler, "pick", broken)
     model_dir = make_checkpoint("llama")
     model = cluster.load(model_dir)
     prompts = mixed_prompts(model.config.vocab_size)[:4]
