@@ -4,10 +4,13 @@ The engine is single-threaded: only the manager's loop thread calls it, and only
 group, so every rank sees the same sequence of plans.
 
 Overlapped (rc.overlap, `use_async_batching`), step N is scheduled, broadcast and launched while step N-1 is still
-in flight; then N-1 is collected (its tokens, endings, logprobs: the one host sync), step N's sampling is queued
-behind its forward, and every rank broadcasts N's sampled tokens on the device group, where step N+1's inputs
-read them (`StepPlan.share_tokens`). A step returns the requests of the step it collected. Before any plan that
-is not a STEP, the caller flushes (`flush`): no other plan ever meets a step in flight.
+in flight; step N's sampling is queued behind its forward (before N-1 is collected when no row reads its token
+history, after otherwise), N-1 is collected (its tokens, endings, logprobs: the one host sync), and every rank
+broadcasts N's sampled tokens on the device group, where step N+1's inputs read them (`StepPlan.share_tokens`).
+With multi-step decode (rc.decode_burst) a decode-only plan runs up to that many forwards, each reading the
+tokens the one before sampled (`StepPlan.burst`, Scheduler.burst_length). A step returns the requests of the
+step it collected. Before any plan that is not a STEP, the caller flushes (`flush`): no other plan ever meets a
+step in flight.
 """
 
 from __future__ import annotations

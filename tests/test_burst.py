@@ -61,15 +61,20 @@ def test_a_burst_plan_runs_several_forwards_with_transformers_tokens(make_checkp
 def test_seeded_sampling_draws_the_same_tokens_in_bursts(make_checkpoint):
     """Counter-based noise keyed by token index: a burst's forward i samples index + i, so seeded requests get
     what one step a plan gives them."""
-    model = cluster.load(make_checkpoint("llama"))
+    from transformers import GenerationConfig
+
+    model_dir = make_checkpoint("llama")
+    model = cluster.load(model_dir)
     prompts = mixed_prompts(model.config.vocab_size)[:4]
-    params = dict(do_sample=True, temperature=0.9, top_k=50, max_new_tokens=14)
+    gen = GenerationConfig(do_sample=True, temperature=1.5, top_k=0, max_new_tokens=14, eos_token_id=None)
     got = {}
     for burst in (1, 4):
         cfg = ContinuousBatchingConfig(page_size=16, use_async_batching=True, decode_burst=burst, seed=7)
-        out = model.generate_batch(prompts, continuous_batching_config=cfg, **params)
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cfg)
         got[burst] = [o.generated_tokens for o in out.values()]
+        assert burst == 1 or model.last_stats["burst_forwards"] > 0
     assert got[4] == got[1] and all(len(t) == 14 for t in got[1])
+    assert got[1] != [t[:14] for t in hf_greedy(model_dir, prompts)], "the rows did not sample"
 
 
 def test_rows_with_token_history_or_waiting_requests_run_one_step(make_checkpoint):
