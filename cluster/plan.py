@@ -78,7 +78,7 @@ class StepPlan:
     share_tokens: bool = False
     # multi-step decode: a decode-only, overlapped plan every rank runs `burst` times back to back, each forward
     # reading the tokens the one before sampled and broadcast, with its positions, slots and KV lengths advanced
-    # on the device (worker/runner.py `launch_burst`); the driver sends no plan in between
+    # on the device (worker/runner.py `share_burst`); the driver sends no plan in between
     burst: int = 1
 
     @property

@@ -106,11 +106,13 @@ class BlockManager:
             req.block_hashes = []
 
     def register_full_blocks(self, req: Request) -> None:
-        """Make the request's newly completed blocks findable by later requests with the same prefix."""
+        """Make the request's newly completed blocks findable by later requests with the same prefix: those whose
+        K/V are computed and whose tokens are all on the host."""
         page = self.page_size
-        if not self.allow_sharing or not req.cacheable or len(req.block_hashes) >= req.num_computed // page:
+        full = min(req.num_computed, req.num_tokens) // page
+        if not self.allow_sharing or not req.cacheable or len(req.block_hashes) >= full:
             return  # the common decode step: no block completed, nothing to hash
-        for i in range(len(req.block_hashes), req.num_computed // page):
+        for i in range(len(req.block_hashes), full):
             prev = req.block_hashes[-1] if req.block_hashes else b""
             h = chain_hash(prev, token_slice(req, i * page, (i + 1) * page))
             req.block_hashes.append(h)

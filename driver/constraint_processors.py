@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from driver.block_manager import token_slice
+from driver.device_lists import on_device
 from driver.request import Request, SamplingParams
 
 
@@ -162,18 +163,18 @@ def padded(lists: list[tuple], fill: object | None = None) -> list[list]:
 
 def add_bias(x: torch.Tensor, biases: list[tuple[tuple[int, float], ...]]) -> torch.Tensor:
     """Each row's (token, bias) pairs added to its logits (padding adds 0.0 to a row's first token)."""
-    ids = torch.tensor(padded([tuple(t for t, _ in b) for b in biases]), dtype=torch.long, device=x.device)
-    values = torch.tensor(padded([tuple(v for _, v in b) for b in biases], 0.0), dtype=x.dtype, device=x.device)
+    ids = on_device(padded([tuple(t for t, _ in b) for b in biases]), torch.long, x.device)
+    values = on_device(padded([tuple(v for _, v in b) for b in biases], 0.0), x.dtype, x.device)
     return x.scatter_add(1, ids, values)
 
 
 def force(x: torch.Tensor, forced: list[tuple[int, ...]]) -> torch.Tensor:
     """Each row -inf except its forced tokens, which are 0."""
-    ids = torch.tensor(padded(forced), dtype=torch.long, device=x.device)
+    ids = on_device(padded(forced), torch.long, x.device)
     return torch.full_like(x, float("-inf")).scatter_(1, ids, 0.0)
 
 
 def ban(x: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
     """Each row's banned tokens set to -inf."""
-    ids = torch.tensor(padded(banned), dtype=torch.long, device=x.device)
+    ids = on_device(padded(banned), torch.long, x.device)
     return x.scatter(1, ids, float("-inf"))

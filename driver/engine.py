@@ -177,12 +177,11 @@ class Engine:
         return launched
 
     def _register(self, batch: list[Scheduled]) -> None:
-        """Make the batch's newly full blocks findable, for requests whose tokens are all on the host (the block
-        manager returns at once when no block completed)."""
+        """Make the batch's newly full blocks findable, as far as their tokens are on the host (the block manager
+        returns at once when no block completed)."""
         for s in batch:
-            r = s.req
-            if not r.is_finished and r.num_computed <= r.num_tokens:
-                self.blocks.register_full_blocks(r)
+            if not s.req.is_finished:
+                self.blocks.register_full_blocks(s.req)
 
     def _apply(self, sampled: list[Request], draws: list[Draw | None], version: int,
                pending: bool = False) -> list[Request]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from driver.constraint_processors import NONE, Constraints, add_bias, ban, force
+from driver.device_lists import on_device
 from driver.request import SamplingParams
 
 
@@ -61,21 +62,21 @@ def on_rows(x: torch.Tensor, rows: list[int], fn: Callable[[torch.Tensor, list[i
         return x
     if len(rows) == x.shape[0]:
         return fn(x, rows)
-    index = torch.tensor(rows, dtype=torch.long, device=x.device)
+    index = on_device(rows, torch.long, x.device)
     out = x.clone() if x is original else x
     return out.index_copy_(0, index, fn(x.index_select(0, index), rows))
 
 
 def column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Per-row parameters as an [N, 1] tensor on `device`."""
-    return torch.tensor(values, dtype=dtype, device=device)[:, None]
+    return on_device(values, dtype, device)[:, None]
 
 
 def penalise(x: torch.Tensor, seen: list[tuple[int, ...]], penalty: list[float]) -> torch.Tensor:
     """transformers' repetition penalty: each row's seen tokens' logits divided by its penalty (multiplied when
     negative)."""
     width = max(len(s) for s in seen)  # shorter rows repeat their first token: the same value written again
-    ids = torch.tensor([list(s) + [s[0]] * (width - len(s)) for s in seen], dtype=torch.long, device=x.device)
+    ids = on_device([list(s) + [s[0]] * (width - len(s)) for s in seen], torch.long, x.device)
     p = column(penalty, x.dtype, x.device)
     score = x.gather(1, ids)
     return x.scatter(1, ids, torch.where(score < 0, score * p, score / p))
@@ -108,7 +109,7 @@ def ranked_drops(probs: torch.Tensor, top_p: torch.Tensor, least: int,
     short = ((top.sum(-1) <= top_p[:, 0]) & (top_p[:, 0] < 1.0)).nonzero()[:, 0].tolist()
 
     def wider(_: torch.Tensor, ix: list[int]) -> torch.Tensor:
-        index = torch.tensor(ix, dtype=torch.long, device=probs.device)
+        index = on_device(ix, torch.long, probs.device)
         return ranked_drops(probs.index_select(0, index), top_p.index_select(0, index), vocab, tries[1:])
 
     return on_rows(top_p_drops(probs, order, top_p), short, wider, None)

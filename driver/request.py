@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -37,7 +36,7 @@ class SamplingParams:
                     or self.sequence_bias or self.forced_bos_token_id is not None or self.forced_eos_token_id
                     or self.suppress_tokens or self.begin_suppress_tokens)
 
-    @functools.cached_property
+    @property
     def needs_history(self) -> bool:
         """Whether sampling reads the request's tokens so far (repetition penalty, generation options): then a
         step's rows wait until every earlier token is on the host, and the request never runs in a burst."""

@@ -23,6 +23,7 @@ import torch
 from cluster import faults
 from driver.constraint_processors import constraints
 from driver.counter_noise import gumbel, request_key, signed64
+from driver.device_lists import on_device
 from driver.logits_processing import SampleRow, on_rows, process_logits
 from driver.request import Request
 
@@ -51,8 +52,8 @@ def with_noise(processed: torch.Tensor, rows: list[SampleRow], offset: int = 0) 
     """Sampling rows' processed logits plus their Gumbel noise (for token index row.index + offset); other rows
     unchanged."""
     def noisy(x: torch.Tensor, ix: list[int]) -> torch.Tensor:
-        keys = torch.tensor([signed64(rows[i].key) for i in ix], dtype=torch.int64, device=x.device)
-        index = torch.tensor([rows[i].index + offset for i in ix], dtype=torch.int64, device=x.device)
+        keys = on_device([signed64(rows[i].key) for i in ix], torch.int64, x.device)
+        index = on_device([rows[i].index + offset for i in ix], torch.int64, x.device)
         return x + gumbel(keys, index, x.shape[-1])
 
     return on_rows(processed, [i for i, r in enumerate(rows) if r.samples], noisy, processed)
@@ -129,8 +130,11 @@ def host_draws(host: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
 
 
 def draws(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0) -> list[Draw]:
-    """pick, then the step's one transfer to the host."""
-    return host_draws(to_host(pick(logits, rows, offset))[0], rows)
+    """pick, then the step's one transfer to the host, waited for."""
+    host, event = to_host(pick(logits, rows, offset))
+    if event is not None:
+        event.synchronize()
+    return host_draws(host, rows)
 
 
 class Sampler:
@@ -169,7 +173,7 @@ class Sampler:
         n = len(early)
         if not live:
             return Launched(torch.zeros(n, dtype=torch.int64, device=logits.device), early, live, rows, None)
-        index = None if len(live) == n else torch.tensor(live, device=logits.device)
+        index = None if len(live) == n else on_device(live, torch.int64, logits.device)
         mine = logits if index is None else logits[index]
         try:
             picks = pick(mine, rows, offset, plain)

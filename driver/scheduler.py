@@ -72,9 +72,10 @@ class Scheduler:
         """How many decode forwards this batch runs from one plan (multi-step decode, rc.decode_burst), with each
         row's pages allocated that far ahead: more than one only when nobody waits to be admitted, every row is
         a one-token decode that samples without token history on the host (no repetition penalty, no generation
-        option), and every row has that many tokens left before its limits."""
+        option), every running request is in the batch (none left out by the batch caps would wait k forwards),
+        and every row has that many tokens left before its limits."""
         k = self.rc.decode_burst
-        if k <= 1 or self.waiting:
+        if k <= 1 or self.waiting or len(batch) < len(self.running):
             return 1
         max_len = self.rc.max_model_len
         for s in batch:

@@ -97,6 +97,10 @@ def test_rows_with_token_history_or_waiting_requests_run_one_step(make_checkpoin
     assert engine.scheduler.burst_length(decoding(SamplingParams(no_repeat_ngram_size=2))) == 1
     assert engine.scheduler.burst_length(decoding(max_new=5)) == 3  # 2 generated: 3 left
     assert engine.scheduler.burst_length(decoding(max_new=3)) == 1
+    batch = decoding()
+    engine.scheduler.running = [batch[0].req, Request("left-out", prompt, max_new_tokens=9)]  # not in the batch
+    assert engine.scheduler.burst_length(batch) == 1
+    engine.scheduler.running = []
     engine.scheduler.waiting.append(Request("w", prompt, max_new_tokens=2))
     assert engine.scheduler.burst_length(decoding()) == 1
 
@@ -160,3 +164,21 @@ def test_bursts_cut_at_eos_and_limits_with_the_same_tokens_logprobs_and_endings(
     lengths = [len(t) for t, *_ in got[1]]
     assert any(n < 23 for n in lengths) and any(n == 23 for n in lengths)  # EOS endings, and length endings
     assert all(len(lp) == len(t) for t, _, _, lp in got[1])
+
+
+def test_generated_blocks_become_shareable_while_bursting(make_checkpoint):
+    """A bursting request's K/V always runs ahead of its tokens on the host; its full blocks are registered for
+    prefix sharing as far as its tokens are known (not only the prompt's)."""
+    from driver.engine import Engine
+
+    model = cluster.load(make_checkpoint("llama"))
+    runner, rc, groups = model.build_runner(burst_config(allow_block_sharing=True))
+    engine = Engine(runner, rc, groups, seed=None)
+    req = Request("r", list(range(3, 23)), max_new_tokens=60)
+    engine.add(req)
+    while len(req.generated) < 40:
+        engine.step()
+    assert engine.num_burst_forwards > 0 and req.num_computed > req.num_tokens
+    assert len(req.block_hashes) == req.num_tokens // 16 >= 3  # 20 prompt tokens: one block before any decode
+    while engine.has_work():
+        engine.step()

@@ -139,7 +139,10 @@ class ModelRunner:
             self.graph_stats["eager_steps"] += plan.burst
         ids, meta, n = self.prepare(plan, bucket=bucket)
         refs = bool(plan.num_tokens) and int(plan.input_ids.min()) < 0
-        rows = torch.from_numpy(np.nonzero(plan.sample)[0]).to(self.device) if bucket is not None else None
+        rows = None  # a bucket's sampled rows, copied in stream order (pinned on CUDA: no wait for the device)
+        if bucket is not None:
+            rows = torch.from_numpy(np.nonzero(plan.sample)[0])
+            rows = rows.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else rows
 
         def run(first: bool) -> torch.Tensor | None:
             if first:
@@ -198,6 +201,8 @@ class ModelRunner:
                 logits = self.stream.submit(lambda: run(False))
 
     def _share(self, tokens: Callable[[], torch.Tensor] | None) -> Handle[None]:
+        """Queue one forward's token broadcast from rank 0 into `shared_tokens` (device group): every rank, in the
+        same order, through `share_burst` only."""
         shard = self.model.lm_head.shard
 
         def broadcast() -> None:
