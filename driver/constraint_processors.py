@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from driver.block_manager import token_slice
-from driver.device_lists import on_device
+from cluster.device_lists import on_device
 from driver.request import Request, SamplingParams
 
 

@@ -189,7 +189,7 @@ class Engine:
         `pending`: the tokens were counted in `num_pending` until now."""
         events = []
         now = time.perf_counter()
-        max_len, tokens = self.rc.max_model_len, 0
+        tokens = 0
         for req, draw in zip(sampled, draws):
             if pending:
                 req.num_pending -= 1
@@ -200,23 +200,8 @@ class Engine:
                          Code.SAMPLING_FAILED)
                 events.append(req)
                 continue
-            tok = draw.token
-            if req.start_time < 0:
-                req.start_time = now
-            req.note_version(version)
-            req.generated.append(tok)
-            if draw.logprob is not None:
-                req.logprobs.append(draw.logprob)
-            if req.record_timestamps:
-                req.timestamps.append(now)
-            if req.status != RequestStatus.PENDING:  # PENDING: preempted while the token was in flight
-                req.status = RequestStatus.DECODING
-            if tok in req.eos_token_ids:
-                self.end(req, RequestStatus.FINISHED, reason="stop")
-            elif len(req.generated) >= req.max_new_tokens or len(req.prompt_ids) + len(req.generated) >= max_len:
-                self.end(req, RequestStatus.FINISHED, reason="length")
+            tokens += self._append(req, [draw.token], None if draw.logprob is None else [draw.logprob], now, version)
             events.append(req)
-            tokens += 1
         self.num_tokens_generated += tokens
         return events
 
@@ -226,37 +211,44 @@ class Engine:
         (what applying them one forward at a time does, in one pass a request)."""
         events = []
         now = time.perf_counter()
-        max_len, total = self.rc.max_model_len, 0
+        total = 0
         for req in sampled:
             req.num_pending -= len(tokens[0]) if tokens else 0
         for j, row in enumerate(tokens):
             req = sampled[live[j]]
             if req.status >= RequestStatus.FINISHED:  # ended meanwhile: its tokens are dropped
                 continue
-            done = len(req.generated)
-            n = min(len(row), req.max_new_tokens - done, max_len - len(req.prompt_ids) - done)
-            eos = req.eos_token_ids
-            stop = bool(eos) and not eos.isdisjoint(row[:n])
-            if stop:
-                n = next(i for i, t in enumerate(row) if t in eos) + 1
-            if req.start_time < 0:
-                req.start_time = now
-            req.note_version(version)
-            req.generated.extend(row[:n])
-            if logprobs is not None and req.return_logprobs:
-                req.logprobs.extend(logprobs[j][:n])
-            if req.record_timestamps:
-                req.timestamps.extend([now] * n)
-            if req.status != RequestStatus.PENDING:  # PENDING: preempted while the burst was in flight
-                req.status = RequestStatus.DECODING
-            if stop:
-                self.end(req, RequestStatus.FINISHED, reason="stop")
-            elif done + n >= req.max_new_tokens or len(req.prompt_ids) + done + n >= max_len:
-                self.end(req, RequestStatus.FINISHED, reason="length")
+            total += self._append(req, row, logprobs[j] if logprobs is not None and req.return_logprobs else None,
+                                  now, version)
             events.append(req)
-            total += n
         self.num_tokens_generated += total
         return events
+
+    def _append(self, req: Request, row: list[int], logprobs: list[float] | None, now: float, version: int) -> int:
+        """Append a live request's new tokens in order, cut after the first EOS or at its limits, and end it there;
+        returns how many it took."""
+        done = len(req.generated)
+        n = max(1, min(len(row), req.max_new_tokens - done, self.rc.max_model_len - len(req.prompt_ids) - done))
+        eos = req.eos_token_ids
+        stop = bool(eos) and not eos.isdisjoint(row[:n])
+        if stop:
+            n = next(i for i, t in enumerate(row) if t in eos) + 1
+        if req.start_time < 0:
+            req.start_time = now
+        req.note_version(version)
+        req.generated.extend(row[:n])
+        if logprobs is not None:
+            req.logprobs.extend(logprobs[:n])
+        if req.record_timestamps:
+            req.timestamps.extend([now] * n)
+        if req.status != RequestStatus.PENDING:  # PENDING: preempted while its tokens were in flight
+            req.status = RequestStatus.DECODING
+        if stop:
+            self.end(req, RequestStatus.FINISHED, reason="stop")
+        elif (len(req.generated) >= req.max_new_tokens
+              or len(req.prompt_ids) + len(req.generated) >= self.rc.max_model_len):
+            self.end(req, RequestStatus.FINISHED, reason="length")
+        return n
 
     def _plan(self, batch: list[Scheduled]) -> StepPlan:
         """The STEP plan of a batch. A token still in flight is the input id -(1 + j): sampled row j of the

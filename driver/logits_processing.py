@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from driver.constraint_processors import NONE, Constraints, add_bias, ban, force
-from driver.device_lists import on_device
+from cluster.device_lists import on_device
 from driver.request import SamplingParams
 
 

@@ -44,7 +44,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return not self.do_sample and self.repetition_penalty == 1.0 and not self.constrained
+        return not self.do_sample and not self.needs_history
 
 
 @dataclass(eq=False)  # identity, not field equality: requests are tracked by reference

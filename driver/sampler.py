@@ -23,7 +23,7 @@ import torch
 from cluster import faults
 from driver.constraint_processors import constraints
 from driver.counter_noise import gumbel, request_key, signed64
-from driver.device_lists import on_device
+from cluster.device_lists import on_device
 from driver.logits_processing import SampleRow, on_rows, process_logits
 from driver.request import Request
 

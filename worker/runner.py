@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.config import ResolvedConfig
+from cluster.device_lists import on_device
 from cluster.dist import DRIVER
 from cluster.plan import StepPlan
 from worker.attention import AttnMeta
@@ -139,10 +140,7 @@ class ModelRunner:
             self.graph_stats["eager_steps"] += plan.burst
         ids, meta, n = self.prepare(plan, bucket=bucket)
         refs = bool(plan.num_tokens) and int(plan.input_ids.min()) < 0
-        rows = None  # a bucket's sampled rows, copied in stream order (pinned on CUDA: no wait for the device)
-        if bucket is not None:
-            rows = torch.from_numpy(np.nonzero(plan.sample)[0])
-            rows = rows.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else rows
+        rows = None if bucket is None else on_device(np.nonzero(plan.sample)[0], torch.int64, self.device)
 
         def run(first: bool) -> torch.Tensor | None:
             if first:
