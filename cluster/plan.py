@@ -17,7 +17,7 @@ from enum import IntEnum
 import numpy as np
 
 PLAN_MAGIC = 0x10C5
-HEADER_LEN = 14
+HEADER_LEN = 15
 
 
 class Command(IntEnum):
@@ -47,6 +47,7 @@ class H(IntEnum):
     BURST = 11  # decode steps this STEP plan runs back to back (see StepPlan.burst); 0 or 1: one
     NUM_SWAP_OUT = 12  # KV page copies device -> host pool before the forward (cpu_offload_space)
     NUM_SWAP_IN = 13  # host pool -> device, after the swap-outs
+    ARGMAX_ON_SHARDS = 14  # 1: the step's tokens are chosen on the vocab shards (see StepPlan.argmax_on_shards)
 
 
 class S(IntEnum):
@@ -80,6 +81,10 @@ class StepPlan:
     # reading the tokens the one before sampled and broadcast, with its positions, slots and KV lengths advanced
     # on the device (worker/runner.py `share_burst`); the driver sends no plan in between
     burst: int = 1
+    # every sampled row is plain greedy with no logprobs: each rank takes the argmax of its own vocab shard and the
+    # ranks all-gather (logit, token) pairs, so every rank knows the tokens; no logits are gathered on the driver
+    # and no tokens broadcast (worker/layers.py `shard_argmax`)
+    argmax_on_shards: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +120,7 @@ class StepPlan:
         h[H.DATA_LEN] = len(self.data)
         h[H.SHARE_TOKENS] = int(self.share_tokens)
         h[H.BURST] = self.burst
+        h[H.ARGMAX_ON_SHARDS] = int(self.argmax_on_shards)
         return h
 
     def payload(self) -> np.ndarray:
@@ -135,7 +141,7 @@ def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> S
     t, b, nb = int(h[H.NUM_TOKENS]), int(h[H.NUM_SEQS]), int(h[H.TABLE_WIDTH])
     plan = StepPlan(command=Command(int(h[H.COMMAND])), step=int(h[H.STEP]),
                     weight_version=int(h[H.WEIGHT_VERSION]), data=data, share_tokens=bool(h[H.SHARE_TOKENS]),
-                    burst=max(1, int(h[H.BURST])))
+                    burst=max(1, int(h[H.BURST])), argmax_on_shards=bool(h[H.ARGMAX_ON_SHARDS]))
     if payload is not None and payload.size:
         o = 0
         plan.input_ids = payload[o:o + t]; o += t

@@ -134,6 +134,7 @@ class Engine:
         sampled = [s.req for s, m in zip(batch, plan.sample) if m]
         plan.share_tokens = self.rc.overlap and bool(sampled)
         plan.burst = burst  # > 1 only when every row samples (so share_tokens is set)
+        plan.argmax_on_shards = bool(sampled) and all(r.sampling.greedy and not r.return_logprobs for r in sampled)
         self.num_burst_forwards += burst - 1
         self.rank_states = send_plan(plan, self.groups)
         logits = self.runner.launch(plan)

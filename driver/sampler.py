@@ -26,6 +26,7 @@ from driver.counter_noise import gumbel, request_key, signed64
 from cluster.device_lists import on_device
 from driver.logits_processing import SampleRow, on_rows, process_logits
 from driver.request import Request
+from worker.shard_argmax import ShardArgmax
 
 
 class Draw(NamedTuple):
@@ -165,11 +166,13 @@ class Sampler:
                 early[i] = Draw(None, None, e)
         return early, live, rows, all(r.plain for r in rows)
 
-    def launch(self, logits: torch.Tensor, early: list[Draw | None], live: list[int],
+    def launch(self, logits: torch.Tensor | ShardArgmax, early: list[Draw | None], live: list[int],
                rows: list[SampleRow], plain: bool = False, offset: int = 0) -> Launched:
         """The device half: pick every live row and start the transfer, without waiting on the device (unless
         some row breaks the batch: then the rows are sampled one at a time, here). `plain`, `offset`: see
-        `pick`."""
+        `pick`. ShardArgmax instead of logits: the ranks chose the (plain greedy) tokens already."""
+        if isinstance(logits, ShardArgmax):
+            return self._chosen(logits, early, live, rows)
         n = len(early)
         if not live:
             return Launched(torch.zeros(n, dtype=torch.int64, device=logits.device), early, live, rows, None)
@@ -188,6 +191,19 @@ class Sampler:
             0, index, picks.tokens)
         host, event = to_host(picks)
         return Launched(tokens, early, live, rows, host, event)
+
+    @staticmethod
+    def _chosen(chosen: ShardArgmax, early: list[Draw | None], live: list[int], rows: list[SampleRow]) -> Launched:
+        """`launch` for tokens chosen on the vocab shards (the plan's argmax_on_shards: plain greedy rows, no
+        logprobs), with the check `pick` makes: a row whose largest logit is not finite is invalid."""
+        if not live:
+            return Launched(chosen.tokens, early, live, rows, None)
+        best, tokens = chosen
+        if len(live) != len(early):
+            index = on_device(live, torch.int64, best.device)
+            best, tokens = best[index], tokens[index]
+        host, event = to_host(Picks(tokens, torch.zeros_like(best), ~best.isfinite()))
+        return Launched(chosen.tokens, early, live, rows, host, event)
 
     @staticmethod
     def collect(launched: Launched) -> list[Draw]:

@@ -132,6 +132,8 @@ def test_advancing_on_the_device_lays_out_what_the_next_plan_would(make_checkpoi
     ids, meta, _ = prepare_step(rc, buf, plan(kv, [5, 6, 7], burst=3), scratch_block=0)
     runner.shared_tokens[:3] = torch.tensor([50, 60, 70])
     runner._advance(ids, meta, 3)
+    if not flash:  # a position the burst has not reached yet lists the scratch slot (0 here), not its page's
+        assert meta.dec_kv_slots[:, kv + 1].diagonal().tolist() == [0, 0, 0]
     runner.shared_tokens[:3] = torch.tensor([51, 61, 71])
     runner._advance(ids, meta, 3)
     got = laid_out(buf, ids, meta)
@@ -142,6 +144,23 @@ def test_advancing_on_the_device_lays_out_what_the_next_plan_would(make_checkpoi
         width = len(want["dec_kv_slots"][0])
         assert [row[:width] for row in got.pop("dec_kv_slots")] == want.pop("dec_kv_slots")
     assert got == want
+
+
+def test_a_burst_never_reads_stale_kv_at_positions_it_has_not_written(make_checkpoint):
+    """Every page but the scratch block starts full of NaN, as pages freed by a request whose K/V overflowed
+    would be: a burst's later positions must not be read (not even masked) before its forwards write them, so
+    the tokens still equal transformers' (SDPA layout)."""
+    model_dir = make_checkpoint("llama")
+    model = cluster.load(model_dir)
+    runner, rc, groups = model.build_runner(burst_config(max_requests_per_batch=4))
+    assert not rc.use_flash_attn
+    scratch = runner.cache.scratch_block * rc.page_size
+    for t in runner.cache.k + runner.cache.v:
+        t[:scratch] = float("nan")
+    prompts, limits = mixed_prompts(2048)[3:6], [11, 6, 9]
+    tokens, plans = run_engine(runner, rc, groups, prompts, limits)
+    assert max(p.burst for p in plans) > 1
+    assert tokens == [t[:n] for t, n in zip(hf_greedy(model_dir, prompts), limits)]
 
 
 def test_bursts_cut_at_eos_and_limits_with_the_same_tokens_logprobs_and_endings(make_checkpoint):

@@ -41,6 +41,9 @@ class AttnMeta:
     logits_idx: torch.Tensor  # [N] tokens whose logits are returned
     dec_block_table: torch.Tensor | None = None  # [Bd, NB] int32, flash-attn decode path only
     dec_kv_lens: torch.Tensor | None = None  # [Bd] int32, flash-attn decode path only
+    # [Bd, burst - 1] SDPA decode path, burst plans only: the slots of each row's later positions, written into
+    # dec_kv_slots as the burst reaches them (until then those columns are the scratch slot)
+    dec_ahead: torch.Tensor | None = None
     pre_flash: flash.VarlenMeta | None = None  # flash-attn prefill path only
     page_size: int = 0  # tokens a page, for viewing the cache as pages (flash-attn path)
     chunk_elements: int = 1 << 22  # work budget of one SDPA chunk (ResolvedConfig.attn_chunk_elements)

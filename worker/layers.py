@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from worker.shard_argmax import ShardArgmax, shard_argmax
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -143,7 +145,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection, vocab-sharded like the embedding; logits are gathered on the driver."""
+    """The output projection, vocab-sharded like the embedding; logits are gathered on the driver, or plain greedy
+    tokens chosen on the shards (worker/shard_argmax.py)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return nn.functional.linear(hidden, self.weight)
@@ -158,6 +161,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             return torch.cat(parts, dim=-1)[:, :self.vocab_size]
         dist.gather(local_logits, None, dst=0, group=self.shard.group)
         return None
+
+    def argmax(self, local_logits: torch.Tensor) -> ShardArgmax:
+        """Each row's greedy token, on every rank. Every rank of the device group calls it."""
+        return shard_argmax(local_logits, self.start, self.vocab_size, self.shard.rank, self.shard.size,
+                            self.shard.group)
 
 
 class RMSNorm(nn.Module):

@@ -34,6 +34,7 @@ from worker.graphs import (
 )
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
+from worker.shard_argmax import ShardArgmax
 from worker.step_inputs import StaticBuffers, prepare_step
 from worker.stream import Handle, InlineStream, Stream
 
@@ -112,20 +113,20 @@ class ModelRunner:
         return [] if self.graphs is None else self.graphs.changed_addresses(self.graph_reads())
 
     # ---------------------------------------------------------------- steps
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+    def execute(self, plan: StepPlan) -> torch.Tensor | ShardArgmax | None:
         """Run one step and wait for it. Every rank calls it with the same plan; the driver gets [sampled seqs,
-        vocab] logits."""
+        vocab] logits, or, for a plan with `argmax_on_shards`, every rank the greedy tokens (ShardArgmax)."""
         return self.launch(plan).value()
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> Handle[torch.Tensor | None]:
+    def launch(self, plan: StepPlan) -> Handle[torch.Tensor | ShardArgmax | None]:
         """Prepare the plan's inputs here (host) and queue its (first) forward on this runner's stream; the
         handle's result is what `execute` returns. Input ids -(1 + j) are resolved on the device from
         `shared_tokens` (row j of the previous step's samples), after the previous step's `share_burst`. Every
         rank calls it alike; for a plan with `share_tokens`, every rank then calls `share_burst`."""
         self.forwards.warm_up(self)  # the first time: compile what the compile configs ask for
         run = self._prepared(plan)
-        self._burst = (plan.burst, run)  # what share_burst queues the rest of a burst with
+        self._burst = (plan.burst, run, plan.argmax_on_shards)  # what share_burst queues the rest of a burst with
         return self.stream.submit(lambda: run(True))
 
     def _prepared(self, plan: StepPlan) -> Callable[[bool], torch.Tensor | None]:
@@ -150,17 +151,24 @@ class ModelRunner:
             else:
                 self._advance(ids, meta, plan.num_seqs)
             if bucket is not None:
-                logits = self.model.lm_head.gather(self.graphs.replay(bucket, static_inputs(ids, meta)))
-                return None if logits is None else logits[rows].float()
-            logits = self.model.lm_head.gather(self.forward_fn(ids, meta))
-            return None if logits is None else logits[:n].float()
+                local = self.graphs.replay(bucket, static_inputs(ids, meta))[rows]
+            else:
+                local = self.forward_fn(ids, meta)[:n]
+            if plan.argmax_on_shards:  # every rank gets the tokens: the next forward reads them from shared_tokens
+                chosen = self.model.lm_head.argmax(local)
+                if plan.share_tokens:
+                    self.shared_tokens[:n].copy_(chosen.tokens)
+                return chosen
+            logits = self.model.lm_head.gather(local)
+            return None if logits is None else logits.float()
 
         return run
 
     def _advance(self, ids: torch.Tensor, meta: AttnMeta, b: int) -> None:
         """The next forward of a decode-only burst, in place in the static buffers on the device: each row's input
         is the token just sampled for it (`shared_tokens`, row order), one position further, its cache slot
-        looked up in its block table (flash-attn) or in its key-slot list (laid out that far ahead)."""
+        looked up in its block table (flash-attn) or taken from the burst's later slots (`dec_ahead`) and
+        written into its key-slot list (SDPA)."""
         ids[:b].copy_(self.shared_tokens[:b])
         pos = meta.positions[:b]
         pos += 1
@@ -171,7 +179,11 @@ class ModelRunner:
             block = meta.dec_block_table[:b].gather(1, (pos // page)[:, None])[:, 0]
             meta.slot_mapping[:b].copy_(block.long() * page + pos % page)
         else:
-            meta.slot_mapping[:b].copy_(meta.dec_kv_slots[:b].gather(1, pos[:, None])[:, 0])
+            later = meta.dec_ahead[:b]
+            slot = later[:, 0].clone()
+            later[:, :-1] = later[:, 1:].clone()
+            meta.dec_kv_slots[:b].scatter_(1, pos[:, None], slot[:, None])
+            meta.slot_mapping[:b].copy_(slot)
 
     def forward_fn(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         """The forward (eager, or compiled as the compile configs ask): this rank's logits shard for meta's logit
@@ -184,17 +196,20 @@ class ModelRunner:
         ids.copy_(torch.where(ids < 0, shared[(-ids - 1).clamp(0, shared.numel() - 1)], ids))
 
     @torch.inference_mode()
-    def share_burst(self, logits: Handle[torch.Tensor | None],
+    def share_burst(self, logits: Handle[torch.Tensor | ShardArgmax | None],
                     sample: Callable[[int, Handle], Callable[[], torch.Tensor]] | None) -> None:
         """Queue, for each forward of the plan last launched (`burst` of them), after it: on the driver its
         sampling, then on every rank the broadcast of its sampled tokens from rank 0 into `shared_tokens` on the
-        device group (the next forward's inputs read them there, with no trip through the host), then the
-        burst's next forward. `sample(i, handle)` (the driver's; None elsewhere) queues forward i's sampling and
+        device group (the next forward's inputs read them there, with no trip through the host; with
+        `argmax_on_shards` every rank wrote them there itself, so nothing is broadcast), then the burst's next
+        forward. `sample(i, handle)` (the driver's; None elsewhere) queues forward i's sampling and
         gives a function that returns its tokens in logits row order (it runs in stream order). Every rank calls
         it, right after `launch` (whose handle is `logits`), for a plan whose `share_tokens` is set."""
-        burst, run = self._burst
+        burst, run, chosen = self._burst
         for i in range(burst):
-            self._share(None if sample is None else sample(i, logits))
+            tokens = None if sample is None else sample(i, logits)
+            if not chosen:  # argmax_on_shards: every rank holds the tokens already (see `_prepared`)
+                self._share(tokens)
             if i + 1 < burst:
                 logits = self.stream.submit(lambda: run(False))
 

@@ -42,7 +42,8 @@ def capacity_entries(rc: ResolvedConfig) -> int:
     nb = rc.max_blocks_per_request
     wide = 0 if rc.use_flash_attn else rc.max_kv_padded  # the [B, L] slot lists: SDPA path only
     grid = 0 if rc.use_flash_attn else b * q  # the padded prefill query grids: SDPA path only
-    int64 = [t, t, t, b * wide, b, grid, grid, b * wide, grid, b]
+    ahead = 0 if rc.use_flash_attn else b * (rc.decode_burst - 1)  # a burst's later slots: SDPA path only
+    int64 = [t, t, t, b * wide, b, grid, grid, b * wide, grid, b, ahead]
     int32 = [b * nb, b, b + 1, b + 1, b * nb]
     return sum(_entries(n, False) for n in int64) + sum(_entries(n, True) for n in int32)
 
@@ -120,8 +121,9 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
 
     `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes (rows, KV width, one logit
     row per bucket row); None: the eager layout, padded only as far as this step needs. A burst plan
-    (`plan.burst` > 1) lists the decode group's key slots `burst - 1` positions further (the mask hides them
-    until its queries get there), so the forwards after the first only advance positions on the device."""
+    (`plan.burst` > 1) makes the decode group's key-slot lists `burst - 1` positions wider and lays the slots
+    of those positions out last (`dec_ahead`): the lists hold the scratch slot there until the burst's forwards
+    reach them (ModelRunner._advance), so a page's stale K/V (a NaN) is never read, not even masked."""
     page = rc.page_size
     scratch = scratch_block * page
     flash_on = rc.use_flash_attn
@@ -160,7 +162,7 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     dec_q_pos, dec_q_pos_dev = buf.alloc((bd_pad,), fill=0)
     if bd:
         if width:
-            dec_slots[:bd] = kv_slots(tables[:bd], kv_lens[:bd] + ahead, width, page, scratch)
+            dec_slots[:bd] = kv_slots(tables[:bd], kv_lens[:bd], width, page, scratch)
         dec_q_pos[:bd] = kv_lens[:bd] - 1
 
     # prefill group: sequences padded to a common query length (the SDPA path's grids)
@@ -194,6 +196,10 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
                     chunk_elements=rc.attn_chunk_elements)
     if flash_on:
         _flash_meta(buf, meta, tables, q_lens, kv_lens, bd, bd_pad, rc.max_blocks_per_request, scratch_block)
+    elif ahead and bd:  # last: what a graph reads keeps its offsets whatever the burst
+        later, meta.dec_ahead = buf.alloc((bd_pad, ahead), fill=scratch)
+        j = kv_lens[:bd, None] + np.arange(ahead)
+        later[:bd] = tables[np.arange(bd)[:, None], j // page].astype(np.int64) * page + j % page
     buf.commit()
     return ids_dev, meta, len(sampled)
 
