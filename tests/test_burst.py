@@ -9,6 +9,7 @@ import pytest
 
 import cluster
 from cluster.config import ContinuousBatchingConfig, resolve_config
+from cluster.outputs import RequestStatus
 from cluster.plan import StepPlan
 from driver.request import Request, SamplingParams
 from tests.conftest import hf_greedy
@@ -201,3 +202,76 @@ def test_generated_blocks_become_shareable_while_bursting(make_checkpoint):
     assert len(req.block_hashes) == req.num_tokens // 16 >= 3  # 20 prompt tokens: one block before any decode
     while engine.has_work():
         engine.step()
+
+
+def run_burst_engine(make_checkpoint, on_forward=None, between=None):
+    """Three greedy requests through a bare Engine with bursts of up to 4. `on_forward(plan, i, chosen)` runs after
+    forward i of each plan (chosen: its ShardArgmax, editable); `between(engine)` after each step. Returns
+    (model dir, prompts, requests); nothing is left in flight, pending or allocated."""
+    from driver.engine import Engine
+
+    model_dir = make_checkpoint("llama")
+    model = cluster.load(model_dir)
+    runner, rc, groups = model.build_runner(burst_config(max_requests_per_batch=4))
+    engine = Engine(runner, rc, groups, seed=None)
+    current = {}
+    launch, argmax = runner.launch, runner.model.lm_head.argmax
+
+    def launching(plan):
+        current.update(plan=plan, i=0)
+        return launch(plan)
+
+    def choosing(local):
+        chosen = argmax(local)
+        if on_forward is not None:
+            on_forward(current["plan"], current["i"], chosen)
+        current["i"] += 1
+        return chosen
+
+    runner.launch, runner.model.lm_head.argmax = launching, choosing
+    prompts = mixed_prompts(2048)[3:6]
+    reqs = [Request(f"r{i}", p, max_new_tokens=14) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.add(r)
+    while engine.has_work():
+        engine.step()
+        if between is not None:
+            between(engine)
+    assert engine.in_flight is None and engine.blocks.num_free == rc.num_blocks
+    assert all(r.num_pending == 0 for r in reqs) and engine.num_burst_forwards > 0
+    return model_dir, prompts, reqs
+
+
+def test_a_cancel_while_a_burst_is_in_flight_keeps_the_others_exact(make_checkpoint):
+    """A request cancelled while a burst is in flight (launched, not collected) drops the burst's tokens and frees
+    its pages; the other rows' tokens are transformers'."""
+    hit = []
+
+    def cancel(engine):
+        f = engine.in_flight
+        if f is not None and len(f.launched) > 1 and not hit:
+            hit.append(len(f.sampled[1].generated))
+            engine.end(f.sampled[1], RequestStatus.CANCELLED, "cancelled")
+
+    model_dir, prompts, reqs = run_burst_engine(make_checkpoint, between=cancel)
+    reference = hf_greedy(model_dir, prompts)
+    assert hit and reqs[1].status == RequestStatus.CANCELLED and len(reqs[1].generated) == hit[0] < 14
+    assert reqs[1].generated == reference[1][:hit[0]]
+    assert [reqs[0].generated, reqs[2].generated] == [reference[0][:14], reference[2][:14]]
+
+
+def test_a_row_that_fails_inside_a_burst_fails_alone(make_checkpoint):
+    """A row whose logits turn invalid in a burst's third forward fails (sampling_failed) with the tokens before
+    it kept; the burst falls back to applying its forwards one by one and the other rows stay exact."""
+    hit = []
+
+    def poison(plan, i, chosen):
+        if plan.burst > 2 and i == 2 and not hit:
+            hit.append(plan.step)
+            chosen.best[1] = float("nan")
+
+    model_dir, prompts, reqs = run_burst_engine(make_checkpoint, on_forward=poison)
+    reference = hf_greedy(model_dir, prompts)
+    assert hit and reqs[1].status == RequestStatus.FAILED and reqs[1].error_code == "sampling_failed"
+    assert 2 <= len(reqs[1].generated) < 14 and reqs[1].generated == reference[1][:len(reqs[1].generated)]
+    assert [reqs[0].generated, reqs[2].generated] == [reference[0][:14], reference[2][:14]]
