@@ -1,8 +1,8 @@
 """The StepPlan: everything a rank needs to run one step, as fixed-layout integers.
 
-On the wire between ranks a plan is: one all-reduce of a [world, HEADER_LEN] int64 table, in which the
-driver fills row 0 with the header and every other rank fills its own row with its state (so the driver
-hears from every rank each step), then (when the header says so) one broadcast of a flat int32 payload whose
+On the wire between ranks a plan is: a gather of every other rank's state row (HEADER_LEN int64) on the
+driver (so the driver hears from every rank each step), one broadcast of the driver's int64 header, then
+(when the header says so) one broadcast of a flat int32 payload whose
 layout the header's counts define, then (when the header says so) a broadcast of msgpack bytes for commands
 that carry data. Nothing is pickled. Workers keep no request state: a plan is complete in itself.
 
@@ -51,7 +51,7 @@ class H(IntEnum):
 
 
 class S(IntEnum):
-    """Slots of a worker's state row in the header table."""
+    """Slots of a worker's state row (gathered on the driver with each plan; cluster/dist.py `send_plan`)."""
 
     MAGIC = 0  # STATE_MAGIC: the rank is alive and in step with the protocol
     LAST_STEP = 1  # the step number of the last plan it executed
@@ -81,9 +81,9 @@ class StepPlan:
     # reading the tokens the one before sampled and broadcast, with its positions, slots and KV lengths advanced
     # on the device (worker/runner.py `share_burst`); the driver sends no plan in between
     burst: int = 1
-    # every sampled row is plain greedy with no logprobs: each rank takes the argmax of its own vocab shard and the
-    # ranks all-gather (logit, token) pairs, so every rank knows the tokens; no logits are gathered on the driver
-    # and no tokens broadcast (worker/layers.py `shard_argmax`)
+    # every sampled row is plain greedy with no logprobs: each rank takes the argmax of its own vocab shard, rank 0
+    # gathers the (logit, token) pairs and broadcasts the chosen tokens, so every rank knows them; no logits are
+    # gathered and, overlapped, no separate token broadcast runs (worker/shard_argmax.py)
     argmax_on_shards: bool = False
 
     @property

@@ -141,7 +141,7 @@ def test_advancing_on_the_device_lays_out_what_the_next_plan_would(make_checkpoi
     want_buf = StaticBuffers(rc, torch.device("cpu"))
     want_ids, want_meta, _ = prepare_step(rc, want_buf, plan(kv + 2, [51, 61, 71], burst=1), scratch_block=0)
     want = laid_out(want_buf, want_ids, want_meta)
-    if not flash:  # the burst's key-slot lists reach 2 positions further; the masks (dec_q_pos) hide them
+    if not flash:  # the burst's key-slot lists are 2 positions wider, scratch past the query (checked above)
         width = len(want["dec_kv_slots"][0])
         assert [row[:width] for row in got.pop("dec_kv_slots")] == want.pop("dec_kv_slots")
     assert got == want

@@ -129,7 +129,7 @@ class ModelRunner:
         self._burst = (plan.burst, run, plan.argmax_on_shards)  # what share_burst queues the rest of a burst with
         return self.stream.submit(lambda: run(True))
 
-    def _prepared(self, plan: StepPlan) -> Callable[[bool], torch.Tensor | None]:
+    def _prepared(self, plan: StepPlan) -> Callable[[bool], torch.Tensor | ShardArgmax | None]:
         """Lay the plan out (at its graph bucket's shapes when it has one) and give the function that runs one
         of its forwards on the device: the first (its KV page copies, the shared token ids) or, for a burst, a
         later one (`_advance` first)."""
@@ -143,7 +143,7 @@ class ModelRunner:
         refs = bool(plan.num_tokens) and int(plan.input_ids.min()) < 0
         rows = None if bucket is None else on_device(np.nonzero(plan.sample)[0], torch.int64, self.device)
 
-        def run(first: bool) -> torch.Tensor | None:
+        def run(first: bool) -> torch.Tensor | ShardArgmax | None:
             if first:
                 self.cache.apply_swaps(plan.swap_out, plan.swap_in)  # the plan's KV page copies come first
                 if refs:
