@@ -14,11 +14,10 @@ greedy rows' argmax on the shards (worker/shard_argmax.py: a gather, a broadcast
 Each configuration starts with its sequences already at 2k context (their KV pages allocated, their
 prompts counted as computed: no prefill forward), runs --warmup steps, then measures --steps decode steps:
   busy      the simulated forwards' time (steps x step ms) / wall time (rank 0): the fraction of the wall
-            the device spends on forwards. Time the device thread spends in the head's collective and the
-            sampler is not counted: on this CPU those are gloo waits for the other rank and Python, which on a
-            GPU take well under 0.1 ms a step
-  dev thr   the device thread's occupancy (forward, gather, sampling, token broadcast, waits included) / wall
-  step ms   wall time per step
+            the device spends on forwards (its stand-in collectives and sampling, well under 0.1 ms on a GPU,
+            are not counted)
+  dev thr   the device thread's occupancy (forward, gather, sampling, token broadcast, waits included) / wall;
+            step ms: wall time per step
   host ms   rank 0's host time per step in the loop thread, split into schedule (Scheduler.schedule),
             plan (Engine._plan), bcast (send_plan), prepare (ModelRunner.prepare), sample (building the
             sample rows; serial: the whole sampling) and collect (the tokens into the requests, endings);
@@ -71,11 +70,9 @@ DEVICE_PARTS = ("forward", "gather", "dsample")  # the device thread's; `share` 
 
 
 class FakeHead:
-    """Stands in for the model's ParallelLMHead on fake logit shards: a real gather on the device group, or, for a
-    plan whose rows are all plain greedy (the benchmark's are), the real argmax on the shards (worker/shard_argmax.py). The
-    head's collective is the step's last device op in series, and overlapped when the ranks chose the tokens (no
-    token broadcast follows), so then it closes the step's window (`SimulatedForward.pace`). Every rank of the
-    device group calls `gather` or `argmax`."""
+    """Stands in for the model's ParallelLMHead on fake logit shards: a real gather, or (plain greedy rows, as here)
+    the real shard argmax. Its collective closes the step's window (`SimulatedForward.pace`) in series, and
+    overlapped when no token broadcast follows. Every rank of the device group calls `gather` or `argmax`."""
 
     def __init__(self, shard: Shard):
         self.shard = shard
@@ -92,13 +89,11 @@ class FakeHead:
         return (self.forward.pace(), out)[1] if last else out
 
     def collective(self, local: torch.Tensor, chosen: bool = False) -> Any:
-        if chosen:
-            rank, size = self.shard.rank, self.shard.size
-            return shard_argmax(local, rank * local.shape[-1], VOCAB, rank, size, self.shard.group)
-        if self.shard.size == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.shard.size)] if self.shard.rank == 0 else None
-        dist.gather(local, parts, dst=0, group=self.shard.group)
+        rank, size, group = self.shard.rank, self.shard.size, self.shard.group
+        if chosen or size == 1:
+            return shard_argmax(local, rank * local.shape[-1], VOCAB, rank, size, group) if chosen else local
+        parts = [torch.empty_like(local) for _ in range(size)] if rank == 0 else None
+        dist.gather(local, parts, dst=0, group=group)
         return None if parts is None else torch.cat(parts, dim=-1)
 
 
@@ -291,7 +286,8 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
     for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.end(req, RequestStatus.CANCELLED)
     return {"seqs": seqs, "step_ms": step_ms, "burst": steps / max(1, plans),
-            "overrun": 1000 * forward.overrun_s / steps, "late": 1000 * forward.late_s / steps, "busy": 100 * steps * step_ms / 1000 / wall,
+            "overrun": 1000 * forward.overrun_s / steps, "late": 1000 * forward.late_s / steps,
+            "busy": 100 * steps * step_ms / 1000 / wall,
             "thread": 100 * busy / wall, "wall_ms": 1000 * wall / steps,
             **{k: 1000 * v / steps for k, v in (clock.spent | device.spent).items()},
             "share": 1000 * (busy - sum(device.spent.values())) / steps}
@@ -349,7 +345,7 @@ def table(results: list[dict]) -> str:
         rows.append(start(r) + f"{r['busy']:>7.1f} {r['thread']:>9.1f} {r['wall_ms']:>8.2f} {r['burst']:>8.2f} "
                     f"{host:>8.2f} " + " ".join(f"{r[p]:>8.2f}" for p in PARTS))
     rows += ["", "rank 0's device thread, ms a step: the window's wait, the work in it (gather: the head's collective;",
-             "other: a burst's advance, the token broadcast), work past the window (overrun), waits for the host (late):"]
+             "other: advance, token broadcast), work past the window (overrun), waits for the host (late):"]
     cols = ("forward", "gather", "dsample", "share", "overrun", "late")
     head = key + " ".join(f"{p:>8}" for p in ("window", "gather", "sample", "other", "overrun", "late"))
     rows += [head, "-" * len(head)]

@@ -94,9 +94,9 @@ def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
 
 class Launched(NamedTuple):
     """One step's sampling, started on the device: `tokens` [rows of logits] int64 stays there (row i: logits row
-    i's token; for a row that failed early 0, or its argmax when the ranks chose the tokens); `host` ([3, live rows] float64, pinned on CUDA) fills when `event`
-    fires. `early` holds the rows whose outcome was known at launch (failed rows, or every row when the batch fell
-    back to one row at a time), None elsewhere."""
+    i's token; for a row that failed early 0, or its argmax when the ranks chose the tokens); `host` ([3, live
+    rows] float64, pinned on CUDA) fills when `event` fires. `early` holds the rows whose outcome was known at
+    launch (failed rows, or every row when the batch fell back to one row at a time), None elsewhere."""
 
     tokens: torch.Tensor
     early: list[Draw | None]
