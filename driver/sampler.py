@@ -171,12 +171,15 @@ class Sampler:
         """The device half: pick every live row and start the transfer, without waiting on the device (unless
         some row breaks the batch: then the rows are sampled one at a time, here). `plain`, `offset`: see
         `pick`. ShardArgmax instead of logits: the ranks chose the (plain greedy) tokens already."""
-        if isinstance(logits, ShardArgmax):
-            return self._chosen(logits, early, live, rows)
+        chosen = isinstance(logits, ShardArgmax)
+        device = logits.tokens.device if chosen else logits.device
         n = len(early)
         if not live:
-            return Launched(torch.zeros(n, dtype=torch.int64, device=logits.device), early, live, rows, None)
-        index = None if len(live) == n else on_device(live, torch.int64, logits.device)
+            return Launched(logits.tokens if chosen else torch.zeros(n, dtype=torch.int64, device=device), early,
+                            live, rows, None)
+        index = None if len(live) == n else on_device(live, torch.int64, device)
+        if chosen:
+            return self._chosen(logits, index, early, live, rows)
         mine = logits if index is None else logits[index]
         try:
             picks = pick(mine, rows, offset, plain)
@@ -193,14 +196,13 @@ class Sampler:
         return Launched(tokens, early, live, rows, host, event)
 
     @staticmethod
-    def _chosen(chosen: ShardArgmax, early: list[Draw | None], live: list[int], rows: list[SampleRow]) -> Launched:
+    def _chosen(chosen: ShardArgmax, index: torch.Tensor | None, early: list[Draw | None], live: list[int],
+                rows: list[SampleRow]) -> Launched:
         """`launch` for tokens chosen on the vocab shards (the plan's argmax_on_shards: plain greedy rows, no
-        logprobs), with the check `pick` makes: a row whose largest logit is not finite is invalid."""
-        if not live:
-            return Launched(chosen.tokens, early, live, rows, None)
+        logprobs) at the live rows `index` (None: all), with the check `pick` makes: a row whose largest logit is
+        not finite is invalid."""
         best, tokens = chosen
-        if len(live) != len(early):
-            index = on_device(live, torch.int64, best.device)
+        if index is not None:
             best, tokens = best[index], tokens[index]
         host, event = to_host(Picks(tokens, torch.zeros_like(best), ~best.isfinite()))
         return Launched(chosen.tokens, early, live, rows, host, event)

@@ -126,7 +126,7 @@ class ModelRunner:
         rank calls it alike; for a plan with `share_tokens`, every rank then calls `share_burst`."""
         self.forwards.warm_up(self)  # the first time: compile what the compile configs ask for
         run = self._prepared(plan)
-        self._burst = (plan.burst, run, plan.argmax_on_shards)  # what share_burst queues the rest of a burst with
+        self._burst = (plan, run)  # what share_burst queues the rest of a burst with
         return self.stream.submit(lambda: run(True))
 
     def _prepared(self, plan: StepPlan) -> Callable[[bool], torch.Tensor | ShardArgmax | None]:
@@ -205,12 +205,12 @@ class ModelRunner:
         forward. `sample(i, handle)` (the driver's; None elsewhere) queues forward i's sampling and
         gives a function that returns its tokens in logits row order (it runs in stream order). Every rank calls
         it, right after `launch` (whose handle is `logits`), for a plan whose `share_tokens` is set."""
-        burst, run, chosen = self._burst
-        for i in range(burst):
+        plan, run = self._burst
+        for i in range(plan.burst):
             tokens = None if sample is None else sample(i, logits)
-            if not chosen:  # argmax_on_shards: every rank holds the tokens already (see `_prepared`)
+            if not plan.argmax_on_shards:  # else every rank holds the tokens already (see `_prepared`)
                 self._share(tokens)
-            if i + 1 < burst:
+            if i + 1 < plan.burst:
                 logits = self.stream.submit(lambda: run(False))
 
     def _share(self, tokens: Callable[[], torch.Tensor] | None) -> Handle[None]:
