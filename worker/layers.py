@@ -30,6 +30,35 @@ class Shard:
         return x
 
 
+WEIGHT_FIRST_MAX_ROWS = 256  # up to this many rows the CPU multiplies weight-first (`linear`)
+WIDE_CHUNK = 2048  # output features a chunk of `wide_linear`
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) for x [T, in]. On the CPU, for up to WEIGHT_FIRST_MAX_ROWS rows, computed as (W x^T)^T: at
+    decode batch sizes MKL's sgemm runs that product much faster than F.linear's x W^T (2 cores, 64 rows: 768 ->
+    4096 in 4.7 ms against 8.6, 2048 -> 768 in 1.9 against 3.2), and about as fast from 256 rows on. The result
+    is then a transposed view: an op that needs contiguous rows (a collective, attention's kernel) makes them.
+    On CUDA, F.linear (cuBLAS picks its own layouts)."""
+    if x.is_cuda or x.dim() != 2 or x.shape[0] > WEIGHT_FIRST_MAX_ROWS:
+        return nn.functional.linear(x, weight, bias)
+    y = torch.mm(weight, x.t()).t()
+    return y if bias is None else y + bias
+
+
+def wide_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T in contiguous rows, for a wide W (the LM head's vocab shard). On the CPU, for up to
+    WEIGHT_FIRST_MAX_ROWS rows, weight-first in chunks of WIDE_CHUNK output features, each copied into its rows
+    while it is still in cache: 64 rows of a 32000-wide head and their argmax in 40 ms, against 84 for F.linear
+    and 57 for one weight-first product (whose transposed result is too large to read back quickly)."""
+    if x.is_cuda or x.shape[0] > WEIGHT_FIRST_MAX_ROWS:
+        return nn.functional.linear(x, weight)
+    out, xt = x.new_empty(x.shape[0], weight.shape[0]), x.t()
+    for start in range(0, weight.shape[0], WIDE_CHUNK):
+        out[:, start:start + WIDE_CHUNK].copy_(torch.mm(weight[start:start + WIDE_CHUNK], xt).t())
+    return out
+
+
 def shape_of(src: Any) -> tuple[int, ...]:
     return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)
 
@@ -82,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's destination, its values from `src`): the same for loading and for hot updates."""
@@ -106,7 +135,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank of the device group calls it (one all-reduce)."""
-        y = self.shard.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.shard.all_reduce(linear(x, self.weight).contiguous())
         return y + self.bias if self.bias is not None else y
 
     def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +178,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     tokens chosen on the shards (worker/shard_argmax.py)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return nn.functional.linear(hidden, self.weight)
+        return wide_linear(hidden, self.weight)
 
     def gather(self, local_logits: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on rank 0, None elsewhere. Every rank of the device group calls it."""

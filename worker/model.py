@@ -88,7 +88,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttnMeta, rope: StepRotary, masks: StepMasks, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x).contiguous()  # attention's CPU kernel wants rows (see layers.linear)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         if self.qk_norm:
             q, k = rope.apply(self.q_norm(qkv[:, :hq * d].view(t, hq, d))), \
