@@ -7,25 +7,30 @@ The script spawns the ranks itself (gloo; no GPU needed). Everything is the real
 driver runs the real Engine (scheduler, plans, sampler, request updates), the real send_plan / recv_plan
 carry every plan, the workers run the real worker loop, and every rank lays each plan out in the runner's
 static buffers with the real ModelRunner.prepare, in the flash-attn layout a GPU would use. The forward is
-a fixed device time (`--step-ms`) on a worker.stream.ThreadStream (the simulated device: one thread running
-the queued work in order), followed by the LM head's real collective on small fake logits (vocab 256): the
-greedy rows' argmax on the shards (worker/shard_argmax.py: a gather, a broadcast), and the real sampler's launch.
+a fixed device time (`--step-ms`) on a virtual device clock (benchmarks/simulated_device.py): one thread a rank
+(a worker.stream.ThreadStream) issues the queued device work in order and runs it for real, with the LM head on
+small fake logits (vocab 256) and the real sampler's launch. As on a CUDA stream that thread does not wait for a
+step's end before issuing the next step's work, and the host sees a step's tokens once the device clock has
+passed its end (`--sync-device`: the thread waits for each step's end). The head's collective (for the greedy
+rows, the argmax on the shards) is part of the step time, as on a GPU (`--head device`), or runs for real over
+gloo on the device thread (`--head gloo`).
 
 Each configuration starts with its sequences already at 2k context (their KV pages allocated, their
 prompts counted as computed: no prefill forward), runs --warmup steps, then measures --steps decode steps:
   busy      the simulated forwards' time (steps x step ms) / wall time (rank 0): the fraction of the wall
-            the device spends on forwards (its stand-in collectives and sampling, well under 0.1 ms on a GPU,
-            are not counted)
-  dev thr   the device thread's occupancy (forward, gather, sampling, token broadcast, waits included) / wall;
+            the device spends on forwards
+  dev thr   the device thread's occupancy (its work and, with --sync-device, its waits) / wall;
             step ms: wall time per step
   host ms   rank 0's host time per step in the loop thread, split into schedule (Scheduler.schedule),
             plan (Engine._plan), bcast (send_plan), prepare (ModelRunner.prepare), sample (building the
             sample rows; serial: the whole sampling) and collect (the tokens into the requests, endings);
             waits for the device are not host time.
-  device    rank 0's device thread per step: the window's wait, gather (the head's collective), sample (the
-            sampler's launch), the rest, overrun (work past the window) and late (the device waiting for the host)
+  device    rank 0's device thread per step: waits for the step's end (--sync-device), gather (the head's
+            collective), sample (the sampler's launch), the rest, its lead over the device clock (ahead), its
+            lateness (overrun: a step's last op issued after the step's end) and the device's idle time (late)
 and prints, per configuration, `busy=<percent> step_ms=<ms> seqs=<n> tp=<n> overlap=<on|off>` (step_ms: the
-simulated forward time). Timings on a shared 2-core machine are noisy. See docs/benchmarks.md.
+simulated forward time), then the burst length, the head's collective and the device model. Timings on a
+shared 2-core machine are noisy. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -45,7 +50,6 @@ sys.path.insert(0, str(ROOT))
 import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from cluster.config import ContinuousBatchingConfig, ResolvedConfig, resolve_config  # noqa: E402
@@ -56,114 +60,15 @@ from cluster.plan import Command  # noqa: E402
 from driver import engine as engine_module  # noqa: E402
 from driver.engine import Engine  # noqa: E402
 from driver.request import Request  # noqa: E402
-from worker.layers import Shard  # noqa: E402
 from worker.loop import worker_loop  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
-from worker.shard_argmax import ShardArgmax, shard_argmax  # noqa: E402
-from worker.stream import ThreadStream  # noqa: E402
 
-VOCAB = 256
+from benchmarks.simulated_device import (HEAD_COLLECTIVES, VOCAB, FakeHead, SimulatedForward,  # noqa: E402
+                                         VirtualEvent, build_runner)
 CONTEXT = 2048
 PAGE = 256
 PARTS = ("schedule", "plan", "bcast", "prepare", "sample", "collect")
 DEVICE_PARTS = ("forward", "gather", "dsample")  # the device thread's; `share` (the rest of its time) is derived
-
-
-class FakeHead:
-    """Stands in for the model's ParallelLMHead on fake logit shards: a real gather, or (plain greedy rows, as here)
-    the real shard argmax. Its collective closes the step's window (`SimulatedForward.pace`) in series, and
-    overlapped when no token broadcast follows. Every rank of the device group calls `gather` or `argmax`."""
-
-    def __init__(self, shard: Shard):
-        self.shard = shard
-        self.vocab_size = VOCAB
-        self.forward: SimulatedForward | None = None
-
-    def gather(self, local: torch.Tensor) -> torch.Tensor | None:
-        return self.paced(self.collective(local), not self.forward.overlapped)
-
-    def argmax(self, local: torch.Tensor) -> ShardArgmax:
-        return self.paced(self.collective(local, chosen=True), True)
-
-    def paced(self, out: Any, last: bool) -> Any:
-        return (self.forward.pace(), out)[1] if last else out
-
-    def collective(self, local: torch.Tensor, chosen: bool = False) -> Any:
-        rank, size, group = self.shard.rank, self.shard.size, self.shard.group
-        if chosen or size == 1:
-            return shard_argmax(local, rank * local.shape[-1], VOCAB, rank, size, group) if chosen else local
-        parts = [torch.empty_like(local) for _ in range(size)] if rank == 0 else None
-        dist.gather(local, parts, dst=0, group=group)
-        return None if parts is None else torch.cat(parts, dim=-1)
-
-
-class FakeModel:
-    """What ModelRunner reads of a model: the layer count and the head; the forward is `SimulatedForward`."""
-
-    def __init__(self, shard: Shard):
-        self.config = type("Config", (), {"num_hidden_layers": 1})()
-        self.lm_head = FakeHead(shard)
-
-
-class SimulatedStream(ThreadStream):
-    """The simulated device's queue: a ThreadStream that also tells when the function it runs was queued."""
-
-    def __init__(self, device: torch.device):
-        super().__init__(device)
-        self.queued = 0.0  # when the running function was submitted
-
-    def submit(self, fn: Callable[[], Any]) -> Any:
-        at = time.perf_counter()
-
-        def stamped() -> Any:
-            self.queued = at
-            return fn()
-
-        return super().submit(stamped)
-
-
-class SimulatedForward:
-    """The simulated device's step: a fixed window of `step_s`, opened when the device is free and the step's work
-    is queued (whichever is later: the device idles exactly while the host is late). It holds the step's device
-    work that runs here for real (page copies, shared ids or a burst's advance, the stand-in forward, the head's
-    collective, sampling, token broadcast); the last device op (`pace`) waits for it to close, or closes it late
-    (`overrun_s`) when that work, waits for the other ranks included, ran past it."""
-
-    def __init__(self, tp: int, rank: int, rows: int, stream: SimulatedStream):
-        g = torch.Generator().manual_seed(rank)
-        self.logits = torch.randn(rows, VOCAB // tp, generator=g)
-        self.stream = stream
-        self.step_s = 0.005
-        self.overlapped = False  # which op closes the window: the token broadcast (True) or the gather
-        self.calls = 0
-        self.opened: float | None = None  # the open window's start (device time)
-        self.closed = 0.0  # when the last window closed
-        self.overrun_s = 0.0  # time steps ran past their window, summed
-        self.late_s = 0.0  # time the device waited for the host to queue a step's work, summed
-
-    def open(self) -> None:
-        """The step's device work begins (before its forward, or at it)."""
-        if self.opened is None:
-            self.opened = max(self.closed, self.stream.queued)
-            self.late_s += self.opened - self.closed
-
-    def __call__(self, ids: torch.Tensor, meta: Any) -> torch.Tensor:
-        self.calls += 1
-        self.open()
-        return self.logits[:meta.logits_idx.numel()]
-
-    def pace(self) -> None:
-        """The step's last device op is done: wait for the window to close."""
-        assert self.opened is not None, "pace() without a step"
-        end, now = self.opened + self.step_s, time.perf_counter()
-        if end > now:
-            self.sleep(end - now)
-        else:
-            self.overrun_s += now - end
-        self.closed, self.opened = max(end, now), None
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
 
 
 def resolved(max_seqs: int, steps: int) -> ResolvedConfig:
@@ -173,35 +78,6 @@ def resolved(max_seqs: int, steps: int) -> ResolvedConfig:
     rc = resolve_config(cfg, device_kind="cpu", max_model_len=2 * CONTEXT, kv_bytes_per_token=64, free_bytes=None,
                         flash_available=False)
     return dataclasses.replace(rc, use_flash_attn=True)  # the GPU's layout: block tables, varlen metadata
-
-
-def build_runner(rc: ResolvedConfig, groups: Any) -> tuple[ModelRunner, SimulatedForward]:
-    shard = Shard(groups.rank, groups.world_size, groups.device_group)
-    runner = ModelRunner(FakeModel(shard), rc, kv_heads=1, head_dim=8, dtype=torch.float16,
-                         device=torch.device("cpu"))
-    runner.stream = SimulatedStream(runner.device)
-    forward = SimulatedForward(groups.world_size, groups.rank, rc.max_requests_per_batch, runner.stream)
-    runner.forward_fn = forward
-    runner.model.lm_head.forward = forward
-    share = runner._share
-
-    def paced_share(tokens: Any) -> Any:  # overlapped, the token broadcast closes the step's window
-        handle = share(tokens)
-        runner.stream.submit(forward.pace)
-        return handle
-
-    runner._share = paced_share
-    for name in ("_advance", "_resolve_ids"):  # a step's device work before its forward is in its window
-        setattr(runner, name, opening(forward, getattr(runner, name)))
-    runner.cache.apply_swaps = opening(forward, runner.cache.apply_swaps)
-    return runner, forward
-
-
-def opening(forward: SimulatedForward, fn: Callable) -> Callable:
-    def opened(*args: Any) -> Any:
-        forward.open()
-        return fn(*args)
-    return opened
 
 
 class Clock:
@@ -273,12 +149,16 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
             engine.step()
         clock.reset()
         device.reset()
-        t0, busy0, calls0, plans0 = time.perf_counter(), runner.stream.busy_s, forward.calls, engine.step_no
-        forward.overrun_s = forward.late_s = 0.0
+        waited = VirtualEvent.waited_s
+        busy0, calls0, plans0 = runner.stream.busy_s, forward.calls, engine.step_no
+        t0 = max(time.perf_counter(), forward.closed)  # from the end of the warm-up's forwards on the device clock
+        forward.overrun_s = forward.late_s = forward.ahead_s = 0.0
         while forward.calls - calls0 < steps:
             engine.step()
         engine.flush()
-        runner.stream.submit(lambda: None).value()  # the last step's window closes
+        runner.stream.submit(lambda: None).value()  # the last step is issued
+        clock.spent["collect"] -= VirtualEvent.waited_s - waited  # the host's waits for the device are not its work
+        VirtualEvent(forward.closed).synchronize()  # and done
         wall, busy = time.perf_counter() - t0, runner.stream.busy_s - busy0
         steps, plans = forward.calls - calls0, engine.step_no - plans0
     finally:
@@ -287,6 +167,7 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
         engine.end(req, RequestStatus.CANCELLED)
     return {"seqs": seqs, "step_ms": step_ms, "burst": steps / max(1, plans),
             "overrun": 1000 * forward.overrun_s / steps, "late": 1000 * forward.late_s / steps,
+            "ahead": 1000 * forward.ahead_s / steps,
             "busy": 100 * steps * step_ms / 1000 / wall,
             "thread": 100 * busy / wall, "wall_ms": 1000 * wall / steps,
             **{k: 1000 * v / steps for k, v in (clock.spent | device.spent).items()},
@@ -294,13 +175,13 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
 
 
 def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, bool, int]], warmup: int, steps: int,
-              out: Any) -> None:
+              head: str, queue: bool, out: Any) -> None:
     os.environ.update(WORLD_SIZE=str(tp), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     groups = init_groups(cpu_group_timeout=600, device="cpu")
     rc = resolved(max(c[0] for c in configs), warmup + steps + 2 * max(c[3] for c in configs))
-    runner, forward = build_runner(rc, groups)
+    runner, forward = build_runner(rc, groups, head, queue)
     try:
         if rank != 0:
             for plan in worker_loop(runner, groups, PauseGate(), lambda: None, lambda: False):
@@ -311,7 +192,8 @@ def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, boo
         for seqs, step_ms, overlap, burst in configs:
             engine = Engine(runner, dataclasses.replace(rc, overlap=overlap, decode_burst=burst), groups, seed=0)
             row = drive(engine, runner, forward, seqs, step_ms, warmup, steps)
-            results.append(row | {"tp": tp, "overlap": overlap, "max_burst": burst})
+            results.append(row | {"tp": tp, "overlap": overlap, "max_burst": burst, "head": head,
+                                  "device": "queue" if queue else "sync"})
             print(line(results[-1]), flush=True)
         engine.send(Command.STOP)
         out.put(results)
@@ -322,7 +204,7 @@ def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, boo
 
 def line(r: dict) -> str:
     return (f"busy={r['busy']:.1f} step_ms={r['step_ms']:g} seqs={r['seqs']} tp={r['tp']} "
-            f"overlap={'on' if r['overlap'] else 'off'} burst={r['max_burst']}")
+            f"overlap={'on' if r['overlap'] else 'off'} burst={r['max_burst']} head={r['head']} device={r['device']}")
 
 
 def mode(r: dict) -> str:
@@ -338,29 +220,32 @@ def table(results: list[dict]) -> str:
 
     head = key + f"{'busy %':>7} {'dev thr %':>9} {'step ms':>8} {'fwd/plan':>8} {'host ms':>8} " + \
         " ".join(f"{p:>8}" for p in PARTS)
-    rows = ["overlap on/k: overlapped with multi-step decode, up to k forwards a plan; ms are per forward", "",
+    rows = ["overlap on/k: overlapped with multi-step decode, up to k forwards a plan; ms are per forward; "
+            f"the head's collective: {results[0]['head']} (--head); the device: {results[0]['device']}", "",
             head, "-" * len(head)]
     for r in results:
         host = sum(r[p] for p in PARTS)
         rows.append(start(r) + f"{r['busy']:>7.1f} {r['thread']:>9.1f} {r['wall_ms']:>8.2f} {r['burst']:>8.2f} "
                     f"{host:>8.2f} " + " ".join(f"{r[p]:>8.2f}" for p in PARTS))
-    rows += ["", "rank 0's device thread, ms a step: the window's wait, the work in it (gather: the head's collective;",
-             "other: advance, token broadcast), work past the window (overrun), waits for the host (late):"]
-    cols = ("forward", "gather", "dsample", "share", "overrun", "late")
-    head = key + " ".join(f"{p:>8}" for p in ("window", "gather", "sample", "other", "overrun", "late"))
+    rows += ["", "rank 0's device thread, ms a step: waits for the step's end (sync device only), its work (gather:",
+             "the head's collective; other: advance, token broadcast), its lead over the device clock at a step's",
+             "end (ahead), the step's last op issued after its end (overrun), the device idle before a step (late):"]
+    cols = ("forward", "gather", "dsample", "share", "ahead", "overrun", "late")
+    head = key + " ".join(f"{p:>8}" for p in ("wait", "gather", "sample", "other", "ahead", "overrun", "late"))
     rows += [head, "-" * len(head)]
     for r in results:
         rows.append(start(r) + " ".join(f"{r[p]:>8.2f}" for p in cols))
     return "\n".join(rows)
 
 
-def run_tp(tp: int, configs: list[tuple[int, float, bool, int]], warmup: int, steps: int) -> list[dict]:
+def run_tp(tp: int, configs: list[tuple[int, float, bool, int]], warmup: int, steps: int, head: str,
+           queue: bool) -> list[dict]:
     from launch.torchrun import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, tp, port, configs, warmup, steps, out), daemon=True)
+    procs = [ctx.Process(target=rank_main, args=(r, tp, port, configs, warmup, steps, head, queue, out), daemon=True)
              for r in range(tp)]
     for p in procs:
         p.start()
@@ -378,6 +263,12 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, nargs="+", default=[2.0, 5.0])
     ap.add_argument("--burst", type=int, default=16,
                     help="also run overlapped with multi-step decode (decode_burst) of this many forwards; 1: not")
+    ap.add_argument("--head", choices=HEAD_COLLECTIVES, default="device",
+                    help="the LM head's collective: inside the step time, as on a GPU (device), or over gloo on the "
+                    "simulated device thread (gloo); see benchmarks/simulated_device.py")
+    ap.add_argument("--sync-device", action="store_true",
+                    help="the device thread waits for each step's end before issuing the next step's ops (the "
+                    "model before 2026-12-02); default: it runs ahead, as on a CUDA stream")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=None, help="measured steps per configuration")
     args = ap.parse_args()
@@ -388,7 +279,7 @@ def main() -> None:
     configs = [(n, ms, ov, k) for n in seqs for ms in args.step_ms for ov, k in modes]
     results = []
     for tp in tps:
-        results += run_tp(tp, configs, args.warmup, steps)
+        results += run_tp(tp, configs, args.warmup, steps, args.head, not args.sync_device)
     print()
     print(table(results))
     print()

@@ -149,8 +149,10 @@ def test_shared_token_ids_resolve_on_the_device(make_checkpoint):
     assert np.array_equal(runner.shared_tokens[:3].numpy(), [11, 22, 33])
 
 
-def test_control_plane_benchmark_prints_one_line_per_configuration():
-    """A reduced run of benchmarks/control_plane.py (2 ranks, 8 sequences, a few steps), for its output format."""
+@pytest.mark.parametrize("head", ["device", "gloo"])
+def test_control_plane_benchmark_prints_one_line_per_configuration(head):
+    """A reduced run of benchmarks/control_plane.py (2 ranks, 8 sequences, a few steps), for its output format,
+    with the head's collective inside the step time and over gloo."""
     import re
     import subprocess
     import sys
@@ -158,12 +160,36 @@ def test_control_plane_benchmark_prints_one_line_per_configuration():
     from tests.conftest import REPO
 
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "control_plane.py"), "--tp", "2", "--seqs", "8",
-                           "--step-ms", "1", "--warmup", "2", "--steps", "5", "--burst", "4"], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+                           "--step-ms", "1", "--warmup", "2", "--steps", "5", "--burst", "4", "--head", head],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = re.findall(r"^busy=(\d+\.\d) step_ms=1 seqs=8 tp=2 overlap=(on|off) burst=(\d+)$", proc.stdout, re.M)
+    lines = re.findall(rf"^busy=(\d+\.\d) step_ms=1 seqs=8 tp=2 overlap=(on|off) burst=(\d+) head={head} device=queue$",
+                       proc.stdout, re.M)
     # off, on, and on with multi-step decode (--burst 4): as it goes, and in the summary
     assert sorted((mode, int(k)) for _, mode, k in lines) == [("off", 1)] * 2 + [("on", 1)] * 2 + [("on", 4)] * 2
     assert all(float(busy) > 0 for busy, _, _ in lines)
     bursts = [float(row.split()[7]) for row in proc.stdout.splitlines() if row.split()[:4] == ["2", "8", "1", "on/4"]]
     assert bursts and bursts[0] > 1, "multi-step decode ran one forward a plan"  # the first table's fwd/plan
+
+
+@pytest.mark.parametrize("queue", [True, False])
+def test_simulated_device_keeps_its_own_clock(queue):
+    """benchmarks/simulated_device.py: as a CUDA stream, the launching thread does not wait for a step's end
+    (queue), or does (sync); either way the host's read of the step's tokens waits for the device clock."""
+    from benchmarks.simulated_device import SimulatedForward
+
+    forward = SimulatedForward(tp=1, rank=0, rows=4, queue=queue)
+    forward.step_s = 0.2
+    t0 = time.perf_counter()
+    forward.open()
+    forward.pace()  # the step's last op is issued at once
+    issued = time.perf_counter() - t0
+    assert (issued < 0.1) if queue else (issued >= 0.19)
+    assert forward.closed - t0 >= 0.19 and forward.late_s < 0.05
+    host, event = forward.events(lambda picks: (picks, None))("tokens")
+    assert host == "tokens"
+    event.synchronize()
+    assert time.perf_counter() - t0 >= 0.19  # the host waited for the step's end
+    time.sleep(0.05)
+    forward.open()  # the next step is issued after the device went idle: it waited for the host
+    assert forward.late_s >= 0.04
