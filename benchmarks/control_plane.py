@@ -68,7 +68,7 @@ from benchmarks.simulated_device import (HEAD_COLLECTIVES, VOCAB, FakeHead, Simu
 CONTEXT = 2048
 PAGE = 256
 PARTS = ("schedule", "plan", "bcast", "prepare", "sample", "collect")
-DEVICE_PARTS = ("forward", "gather", "dsample")  # the device thread's; `share` (the rest of its time) is derived
+DEVICE_PARTS = ("wait", "gather", "dsample")  # the device thread's; `share` (the rest of its time) is derived
 
 
 def resolved(max_seqs: int, steps: int) -> ResolvedConfig:
@@ -116,7 +116,7 @@ def instrument(engine: Engine, runner: ModelRunner, clock: Clock, device: Clock,
     engine.sampler.collect_burst = clock.wrap("collect", engine.sampler.collect_burst)
     engine._apply_burst = clock.wrap("collect", engine._apply_burst)
     engine.sampler.launch = device.wrap("dsample", engine.sampler.launch)
-    forward.sleep = device.wrap("forward", SimulatedForward.sleep.__get__(forward))
+    forward.sleep = device.wrap("wait", SimulatedForward.sleep.__get__(forward))
     head = runner.model.lm_head
     head.collective = device.wrap("gather", FakeHead.collective.__get__(head))  # either of the head's collectives
 
@@ -152,7 +152,7 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
         waited = VirtualEvent.waited_s
         busy0, calls0, plans0 = runner.stream.busy_s, forward.calls, engine.step_no
         t0 = max(time.perf_counter(), forward.closed)  # from the end of the warm-up's forwards on the device clock
-        forward.overrun_s = forward.late_s = forward.ahead_s = 0.0
+        forward.reset_counts()
         while forward.calls - calls0 < steps:
             engine.step()
         engine.flush()
@@ -230,7 +230,7 @@ def table(results: list[dict]) -> str:
     rows += ["", "rank 0's device thread, ms a step: waits for the step's end (sync device only), its work (gather:",
              "the head's collective; other: advance, token broadcast), its lead over the device clock at a step's",
              "end (ahead), the step's last op issued after its end (overrun), the device idle before a step (late):"]
-    cols = ("forward", "gather", "dsample", "share", "ahead", "overrun", "late")
+    cols = ("wait", "gather", "dsample", "share", "ahead", "overrun", "late")
     head = key + " ".join(f"{p:>8}" for p in ("wait", "gather", "sample", "other", "ahead", "overrun", "late"))
     rows += [head, "-" * len(head)]
     for r in results:

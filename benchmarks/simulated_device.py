@@ -115,7 +115,11 @@ class SimulatedForward:
         self.calls = 0
         self.opened: float | None = None  # the running step's start (device clock)
         self.closed = time.perf_counter()  # when the last step ended (device clock)
-        self.overrun_s = self.late_s = self.ahead_s = 0.0  # summed over steps (see the class docstring)
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Start summing overrun, late and ahead (see the class docstring) anew."""
+        self.overrun_s = self.late_s = self.ahead_s = 0.0
 
     def open(self) -> None:
         """The step's first device op is issued (before its forward, or at it)."""

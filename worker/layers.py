@@ -24,8 +24,9 @@ class Shard:
     group: Any = None  # the device group; None at TP=1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks in place. Every rank of the device group calls it."""
+        """Sum over ranks (in place when x is contiguous; use the result). Every rank of the device group calls it."""
         if self.size > 1:
+            x = x.contiguous()  # a weight-first product's transposed view (`linear`) is reduced as rows
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -34,13 +35,18 @@ WEIGHT_FIRST_MAX_ROWS = 256  # up to this many rows the CPU multiplies weight-fi
 WIDE_CHUNK = 2048  # output features a chunk of `wide_linear`
 
 
+def weight_first(x: torch.Tensor) -> bool:
+    """Whether `linear` and `wide_linear` multiply x [T, in] weight-first: on the CPU, up to WEIGHT_FIRST_MAX_ROWS."""
+    return x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= WEIGHT_FIRST_MAX_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for x [T, in]. On the CPU, for up to WEIGHT_FIRST_MAX_ROWS rows, computed as (W x^T)^T: at
     decode batch sizes MKL's sgemm runs that product much faster than F.linear's x W^T (2 cores, 64 rows: 768 ->
     4096 in 4.7 ms against 8.6, 2048 -> 768 in 1.9 against 3.2), and about as fast from 256 rows on. The result
     is then a transposed view: an op that needs contiguous rows (a collective, attention's kernel) makes them.
-    On CUDA, F.linear (cuBLAS picks its own layouts)."""
-    if x.is_cuda or x.dim() != 2 or x.shape[0] > WEIGHT_FIRST_MAX_ROWS:
+    Elsewhere, F.linear (cuBLAS picks its own layouts)."""
+    if not weight_first(x):
         return nn.functional.linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t()
     return y if bias is None else y + bias
@@ -51,7 +57,7 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     WEIGHT_FIRST_MAX_ROWS rows, weight-first in chunks of WIDE_CHUNK output features, each copied into its rows
     while it is still in cache: 64 rows of a 32000-wide head and their argmax in 40 ms, against 84 for F.linear
     and 57 for one weight-first product (whose transposed result is too large to read back quickly)."""
-    if x.is_cuda or x.shape[0] > WEIGHT_FIRST_MAX_ROWS:
+    if not weight_first(x):
         return nn.functional.linear(x, weight)
     out, xt = x.new_empty(x.shape[0], weight.shape[0]), x.t()
     for start in range(0, weight.shape[0], WIDE_CHUNK):
@@ -135,7 +141,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank of the device group calls it (one all-reduce)."""
-        y = self.shard.all_reduce(linear(x, self.weight).contiguous())
+        y = self.shard.all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
     def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
