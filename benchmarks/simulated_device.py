@@ -161,6 +161,7 @@ def build_runner(rc: Any, groups: Any, collective: str, queue: bool) -> tuple[Mo
     shard = Shard(groups.rank, groups.world_size, groups.device_group)
     runner = ModelRunner(FakeModel(shard, collective), rc, kv_heads=1, head_dim=8, dtype=torch.float16,
                          device=torch.device("cpu"))
+    runner.row_views = False  # lay steps out as a GPU host does (key-slot lists), not as the eager CPU forward
     runner.stream = ThreadStream(runner.device)
     forward = SimulatedForward(groups.world_size, groups.rank, rc.max_requests_per_batch, queue)
     sampler_module.to_host = forward.events(sampler_module.to_host)

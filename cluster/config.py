@@ -30,6 +30,8 @@ DEFAULT_MAX_NEW_TOKENS = 20  # transformers' max_length default, when nothing el
 SCHEDULERS = ("fifo", "prefill_first")
 IDLE_HEARTBEAT_S = 0.5  # the driver sends an IDLE plan this often when it has nothing to run
 ATTN_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}  # work of one paged SDPA chunk, in elements
+HOST_ALL_REDUCE_ENV = "LOCKSTEP_HOST_ALL_REDUCE"  # "0": CPU ranks on one host all-reduce over gloo
+HOST_ALL_REDUCE_SLOT_BYTES = 4 << 20  # a rank's slot in the shared segment; larger tensors go in pieces
 
 
 @dataclass

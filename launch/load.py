@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from cluster.dist import init_groups
+from cluster.host_all_reduce import HostAllReduce
 from driver.api import ClusterModel
 from worker.layers import Shard
 from worker.loader import load_weights
@@ -38,7 +39,7 @@ def load(model_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or default_dtype(groups.device)
-    shard = Shard(groups.rank, groups.world_size, groups.device_group)
+    shard = Shard(groups.rank, groups.world_size, groups.device_group, HostAllReduce.join(groups))
     with torch.device(groups.device):
         model = CausalLM(config, shard, dtype, groups.device)
     load_weights(model, model_dir)

@@ -83,7 +83,10 @@ def test_tp2_matches_transformers(case, mode, tp2_outputs):
 
 
 def test_tp2_launch_exits_cleanly(tp2_outputs):
-    assert tp2_outputs[2].returncode == 0, tp2_outputs[2].stdout[-4000:]
+    out = tp2_outputs[2].stdout
+    assert tp2_outputs[2].returncode == 0, out[-4000:]
+    # both ranks share this host: every checkpoint ran with the shared-memory all-reduce (cluster/host_all_reduce.py)
+    assert out.count("host_all_reduce=True") == 2 * len(TP2_CASES) and "host_all_reduce=False" not in out
 
 
 def test_sliding_window_matches_transformers(make_checkpoint):

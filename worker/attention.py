@@ -10,6 +10,8 @@ at position p when j <= p (and p - j < window, for sliding layers). GQA is handl
 the query heads that share a KV head are folded into the query axis. The gather runs in chunks of
 sequences and queries sized from the shapes alone (so they are static per bucket) under an element budget,
 so its workspace is bounded by `attention_workspace_bytes` whatever the contexts in the batch.
+Eager CPU steps of one forward (no graph, no compile, no burst) skip the decode group's gather: each decode
+row reads its own pages in place, at its own length (`_decode_rows`, from `AttnMeta.dec_rows`).
 
 With flash-attn (worker/flash.py) both groups read the pages in place: decode through
 `flash_attn_with_kvcache`, prefill and mixed steps through `flash_attn_varlen_func` with a block table.
@@ -45,8 +47,11 @@ class AttnMeta:
     # dec_kv_slots as the burst reaches them (until then those columns are the scratch slot)
     dec_ahead: torch.Tensor | None = None
     pre_flash: flash.VarlenMeta | None = None  # flash-attn prefill path only
-    page_size: int = 0  # tokens a page, for viewing the cache as pages (flash-attn path)
+    page_size: int = 0  # tokens a page, for viewing the cache as pages (flash-attn and row-view paths)
     chunk_elements: int = 1 << 22  # work budget of one SDPA chunk (ResolvedConfig.attn_chunk_elements)
+    # eager CPU steps of one forward only (`row_views`): each real decode row's context length and pages, read in
+    # place; dec_kv_slots is then [Bd, 0]
+    dec_rows: list[tuple[int, list[int]]] | None = None
 
     @property
     def num_decode(self) -> int:
@@ -125,8 +130,9 @@ def _bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def step_masks(meta: AttnMeta, windows: list[int | None], dtype: torch.dtype) -> StepMasks:
-    """The step's decode masks, computed once for all layers (empty on the flash-attn path, which needs none)."""
-    if not meta.num_decode or meta.dec_block_table is not None:
+    """The step's decode masks, computed once for all layers (empty on the flash-attn and row-view paths, which
+    need none)."""
+    if not meta.num_decode or meta.dec_block_table is not None or meta.dec_rows is not None:
         return StepMasks(dec_bias={})
     length = meta.dec_kv_slots.shape[1]
     return StepMasks(dec_bias={w: _bias(_visible(length, meta.dec_q_pos, w), dtype)[:, None, None, :]
@@ -165,6 +171,32 @@ def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                 window: int | None, scale: float) -> torch.Tensor:
+    """q: [Bd, Hq, D], one query a sequence, at its last position. Each row attends to its own keys only, read
+    in place from its page (a view; a row of several pages copies just its own) and never padded: on the CPU
+    the padded gather of every row's keys costs more than the attention itself. A decode query sees every
+    earlier key, so there is no mask; a sliding window keeps the last `window` keys. Rows past the real ones
+    (padding) return zeros. Returns [Bd, Hq, D]."""
+    bd, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    page = meta.page_size
+    out = q.new_zeros(bd, hkv, hq // hkv, d)
+    queries, outs = q.reshape(bd, hkv, hq // hkv, d).unbind(0), out.unbind(0)  # [Hkv, g, D] a row
+    ignored = q.new_zeros(1, 1, 1)  # baddbmm's addend, times beta=0
+    for row, (length, pages) in enumerate(meta.dec_rows):
+        first = 0 if window is None else max(0, length - window)
+        if len(pages) == 1:
+            at = pages[0] * page
+            k, v = k_cache[at + first:at + length], v_cache[at + first:at + length]
+        else:
+            k = k_cache.view(-1, page, hkv, d)[pages].view(-1, hkv, d)[first:length]
+            v = v_cache.view(-1, page, hkv, d)[pages].view(-1, hkv, d)[first:length]
+        scores = torch.baddbmm(ignored, queries[row], k.permute(1, 2, 0), beta=0.0, alpha=scale)  # [Hkv, g, L]
+        torch.bmm(scores.softmax(-1), v.transpose(0, 1), out=outs[row])
+    return out.view(bd, hq, d)
+
+
 def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                   window: int | None, scale: float) -> torch.Tensor:
     """q: [Tp, Hq, D], the prefill group's tokens back to back. Chunks of sequences x queries; each chunk's
@@ -196,6 +228,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if bd and meta.dec_block_table is not None:
         outs.append(flash.decode(q[:bd], k_cache, v_cache, meta.dec_block_table, meta.dec_kv_lens,
                                  meta.page_size, window, scale))
+    elif bd and meta.dec_rows is not None:
+        outs.append(_decode_rows(q[:bd], k_cache, v_cache, meta, window, scale))
     elif bd:
         masks = masks if masks is not None and window in masks.dec_bias else step_masks(meta, [window], q.dtype)
         outs.append(_decode_sdpa(q[:bd], k_cache, v_cache, meta, masks.dec_bias[window], scale))

@@ -22,11 +22,15 @@ class Shard:
     rank: int = 0
     size: int = 1
     group: Any = None  # the device group; None at TP=1
+    host: Any = None  # CPU ranks of one host: their shared-memory all-reduce (cluster/host_all_reduce.py)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks (in place when x is contiguous; use the result). Every rank of the device group calls it."""
+        """Sum over ranks (in place when x is contiguous; use the result). Every rank of the device group calls it.
+        Eager CPU ranks of one host sum through shared memory; a compiled forward traces gloo's all-reduce."""
         if self.size > 1:
             x = x.contiguous()  # a weight-first product's transposed view (`linear`) is reduced as rows
+            if self.host is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
+                return self.host.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 

@@ -62,6 +62,8 @@ class ModelRunner:
                              dtype, device, rc.num_host_blocks)
         self.buffers = StaticBuffers(rc, device)
         self.forwards = ForwardFn(model, rc)  # the model, or its compiled decode/varlen forwards
+        # an eager CPU forward: decode rows attend to their own pages in place (worker/attention.py, `dec_rows`)
+        self.row_views = device.type == "cpu" and not self.forwards.compiled
         if graph_factory is None and rc.use_cuda_graph[1] and device.type == "cuda":
             graph_factory = CudaGraphFactory(device)
         self.graphs = None if graph_factory is None else DecodeGraphs(decode_buckets(rc.max_requests_per_batch),
@@ -77,7 +79,7 @@ class ModelRunner:
         """Lay the plan out in the static buffers (worker/step_inputs.py). Returns (input ids, attention
         metadata, real logit rows). `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes;
         None: the eager layout, padded only as far as this step needs."""
-        return prepare_step(self.rc, self.buffers, plan, self.cache.scratch_block, bucket)
+        return prepare_step(self.rc, self.buffers, plan, self.cache.scratch_block, bucket, self.row_views)
 
     def warmup_plan(self, num_seqs: int = 1) -> StepPlan:
         """A decode step of `num_seqs` one-token sequences that reads and writes only the scratch block."""

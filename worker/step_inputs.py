@@ -116,14 +116,16 @@ class StaticBuffers:
 
 
 def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch_block: int,
-                 bucket: int | None = None) -> tuple[torch.Tensor, AttnMeta, int]:
+                 bucket: int | None = None, row_views: bool = False) -> tuple[torch.Tensor, AttnMeta, int]:
     """Lay `plan` out in the static buffers. Returns (input ids, attention metadata, real logit rows).
 
     `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes (rows, KV width, one logit
     row per bucket row); None: the eager layout, padded only as far as this step needs. A burst plan
     (`plan.burst` > 1) makes the decode group's key-slot lists `burst - 1` positions wider and lays the slots
     of those positions out last (`dec_ahead`): the lists hold the scratch slot there until the burst's forwards
-    reach them (ModelRunner._advance), so a page's stale K/V (a NaN) is never read, not even masked."""
+    reach them (ModelRunner._advance), so a page's stale K/V (a NaN) is never read, not even masked.
+    `row_views` (an eager CPU forward): a plan of one forward lists each decode row's pages (`AttnMeta.dec_rows`)
+    instead of its key slots."""
     page = rc.page_size
     scratch = scratch_block * page
     flash_on = rc.use_flash_attn
@@ -156,7 +158,8 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
 
     # decode group: one query per sequence; padding rows read and write only the scratch block
     ahead = plan.burst - 1
-    width = 0 if flash_on else rc.max_kv_padded if bucket is not None else \
+    rows = row_views and bucket is None and not flash_on and not ahead  # each row's pages, read in place
+    width = 0 if flash_on or rows else rc.max_kv_padded if bucket is not None else \
         round_up(int(kv_lens[:bd].max()) + ahead, rc.kv_padding) if bd else 0
     dec_slots, dec_slots_dev = buf.alloc((bd_pad, width), fill=scratch)
     dec_q_pos, dec_q_pos_dev = buf.alloc((bd_pad,), fill=0)
@@ -194,6 +197,9 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
                     dec_q_pos=dec_q_pos_dev, pre_q_gather=gather_dev, pre_q_scatter=scatter_dev,
                     pre_kv_slots=pre_slots_dev, pre_q_pos=q_pos_dev, logits_idx=logits_dev, page_size=page,
                     chunk_elements=rc.attn_chunk_elements)
+    if rows:
+        pages = -(-kv_lens[:bd] // page)
+        meta.dec_rows = [(int(n), tables[i, :p].tolist()) for i, (n, p) in enumerate(zip(kv_lens[:bd], pages))]
     if flash_on:
         _flash_meta(buf, meta, tables, q_lens, kv_lens, bd, bd_pad, rc.max_blocks_per_request, scratch_block)
     elif ahead and bd:  # last: what a graph reads keeps its offsets whatever the burst

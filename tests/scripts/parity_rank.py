@@ -33,7 +33,8 @@ def run(model_dir: str, out_path: str, modes: list[str]) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
-    print(f"rank {rank} done with {model_dir}", flush=True)
+    host = model.model.shard.host is not None  # the forward's all-reduce through shared memory (one host)
+    print(f"rank {rank} done with {model_dir} host_all_reduce={host}", flush=True)
 
 
 if __name__ == "__main__":

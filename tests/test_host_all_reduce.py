@@ -1,0 +1,43 @@
+"""The forward's shared-memory all-reduce for CPU ranks on one host (cluster/host_all_reduce.py): the same sums
+as gloo bit for bit, in pieces when a tensor is larger than a slot, no segment file left behind, the environment
+switch, and a typed collective error (not a hang) when a peer dies or stalls; the engine at TP=2 uses it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import read_json, run_ranks
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_sums_equal_gloo_and_leave_no_segment(tmp_path, nproc):
+    out = tmp_path / "sums.json"
+    proc = run_ranks("host_all_reduce_rank.py", ["sums", str(out)], nproc=nproc, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    rec = read_json(out)
+    assert rec["made"] and rec["agree"] and rec["count"] == 15  # every rank holds the same bits
+    # two ranks: a + b, exactly gloo's; more: the same sum in rank order, within rounding of gloo's ring order
+    assert rec["same"] if nproc == 2 else rec["close"]
+    assert rec["left"] == []  # unlinked once every rank mapped it
+
+
+def test_the_environment_keeps_gloo(tmp_path):
+    out = tmp_path / "off.json"
+    proc = run_ranks("host_all_reduce_rank.py", ["sums", str(out)], env={"LOCKSTEP_HOST_ALL_REDUCE": "0"},
+                     timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert read_json(out)["made"] is False
+
+
+@pytest.mark.parametrize("mode", ["dies", "stalls"])
+def test_a_lost_peer_is_a_collective_error_not_a_hang(tmp_path, mode):
+    out = tmp_path / f"{mode}.json"
+    proc = run_ranks("host_all_reduce_rank.py", [mode, str(out)], nproc=2, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    rec = read_json(out)
+    assert rec["made"]
+    assert rec["error"] == "HostReduceLost" and rec["collective"], rec
+    if mode == "dies":
+        assert "process gone" in rec["message"] and rec["waited_s"] < 5
+    else:  # the group's timeout is 2 s
+        assert "did not reach" in rec["message"] and 2 <= rec["waited_s"] < 6
