@@ -10,7 +10,7 @@ at position p when j <= p (and p - j < window, for sliding layers). GQA is handl
 the query heads that share a KV head are folded into the query axis. The gather runs in chunks of
 sequences and queries sized from the shapes alone (so they are static per bucket) under an element budget,
 so its workspace is bounded by `attention_workspace_bytes` whatever the contexts in the batch.
-Eager CPU steps of one forward (no graph, no compile, no burst) skip the decode group's gather: each decode
+Eager float32 CPU steps of one forward (no graph, no compile, no burst) skip the decode group's gather: each decode
 row reads its own pages in place, at its own length (`_decode_rows`, from `AttnMeta.dec_rows`).
 
 With flash-attn (worker/flash.py) both groups read the pages in place: decode through
