@@ -13,9 +13,9 @@ holds one 64-byte line a rank (its sequence number, its pid) and two banks of on
    rank computes the same floats: `a + b` is what gloo gives for two ranks).
 
 Bank n % 2 is written again in call n + 2, by a rank that has passed call n + 1's wait: every peer has posted
-n + 1, which each does only after reading bank n % 2 in call n. So a bank is never overwritten while read. A tensor larger than a slot goes through in slot-sized pieces. The copies and the stores are
-ordered by x86-64's memory model (stores are not reordered with stores, loads not with loads); other
-machines keep gloo.
+n + 1, which each does only after reading bank n % 2 in call n. So a bank is never overwritten while read. A
+tensor larger than a slot goes through in slot-sized pieces. The copies and the stores are ordered by x86-64's
+memory model (stores are not reordered with stores, loads not with loads); other machines keep gloo.
 
 A waiting rank spins briefly, then naps between checks, leaving its core (and the GIL) to other work. It
 raises `HostReduceLost` (a `torch.distributed.DistBackendError`, as a broken gloo group would) when a peer's

@@ -10,8 +10,8 @@ at position p when j <= p (and p - j < window, for sliding layers). GQA is handl
 the query heads that share a KV head are folded into the query axis. The gather runs in chunks of
 sequences and queries sized from the shapes alone (so they are static per bucket) under an element budget,
 so its workspace is bounded by `attention_workspace_bytes` whatever the contexts in the batch.
-Eager float32 CPU steps of one forward (no graph, no compile, no burst) skip the decode group's gather: each decode
-row reads its own pages in place, at its own length (`_decode_rows`, from `AttnMeta.dec_rows`).
+Eager float32 CPU steps of one forward (no graph, no compile, no burst) skip the decode group's gather:
+each decode row reads its own pages in place, at its own length (`_decode_rows`, from `AttnMeta.dec_rows`).
 
 With flash-attn (worker/flash.py) both groups read the pages in place: decode through
 `flash_attn_with_kvcache`, prefill and mixed steps through `flash_attn_varlen_func` with a block table.
@@ -49,8 +49,8 @@ class AttnMeta:
     pre_flash: flash.VarlenMeta | None = None  # flash-attn prefill path only
     page_size: int = 0  # tokens a page, for viewing the cache as pages (flash-attn and row-view paths)
     chunk_elements: int = 1 << 22  # work budget of one SDPA chunk (ResolvedConfig.attn_chunk_elements)
-    # eager CPU steps of one forward only (`row_views`): each real decode row's context length and pages, read in
-    # place; dec_kv_slots is then [Bd, 0]
+    # eager float32 CPU steps of one forward only (`row_views`): each real decode row's context length and pages,
+    # read in place; dec_kv_slots is then [Bd, 0]
     dec_rows: list[tuple[int, list[int]]] | None = None
 
     @property

@@ -124,8 +124,8 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     (`plan.burst` > 1) makes the decode group's key-slot lists `burst - 1` positions wider and lays the slots
     of those positions out last (`dec_ahead`): the lists hold the scratch slot there until the burst's forwards
     reach them (ModelRunner._advance), so a page's stale K/V (a NaN) is never read, not even masked.
-    `row_views` (an eager CPU forward): a plan of one forward lists each decode row's pages (`AttnMeta.dec_rows`)
-    instead of its key slots."""
+    `row_views` (an eager float32 CPU forward): a plan of one forward lists each decode row's pages
+    (`AttnMeta.dec_rows`) instead of its key slots."""
     page = rc.page_size
     scratch = scratch_block * page
     flash_on = rc.use_flash_attn
