@@ -8,7 +8,7 @@ the rows or columns this rank owns through a safetensors slice, and refusing a t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -16,13 +16,16 @@ from torch import nn
 
 from worker.shard_argmax import ShardArgmax, shard_argmax
 
+if TYPE_CHECKING:
+    from cluster.host_all_reduce import HostAllReduce
+
 
 @dataclass(frozen=True)
 class Shard:
     rank: int = 0
     size: int = 1
     group: Any = None  # the device group; None at TP=1
-    host: Any = None  # CPU ranks of one host: their shared-memory all-reduce (cluster/host_all_reduce.py)
+    host: HostAllReduce | None = None  # CPU ranks of one host: their shared-memory all-reduce
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (in place when x is contiguous; use the result). Every rank of the device group calls it.
