@@ -57,9 +57,9 @@ from cluster.dist import init_groups  # noqa: E402
 from cluster.outputs import RequestStatus  # noqa: E402
 from cluster.pause import PauseGate  # noqa: E402
 from cluster.plan import Command  # noqa: E402
-from driver import engine as engine_module  # noqa: E402
-from driver.engine import Engine  # noqa: E402
-from driver.request import Request  # noqa: E402
+from driver.engine import engine as engine_module  # noqa: E402
+from driver.engine.engine import Engine  # noqa: E402
+from driver.engine.request import Request  # noqa: E402
 from worker.loop import worker_loop  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
 

@@ -5,7 +5,7 @@ completion, with every request checked token for token against an uninterrupted 
     python -m benchmarks.recovery --model models/small --requests 32 --new-tokens 64 --rank 1
 
 The group restarts by itself (`--max-restarts` 3, the default) and the client resumes every request
-(cluster/client_resume.py). Prints one JSON line. On a shared CPU machine the figures are noisy: most of the
+(cluster/client/resume.py). Prints one JSON line. On a shared CPU machine the figures are noisy: most of the
 pause is the restarted group's start (processes, imports, loading the checkpoint, warm-up).
 """
 

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.serving_common import say
 from cluster.client import Client
-from launch.replicas import start_replicas
+from launch.router.replicas import start_replicas
 
 PAGE = 16
 PRESET = {"continuous_batching": {"page_size": PAGE, "max_batch_tokens": 512, "max_requests_per_batch": 64,

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))  # nothing heavy at module level: the spawned clie
 
 from benchmarks.serving_common import (  # noqa: E402
     NUM_WARM, PAGE, WARM_TOKENS, CpuWindow, client_message, on_arrivals, say, speed_probe)
+from benchmarks.serving_common import preset_toml  # noqa: E402
 from benchmarks.serving_report import report  # noqa: E402
 from benchmarks.serving_transformers import run_transformers  # noqa: E402
 
@@ -118,16 +119,6 @@ def client_main(address: str, prompts: list[list[int]], warm: list[list[int]], a
         import traceback
 
         out_q.put({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-
-
-def preset_toml(args) -> str:
-    lines = ["[continuous_batching]", f"page_size = {PAGE}", f"num_blocks = {args.num_blocks}",
-             "cpu_group_timeout = 120.0"]
-    if args.model_samples:  # greedy must then be asked per request, which needs per-request processors
-        lines.append("per_request_processors = true")
-    if args.max_batch_tokens:
-        lines.append(f"max_batch_tokens = {args.max_batch_tokens}")
-    return "\n".join(lines) + "\n"
 
 
 def run_lockstep(args, prompts, warm, arrivals) -> dict:

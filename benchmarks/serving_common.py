@@ -97,3 +97,13 @@ def client_message(target: Callable[..., None], args: tuple, timeout: float, wha
     if "error" in msg:
         raise RuntimeError(f"{what} failed: {msg['error']}")
     return msg
+
+
+def preset_toml(args) -> str:
+    lines = ["[continuous_batching]", f"page_size = {PAGE}", f"num_blocks = {args.num_blocks}",
+             "cpu_group_timeout = 120.0"]
+    if args.model_samples:  # greedy must then be asked per request, which needs per-request processors
+        lines.append("per_request_processors = true")
+    if args.max_batch_tokens:
+        lines.append(f"max_batch_tokens = {args.max_batch_tokens}")
+    return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from benchmarks.serving_common import PAGE, WARM_TOKENS, CpuWindow, client_message, on_arrivals, say
+from benchmarks.serving_common import PAGE, WARM_TOKENS, CpuWindow, client_message, on_arrivals, preset_toml, say
 
 
 def text_prompts(model_dir: Path, prompts: list[list[int]]) -> tuple[list[str], list[list[int]]]:
@@ -107,7 +107,6 @@ def bodies_for(args, texts: list[str], extra: dict, tokens: int) -> list[dict]:
 
 
 def run_lockstep_http(args, texts, warm_texts, arrivals) -> dict:
-    from benchmarks.serving import preset_toml
     from launch.local_server import local_server
     from launch.torchrun import free_port
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from driver import sampler as sampler_module
+from driver.engine import sampler as sampler_module
 from worker.layers import Shard
 from worker.runner import ModelRunner
 from worker.shard_argmax import ShardArgmax, shard_argmax
@@ -148,7 +148,7 @@ class SimulatedForward:
         time.sleep(seconds)
 
     def events(self, to_host: Callable) -> Callable:
-        """`driver.sampler.to_host` whose transfer completes when the device clock passes the last step's end."""
+        """`driver.engine.sampler.to_host` whose transfer completes when the device clock passes the last step's end."""
         def transferred(picks: Any) -> tuple[torch.Tensor, Any]:
             host, event = to_host(picks)
             return host, event if event is not None else VirtualEvent(self.closed)

@@ -19,8 +19,8 @@ _LAZY = {
     "Client": ("cluster.client", "Client"),
     "AsyncClient": ("cluster.client", "AsyncClient"),
     "load": ("launch.load", "load"),
-    "ContinuousBatchingManager": ("driver.manager", "ContinuousBatchingManager"),
-    "ClusterModel": ("driver.api", "ClusterModel"),
+    "ContinuousBatchingManager": ("driver.api.manager", "ContinuousBatchingManager"),
+    "ClusterModel": ("driver.api.model", "ClusterModel"),
 }
 
 

@@ -340,10 +340,18 @@ def flash_decision(*, device_kind: str, flash_available: bool, wanted: bool, dty
     return True, None
 
 
+def read_preset(preset: dict | str | os.PathLike | None) -> dict[str, Any]:
+    """A preset as a dict: given as one (the Ray launcher ships it that way, so no file has to exist on the
+    actor's node), read from a TOML path, or empty."""
+    if preset is None or isinstance(preset, dict):
+        return preset or {}
+    with open(preset, "rb") as f:
+        return tomllib.load(f)
+
+
 def load_preset(path: str | os.PathLike) -> ContinuousBatchingConfig:
     """Read a TOML preset from configs/: its [continuous_batching] table holds config fields."""
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
+    data = read_preset(path)
     return ContinuousBatchingConfig.from_any(data.get("continuous_batching", {}))
 
 

@@ -1,8 +1,8 @@
-"""Prometheus text for the driver's `metrics` map (driver/serving_metrics.py, in the `stats` reply).
+"""Prometheus text for the driver's `metrics` map (driver/api/serving_metrics.py, in the `stats` reply).
 
 Names follow vLLM's under a `lockstep:` prefix, each labelled with `model_name`, so existing dashboards need only
 the prefix changed; `gpu_cache_usage_perc` and `time_per_output_token_seconds` repeat `kv_cache_usage_perc` and
-`inter_token_latency_seconds` under their older vLLM names. Behind a replica router (cluster/router.py) every series
+`inter_token_latency_seconds` under their older vLLM names. Behind a replica router (launch/router/router.py) every series
 also has a `replica` label, one per replica (sum over it for the whole service); `merge` gives the `stats` reply's
 summed map. Torch-free.
 """

@@ -31,10 +31,10 @@ ACCEPTED, REJECTED, TOKENS, FINAL, REPLY, ERROR, PONG = (
     "accepted", "rejected", "tokens", "final", "reply", "error", "pong")
 
 # a submit's `sampling` map: parameter -> wire type (the values' ranges are checked where requests are built,
-# driver/validation.py, for the wire and the manager API alike; docs/protocol.md "Sampling parameters")
+# driver/api/validation.py, for the wire and the manager API alike; docs/protocol.md "Sampling parameters")
 SAMPLING_FIELDS = {"do_sample": bool, "temperature": (int, float), "top_k": int, "top_p": (int, float),
                    "repetition_penalty": (int, float), "seed": int,
-                   # transformers' generation options (values: driver/option_checks.py)
+                   # transformers' generation options (values: driver/api/option_checks.py)
                    "min_new_tokens": int, "min_length": int, "no_repeat_ngram_size": int, "bad_words_ids": list,
                    "sequence_bias": list, "forced_bos_token_id": int, "forced_eos_token_id": (int, list),
                    "suppress_tokens": list, "begin_suppress_tokens": list}

@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch import client_verbs, http, make_model
+from driver.frontdoor.served_weights import weights_record_path
+from launch import client_verbs, make_model
+from launch.gateway import server as http_gateway
 from launch.torchrun import torchrun_command
 
 DEFAULT_MODEL = Path("models/tiny-llama")
@@ -50,10 +52,10 @@ def run_ranks(args: argparse.Namespace, module: str, extra: list[str]) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    if args.replicas > 1 or args.spread:  # R groups behind one router (launch/replicas.py)
+    if args.replicas > 1 or args.spread:  # R groups behind one router (launch/router/replicas.py)
         if args.launcher != "ray":
             raise SystemExit("lockstep serve: --replicas and --spread need --launcher ray")
-        from launch.replicas import run_cli as run_replicas
+        from launch.router.replicas import run_cli as run_replicas
 
         return run_replicas(args)
     args.state_file = weights_record_path(args.run_dir)
@@ -70,20 +72,6 @@ def serve(args: argparse.Namespace) -> int:
         extra += ["--http", args.http]
     return run_ranks(args, "launch.serve", extra)
 
-
-def weights_record_path(run_dir: str | None) -> str:
-    """The record of the weights served (driver/served_weights.py) in `run_dir` (made, or a new temporary
-    directory), emptied: a fresh `lockstep serve` starts from its --model, a restarted group from the record."""
-    import tempfile
-
-    if run_dir:
-        os.makedirs(run_dir, exist_ok=True)
-    else:
-        run_dir = tempfile.mkdtemp(prefix="lockstep-run-")
-    path = os.path.join(os.path.abspath(run_dir), "weights.json")
-    if os.path.exists(path):
-        os.unlink(path)
-    return path
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -136,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.set_defaults(func=serve)
 
     hp = sub.add_parser("http", help="the OpenAI-compatible HTTP gateway of a running cluster, as its own process")
-    http.add_arguments(hp)
-    hp.set_defaults(func=http.run)
+    http_gateway.add_arguments(hp)
+    hp.set_defaults(func=http_gateway.run)
 
     gen = sub.add_parser("generate", help="offline batch: JSONL prompts in, JSONL outputs out")
     gen.add_argument("--model", required=True)

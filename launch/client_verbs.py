@@ -24,7 +24,7 @@ def _refused(e: Exception, **extra: object) -> None:
 
 
 def submit(args: argparse.Namespace) -> int:
-    from cluster.client import ClientError
+    from cluster.client.client import ClientError
 
     params = {"max_new_tokens": args.max_new_tokens}
     if args.temperature is not None:
@@ -47,7 +47,7 @@ def submit(args: argparse.Namespace) -> int:
 
 
 def stats(args: argparse.Namespace) -> int:
-    from cluster.client import ClientError
+    from cluster.client.client import ClientError
 
     with _client(args) as c:
         try:
@@ -59,7 +59,7 @@ def stats(args: argparse.Namespace) -> int:
 
 
 def update_weights(args: argparse.Namespace) -> int:
-    from cluster.client import ClientError, WeightUpdateError
+    from cluster.client.client import ClientError, WeightUpdateError
 
     with _client(args) as c:
         try:

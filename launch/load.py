@@ -10,7 +10,7 @@ import torch
 
 from cluster.dist import init_groups
 from cluster.host_all_reduce import HostAllReduce
-from driver.api import ClusterModel
+from driver.api.model import ClusterModel
 from worker.layers import Shard
 from worker.loader import load_weights
 from worker.memory import use_device

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from cluster.client import Client
-from launch.http import start_beside
-from launch.serve import RANK_FAILED_EXIT, load_preset
+from launch.gateway.server import start_beside
+from cluster.config import read_preset
+from launch.serve import RANK_FAILED_EXIT
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])  # where `cluster`, `driver`, `worker`, `launch` live
 
@@ -234,8 +235,8 @@ def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | 
     bind tcp://0.0.0.0:PORT for clients on other nodes). Ray is initialised with `ray_init` if it is not
     yet (RAY_ADDRESS, if set, joins a running Ray cluster). On any failure before ready, everything started
     is torn down and RuntimeError names the rank and its traceback. `state_file`: the record of the weights
-    served (driver/served_weights.py), on rank 0's node; `restart()` serves them again. `bundle_extra`: more
-    resources each bundle asks for (launch/replicas.py pins a group to a node with `{"node:<ip>": 0.001}`);
+    served (driver/frontdoor/served_weights.py), on rank 0's node; `restart()` serves them again. `bundle_extra`: more
+    resources each bundle asks for (launch/router/replicas.py pins a group to a node with `{"node:<ip>": 0.001}`);
     `name`: the placement group's name (default lockstep-<pid>).
     """
     import ray
@@ -244,7 +245,7 @@ def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | 
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
     model_dir = str(Path(model_dir).resolve())
-    preset = load_preset(config)
+    preset = read_preset(config)
     owns_ray = not ray.is_initialized()
     if owns_ray:
         ray.init(**(ray_init or {}))

@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 import time
-import tomllib
 from typing import Callable
 
 RANK_FAILED_EXIT = 3
@@ -24,7 +23,7 @@ RANK_FAILED_EXIT = 3
 
 def frontend_config(preset: dict, address: str | None):
     from cluster.config import HTTP_SERVE_KEYS
-    from driver.frontend import FrontendConfig
+    from driver.frontdoor.frontend import FrontendConfig
 
     table = {k: v for k, v in preset.get("serve", {}).items() if k not in HTTP_SERVE_KEYS}
     known = {f for f in FrontendConfig.__dataclass_fields__}
@@ -36,16 +35,6 @@ def frontend_config(preset: dict, address: str | None):
         cfg.address = address
     return cfg
 
-
-def load_preset(config: dict | str | os.PathLike | None) -> dict:
-    """A preset as a dict: given as one (the Ray launcher ships it that way, so no file has to exist on the
-    actor's node), read from a TOML path, or empty."""
-    if config is None:
-        return {}
-    if isinstance(config, dict):
-        return config
-    with open(config, "rb") as f:
-        return tomllib.load(f)
 
 
 def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, address: str | None = None,
@@ -62,14 +51,14 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     `on_started` runs on every rank once the loop runs (main installs its signal handlers there, so a
     signal during loading still interrupts the load); `on_ready(address)` runs on rank 0 once it serves,
     right after it prints `ready <address>`. `state_file`: the record of the weights served
-    (driver/served_weights.py); a restarted group serves what it says again. `http`: HOST:PORT of the
-    OpenAI-compatible gateway rank 0 runs as a child process (launch/http_child.py), a client of the front door.
+    (driver/frontdoor/served_weights.py); a restarted group serves what it says again. `http`: HOST:PORT of the
+    OpenAI-compatible gateway rank 0 runs as a child process (launch/gateway/child.py), a client of the front door.
     """
     import cluster
-    from cluster.config import ContinuousBatchingConfig
-    from driver.served_weights import WeightsRecord, restore
+    from cluster.config import ContinuousBatchingConfig, read_preset
+    from driver.frontdoor.served_weights import WeightsRecord, restore
 
-    preset = load_preset(preset)
+    preset = read_preset(preset)
     stop = stop_event if stop_event is not None else threading.Event()
     cb_table = dict(preset.get("continuous_batching", {}))
     # a serving API honours per-request sampling unless the preset says otherwise (docs/protocol.md)
@@ -89,14 +78,14 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
 
     frontend = gateway = None
     if model.groups.is_driver:
-        from driver.frontend import Frontend
-        from driver.text_output import load_tokenizer
+        from driver.frontdoor.frontend import Frontend
+        from driver.frontdoor.text_output import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
         frontend = Frontend(manager, fe_cfg, tokenizer, record, model_path=model_dir).start()
         if http:
             from cluster.config import http_admin_token
-            from launch.http_child import GatewayProcess
+            from launch.gateway.child import GatewayProcess
 
             gateway = GatewayProcess(loopback_of(frontend.address), http, model_dir,
                                      http_admin_token(preset.get("serve"))).start()

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 from cluster.config import ContinuousBatchingConfig, resolve_config
-from driver.block_manager import BlockManager, chain_hash
-from driver.request import Request
-from driver.scheduler import Scheduler
+from driver.engine.block_manager import BlockManager, chain_hash
+from driver.engine.request import Request
+from driver.engine.scheduler import Scheduler
 
 
 def req(rid, tokens, n=4):
@@ -17,7 +17,7 @@ def req(rid, tokens, n=4):
 
 def test_chain_hash_is_identical_in_another_process():
     here = chain_hash(b"", list(range(16))).hex()
-    code = "from driver.block_manager import chain_hash; print(chain_hash(b'', list(range(16))).hex())"
+    code = "from driver.engine.block_manager import chain_hash; print(chain_hash(b'', list(range(16))).hex())"
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                            env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=sys.path[0]).stdout.strip()
     assert here == there

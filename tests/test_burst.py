@@ -11,7 +11,7 @@ import cluster
 from cluster.config import ContinuousBatchingConfig, resolve_config
 from cluster.outputs import RequestStatus
 from cluster.plan import StepPlan
-from driver.request import Request, SamplingParams
+from driver.engine.request import Request, SamplingParams
 from tests.conftest import hf_greedy
 from tests.test_overlap import run_engine
 from tests.workloads import mixed_prompts
@@ -81,7 +81,7 @@ def test_seeded_sampling_draws_the_same_tokens_in_bursts(make_checkpoint):
 def test_rows_with_token_history_or_waiting_requests_run_one_step(make_checkpoint):
     model = cluster.load(make_checkpoint("llama"))
     runner, rc, groups = model.build_runner(burst_config())
-    from driver.engine import Engine
+    from driver.engine.engine import Engine
 
     engine = Engine(runner, rc, groups, seed=None)
     prompt = mixed_prompts(2048)[0]
@@ -90,7 +90,7 @@ def test_rows_with_token_history_or_waiting_requests_run_one_step(make_checkpoin
         r = Request("r", prompt, max_new_tokens=max_new, sampling=sampling)
         r.generated, r.num_computed = [1, 2], len(prompt) + 1
         assert engine.blocks.allocate(r, r.num_computed + 1)
-        from driver.scheduler import Scheduled
+        from driver.engine.scheduler import Scheduled
         return [Scheduled(r, 1)]
 
     assert engine.scheduler.burst_length(decoding()) == 4
@@ -189,7 +189,7 @@ def test_bursts_cut_at_eos_and_limits_with_the_same_tokens_logprobs_and_endings(
 def test_generated_blocks_become_shareable_while_bursting(make_checkpoint):
     """A bursting request's K/V always runs ahead of its tokens on the host; its full blocks are registered for
     prefix sharing as far as its tokens are known (not only the prompt's)."""
-    from driver.engine import Engine
+    from driver.engine.engine import Engine
 
     model = cluster.load(make_checkpoint("llama"))
     runner, rc, groups = model.build_runner(burst_config(allow_block_sharing=True))
@@ -208,7 +208,7 @@ def run_burst_engine(make_checkpoint, on_forward=None, between=None):
     """Three greedy requests through a bare Engine with bursts of up to 4. `on_forward(plan, i, chosen)` runs after
     forward i of each plan (chosen: its ShardArgmax, editable); `between(engine)` after each step. Returns
     (model dir, prompts, requests); nothing is left in flight, pending or allocated."""
-    from driver.engine import Engine
+    from driver.engine.engine import Engine
 
     model_dir = make_checkpoint("llama")
     model = cluster.load(model_dir)

@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from cluster import protocol as P
-from cluster.client import AsyncClient, Client, ClientError
+from cluster.client.client import AsyncClient, Client, ClientError
 from cluster.errors import RequestLost
 from cluster.outputs import RequestStatus
 from launch.torchrun import free_port

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from cluster import protocol as P
-from cluster.client import Client, ClientError
+from cluster.client.client import Client, ClientError
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy
 from tests.serving import serve

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster.client import Client, ClientError
+from cluster.client.client import Client, ClientError
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy, read_json, run_ranks
 from tests.serving import fast_config, rank_pid, serve

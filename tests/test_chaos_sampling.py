@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster.client import Client, ClientError
+from cluster.client.client import Client, ClientError
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy
 from tests.serving import serve

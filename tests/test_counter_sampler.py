@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from driver.request import Request, SamplingParams
-from driver.sampler import Sampler
+from driver.engine.request import Request, SamplingParams
+from driver.engine.sampler import Sampler
 from tests.conftest import read_json, run_ranks
 
 FULL = SamplingParams(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=3)
@@ -125,8 +125,8 @@ def test_the_sampler_makes_nothing_off_the_logits_device():
 
 
 def test_picks_are_on_the_logits_device_as_int64_and_float32():
-    from driver.logits_processing import SampleRow
-    from driver.sampler import pick
+    from driver.engine.logits_processing import SampleRow
+    from driver.engine.sampler import pick
 
     rows = [SampleRow("a", FULL, key=2 ** 64 - 1, index=3, seen=(1, 2), logprobs=True),
             SampleRow("b", SamplingParams(do_sample=True, top_p=0.5), key=7, index=0),
@@ -140,7 +140,7 @@ def test_picks_are_on_the_logits_device_as_int64_and_float32():
 # ---------------------------------------------------------------- the noise itself
 def test_the_noise_hash_is_exact_integer_arithmetic():
     """cn.noise_bits equals the hash on Python integers (no int64 overflow, nothing device-dependent)."""
-    from driver import counter_noise as cn
+    from driver.engine import counter_noise as cn
 
     def mix(x):
         x ^= x >> cn.S1
@@ -161,7 +161,7 @@ def test_the_noise_hash_is_exact_integer_arithmetic():
 
 
 def test_uniforms_never_reach_zero_or_one():
-    from driver.counter_noise import M32, uniform
+    from driver.engine.counter_noise import M32, uniform
 
     u = uniform(torch.tensor([0, 1, 511, 512, M32 - 1, M32]))
     assert bool(((u > 0) & (u < 1)).all())
@@ -171,9 +171,9 @@ def test_uniforms_never_reach_zero_or_one():
 # ---------------------------------------------------------------- (e) the distribution
 def sample_many(logits: torch.Tensor, params: SamplingParams, n: int = 20000) -> torch.Tensor:
     """Token counts over n token indices of one request (fixed key), the same logits at every index."""
-    from driver.counter_noise import request_key
-    from driver.logits_processing import SampleRow
-    from driver.sampler import pick
+    from driver.engine.counter_noise import request_key
+    from driver.engine.logits_processing import SampleRow
+    from driver.engine.sampler import pick
 
     key = request_key(12345, None, "stats")
     rows = [SampleRow("stats", params, key, index) for index in range(n)]
@@ -214,7 +214,7 @@ def test_top_k_and_top_p_never_return_masked_tokens():
 
 def test_top_p_on_a_few_candidates_drops_what_the_full_sort_drops():
     """On the CPU top-p ranks only the most probable tokens where they suffice: the same drops as ranking all."""
-    from driver.logits_processing import ranked_drops
+    from driver.engine.logits_processing import ranked_drops
 
     base = torch.randn(8, 32000, generator=torch.Generator().manual_seed(1))
     probs = (base * torch.tensor([0.3, 1.0, 3.0, 4.0, 6.0, 10.0, 3.0, 1.0])[:, None]).softmax(-1)  # flat to peaked

@@ -1,10 +1,10 @@
-"""The fleet's weight update (cluster/fleet_update.py) on stand-in replicas: all end on the new checkpoint, or a
+"""The fleet's weight update (launch/router/fleet_update.py) on stand-in replicas: all end on the new checkpoint, or a
 refusal rolls back the replicas already updated, and an update that could not be rolled back never starts."""
 
 from __future__ import annotations
 
 from cluster.errors import WeightUpdateError
-from cluster.fleet_update import update_all
+from launch.router.fleet_update import update_all
 
 
 class Replica:

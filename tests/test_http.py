@@ -22,9 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.client import Client
 from cluster.errors import Code
-from cluster.http_errors import STATUS, HttpError, status_of
-from launch.http import Gateway, settings_for
-from launch.http_child import GatewayProcess
+from launch.gateway.errors import STATUS, HttpError, status_of
+from launch.gateway.server import Gateway, settings_for
+from launch.gateway.child import GatewayProcess
 from launch.torchrun import free_port
 from tests.conftest import hf_greedy
 from tests.serving import fast_config, serve

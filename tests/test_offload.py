@@ -11,9 +11,9 @@ import torch
 import cluster
 from cluster.config import GIB, ContinuousBatchingConfig, host_pool_pages, resolve_config
 from cluster.plan import HEADER_LEN, H, StepPlan, plan_from_parts
-from driver.block_manager import BlockManager, chain_hash
-from driver.request import Request
-from driver.scheduler import Scheduler
+from driver.engine.block_manager import BlockManager, chain_hash
+from driver.engine.request import Request
+from driver.engine.scheduler import Scheduler
 from tests.conftest import hf_greedy
 from tests.workloads import NEW_TOKENS, mixed_prompts
 from worker.kv_cache import KVCache, kv_bytes_per_token
@@ -188,7 +188,7 @@ def test_small_pool_swaps_some_and_recomputes_others(make_checkpoint):
 
 
 def test_slots_a_swap_in_reads_are_not_reused_in_the_same_plan():
-    from driver.host_pool import HostPool
+    from driver.engine.host_pool import HostPool
 
     pool = HostPool(2)
     r1, r2 = req("r1", [3]), req("r2", [4])

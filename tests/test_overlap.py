@@ -14,8 +14,8 @@ import torch
 import cluster
 from cluster.config import ContinuousBatchingConfig, resolve_config
 from cluster.outputs import RequestStatus
-from driver.engine import Engine
-from driver.request import Request
+from driver.engine.engine import Engine
+from driver.engine.request import Request
 from tests.conftest import hf_greedy, read_json, run_ranks
 from tests.scripts.overlap_rank import MAX_NEW
 from tests.workloads import mixed_prompts

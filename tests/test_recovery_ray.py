@@ -16,7 +16,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.client import Client  # noqa: E402
+from cluster.client.client import Client  # noqa: E402
 from cluster.outputs import RequestStatus  # noqa: E402
 from launch.ray_launcher import start_ray_cluster  # noqa: E402
 from tests.conftest import REPO  # noqa: E402

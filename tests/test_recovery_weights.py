@@ -1,4 +1,4 @@
-"""The weights a restarted group serves (driver/served_weights.py), at TP=1 in process: the last checkpoint
+"""The weights a restarted group serves (driver/frontdoor/served_weights.py), at TP=1 in process: the last checkpoint
 update is loaded again and served under its version; pushed weights that cannot be restored are reported as
 lost, and their version number is never served with other weights."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from driver.served_weights import ServedWeights, WeightsRecord, restore
+from driver.frontdoor.served_weights import ServedWeights, WeightsRecord, restore
 from tests.conftest import hf_greedy
 
 

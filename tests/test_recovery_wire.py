@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cluster.client import Client, ClientError, RequestLost
+from cluster.client.client import Client, ClientError, RequestLost
 from launch.torchrun import free_port
 from tests.serving import fast_config, serve
 

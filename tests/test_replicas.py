@@ -1,4 +1,4 @@
-"""Issue 13: data-parallel replicas on Ray behind one router (launch/replicas.py, cluster/router.py).
+"""Issue 13: data-parallel replicas on Ray behind one router (launch/router/replicas.py, launch/router/router.py).
 
 On a local Ray with 4 CPUs, 2 replicas of TP=1 behind one address: REQUESTS requests from CLIENTS clients
 (half streaming) all token-identical to transformers' greedy generate; one replica's actor killed with ray.kill
@@ -22,10 +22,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.client import Client, WeightUpdateError  # noqa: E402
+from cluster.client.client import Client, WeightUpdateError  # noqa: E402
 from launch.torchrun import free_port  # noqa: E402
 from cluster.outputs import RequestStatus  # noqa: E402
-from launch.replicas import start_replicas  # noqa: E402
+from launch.router.replicas import start_replicas  # noqa: E402
 from tests.conftest import REPO, hf_greedy  # noqa: E402
 from tests.test_ray import wait_until  # noqa: E402
 from tests.workloads import mixed_prompts, shared_prefix_prompts  # noqa: E402
@@ -128,7 +128,7 @@ def test_the_http_gateway_in_front_of_the_router(fleet, make_checkpoint):
     import openai
     from transformers import AutoTokenizer
 
-    from launch.http import Gateway, settings_for
+    from launch.gateway.server import Gateway, settings_for
 
     model_dir = make_checkpoint("llama")
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -89,16 +89,16 @@ def test_logprobs_match_transformers_scores_tp2(make_checkpoint, tmp_path):
 
 # ---------------------------------------------------------------- a sampling error fails its own request only
 def test_a_row_that_fails_to_sample_fails_only_its_request(make_checkpoint, monkeypatch):
-    import driver.sampler
+    import driver.engine.sampler
 
-    real = driver.sampler.pick
+    real = driver.engine.sampler.pick
 
     def broken(logits, rows, *args):  # any batch holding req_1 raises: the sampler must find req_1 row by row
         if any(r.request_id == "req_1" for r in rows):
             raise RuntimeError("boom in row req_1")
         return real(logits, rows, *args)
 
-    monkeypatch.setattr(driver.sampler, "pick", broken)
+    monkeypatch.setattr(driver.engine.sampler, "pick", broken)
     model_dir = make_checkpoint("llama")
     model = cluster.load(model_dir)
     prompts = mixed_prompts(model.config.vocab_size)[:4]
@@ -116,8 +116,8 @@ def test_a_row_that_fails_to_sample_fails_only_its_request(make_checkpoint, monk
 def test_sampler_returns_each_rows_failure():
     import torch
 
-    from driver.request import Request, SamplingParams
-    from driver.sampler import Sampler
+    from driver.engine.request import Request, SamplingParams
+    from driver.engine.sampler import Sampler
 
     reqs = [Request(f"r{i}", [1, 2], 4, sampling=SamplingParams(do_sample=True)) for i in range(3)]
     logits = torch.randn(3, 32)

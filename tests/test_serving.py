@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster.client import AsyncClient, Client, ClientError
+from cluster.client.client import AsyncClient, Client, ClientError
 from cluster.outputs import RequestStatus
 from tests.clients import run_clients
 from tests.conftest import REPO, hf_greedy

@@ -1,12 +1,12 @@
-"""driver/serving_metrics.py on hand-made requests: what each output adds, histogram buckets, finish reasons."""
+"""driver/api/serving_metrics.py on hand-made requests: what each output adds, histogram buckets, finish reasons."""
 
 from __future__ import annotations
 
 import time
 
 from cluster.outputs import RequestStatus
-from driver.request import Request
-from driver.serving_metrics import Histogram, ServingMetrics
+from driver.engine.request import Request
+from driver.api.serving_metrics import Histogram, ServingMetrics
 
 
 def test_histogram_buckets_are_cumulative_with_le_bounds():

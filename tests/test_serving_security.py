@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from cluster import protocol as P
-from cluster.client import Client, ClientError
+from cluster.client.client import Client, ClientError
 from launch.torchrun import free_port
 from tests.conftest import REPO, hf_greedy
 from tests.serving import rank_pid, serve
@@ -199,7 +199,7 @@ def test_curve_admits_only_allowed_clients_and_admins_alone_pause(make_checkpoin
 
 
 def test_admin_needs_a_local_bind_without_curve():
-    from driver.admin import binds_locally
+    from driver.frontdoor.admin import binds_locally
 
     for address in ("tcp://127.0.0.1:5555", "tcp://127.3.2.1:1", "tcp://localhost:80", "tcp://[::1]:5555",
                     "ipc:///tmp/lockstep.sock"):

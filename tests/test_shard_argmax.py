@@ -11,10 +11,10 @@ import pytest
 
 import cluster
 from cluster.config import ContinuousBatchingConfig
-from driver.engine import Engine
-from driver.logits_processing import SampleRow
-from driver.request import Request, SamplingParams
-from driver.sampler import pick
+from driver.engine.engine import Engine
+from driver.engine.logits_processing import SampleRow
+from driver.engine.request import Request, SamplingParams
+from driver.engine.sampler import pick
 from tests.conftest import hf_greedy, read_json, run_ranks
 from tests.scripts.shard_argmax_rank import VOCAB, edge_logits
 from tests.workloads import mixed_prompts

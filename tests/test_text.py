@@ -13,7 +13,7 @@ import pytest
 from cluster import protocol as P
 from cluster.client import Client
 from cluster.outputs import GenerationOutput, RequestStatus
-from driver.text_output import Detokenizer, TextOutput
+from driver.frontdoor.text_output import Detokenizer, TextOutput
 from launch.make_tokenizer import make_tokenizer
 from tests.conftest import hf_greedy
 from tests.serving import fast_config, serve

@@ -29,9 +29,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-import numpy as np
 import torch
 
 from cluster.compile_settings import CompileSettings
@@ -39,10 +38,7 @@ from cluster.config import ResolvedConfig
 from cluster.errors import Code, LockstepError
 from cluster.plan import StepPlan
 from worker.attention import AttnMeta
-from worker.graphs import decode_buckets
 
-if TYPE_CHECKING:
-    from worker.runner import ModelRunner
 
 log = logging.getLogger("lockstep")
 
@@ -159,54 +155,25 @@ class ForwardFn:
         fn = self.decode if meta.pre_q_pos.shape[0] == 0 else self.varlen
         return fn(ids, meta, k, v)
 
-    def warm_up(self, runner: ModelRunner) -> None:
+    def warm_up(self, plans: list[tuple[str, StepPlan]], prepare: Callable[[StepPlan], tuple[torch.Tensor, AttnMeta]],
+                k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         """Compile every decode bucket and the smallest varlen shapes, once. Every rank calls it at the same
         point (the runner's first `execute`): the forwards all-reduce. Steps read and write only the scratch
         block. A shape an earlier runner of this model compiled is skipped: which shapes a forward compiled
         follows from the plans every rank ran since the model was loaded, so every rank skips the same."""
-        if self.warmed:
-            return
         self.warmed = True
-        plans = warm_up_plans(runner, decode="decode" in self.compiled and runner.graphs is None,
-                              varlen="varlen" in self.compiled)
         if not plans:
             return
         start = time.perf_counter()
         log.info("compile warm-up: %d steps (%s)", len(plans), ", ".join(name for name, _ in plans))
         for i, (name, plan) in enumerate(plans):
-            ids, meta, _ = runner.prepare(plan)
+            ids, meta = prepare(plan)
             fn = self.decode if meta.pre_q_pos.shape[0] == 0 else self.varlen
-            if isinstance(fn, CompiledForward) and fn.shape_key(ids, meta, runner.cache.k) in fn.compile_s:
+            if isinstance(fn, CompiledForward) and fn.shape_key(ids, meta, k) in fn.compile_s:
                 continue  # compiled for an earlier runner of this model (the same on every rank: see warm_up)
             log.info("compile warm-up %d/%d: %s", i + 1, len(plans), name)
-            self(ids, meta, runner.cache.k, runner.cache.v)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
+            self(ids, meta, k, v)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize(ids.device)
         self.warm_up_s = time.perf_counter() - start
         log.info("compile warm-up done in %.1fs", self.warm_up_s)
-
-
-def scratch_plan(runner: ModelRunner, q_lens: list[int], sample: list[int]) -> StepPlan:
-    """A step whose sequences (contexts as long as their queries) read and write only the scratch block."""
-    q = np.array(q_lens, np.int32)
-    width = max(1, -(-int(q.max()) // runner.rc.page_size))
-    return StepPlan(input_ids=np.zeros(int(q.sum()), np.int32), q_lens=q, kv_lens=q.copy(),
-                    sample=np.array(sample, np.int32),
-                    block_tables=np.full((len(q_lens), width), runner.cache.scratch_block, np.int32))
-
-
-def warm_up_plans(runner: ModelRunner, *, decode: bool, varlen: bool) -> list[tuple[str, StepPlan]]:
-    """(name, plan) of each warm-up step: every decode bucket, then one prefill and one mixed step at the
-    smallest padded query length, as far as the config's batch limits allow."""
-    rc: ResolvedConfig = runner.rc
-    plans: list[tuple[str, StepPlan]] = []
-    if decode:
-        plans += [(f"decode bucket {b}", runner.warmup_plan(b)) for b in decode_buckets(rc.max_requests_per_batch)]
-    q = min(max(rc.q_padding, 2), rc.max_batch_tokens)
-    if varlen and q >= 2:
-        plans.append((f"prefill of {q} tokens", scratch_plan(runner, [q], [1])))
-    mixed_q = min(q, rc.max_batch_tokens - 1)
-    if varlen and rc.max_requests_per_batch >= 2 and mixed_q >= 2:
-        plans.append((f"1 decode + prefill of {mixed_q} tokens", scratch_plan(runner, [1, mixed_q], [1, 1])))
-    return plans
-

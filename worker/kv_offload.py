@@ -2,7 +2,7 @@
 
 The pool holds, per layer, K and V pages of this rank's shard: [slots, page, kv heads, head dim], in pinned
 memory on CUDA (so the copies are asynchronous) and plain memory on the CPU. The driver decides every copy
-(driver/host_pool.py); a rank only does what the plan says, swap-outs first, then swap-ins, all on the
+(driver/engine/host_pool.py); a rank only does what the plan says, swap-outs first, then swap-ins, all on the
 current (compute) stream before the step's forward, so they are ordered after the previous step's forward
 and before this one's without any host sync. Runs of consecutive pages that land in consecutive slots are
 copied as one slice.

@@ -84,9 +84,31 @@ class ModelRunner:
 
     def warmup_plan(self, num_seqs: int = 1) -> StepPlan:
         """A decode step of `num_seqs` one-token sequences that reads and writes only the scratch block."""
-        one = np.ones(num_seqs, np.int32)
-        return StepPlan(input_ids=np.zeros(num_seqs, np.int32), q_lens=one, kv_lens=one, sample=one,
-                        block_tables=np.full((num_seqs, 1), self.cache.scratch_block, np.int32))
+        return self.scratch_plan([1] * num_seqs, [1] * num_seqs)
+
+    def scratch_plan(self, q_lens: list[int], sample: list[int]) -> StepPlan:
+        """A step whose sequences (contexts as long as their queries) read and write only the scratch block."""
+        q = np.array(q_lens, np.int32)
+        width = max(1, -(-int(q.max()) // self.rc.page_size))
+        return StepPlan(input_ids=np.zeros(int(q.sum()), np.int32), q_lens=q, kv_lens=q.copy(),
+                        sample=np.array(sample, np.int32),
+                        block_tables=np.full((len(q_lens), width), self.cache.scratch_block, np.int32))
+
+    def compile_plans(self) -> list[tuple[str, StepPlan]]:
+        """(name, plan) of each compile warm-up step (worker/compiled.py): every decode bucket the graphs do not
+        cover, then one prefill and one mixed step at the smallest padded query length, as far as the config's
+        batch limits allow."""
+        rc, compiled = self.rc, self.forwards.compiled
+        plans: list[tuple[str, StepPlan]] = []
+        if "decode" in compiled and self.graphs is None:
+            plans += [(f"decode bucket {b}", self.warmup_plan(b)) for b in decode_buckets(rc.max_requests_per_batch)]
+        q = min(max(rc.q_padding, 2), rc.max_batch_tokens)
+        if "varlen" in compiled and q >= 2:
+            plans.append((f"prefill of {q} tokens", self.scratch_plan([q], [1])))
+        mixed_q = min(q, rc.max_batch_tokens - 1)
+        if "varlen" in compiled and rc.max_requests_per_batch >= 2 and mixed_q >= 2:
+            plans.append((f"1 decode + prefill of {mixed_q} tokens", self.scratch_plan([1, mixed_q], [1, 1])))
+        return plans
 
     # ---------------------------------------------------------------- graphs
     def graph_reads(self) -> dict[str, int]:
@@ -127,7 +149,8 @@ class ModelRunner:
         handle's result is what `execute` returns. Input ids -(1 + j) are resolved on the device from
         `shared_tokens` (row j of the previous step's samples), after the previous step's `share_burst`. Every
         rank calls it alike; for a plan with `share_tokens`, every rank then calls `share_burst`."""
-        self.forwards.warm_up(self)  # the first time: compile what the compile configs ask for
+        if not self.forwards.warmed:  # the first time: compile what the compile configs ask for
+            self.forwards.warm_up(self.compile_plans(), lambda p: self.prepare(p)[:2], self.cache.k, self.cache.v)
         run = self._prepared(plan)
         self._burst = (plan, run)  # what share_burst queues the rest of a burst with
         return self.stream.submit(lambda: run(True))

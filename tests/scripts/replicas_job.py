@@ -8,7 +8,7 @@ import sys
 
 import ray
 
-from launch.replicas import SERVICE_NAMESPACE
+from launch.router.replicas import SERVICE_NAMESPACE
 
 
 def main(name: str, prompts: list[list[int]], new: int) -> None:

@@ -17,7 +17,7 @@ import sys
 import time
 
 import cluster
-from driver.request import Request
+from driver.engine.request import Request
 from tests.workloads import mixed_prompts
 
 CFG = dict(page_size=16, max_batch_tokens=64, num_blocks=8)

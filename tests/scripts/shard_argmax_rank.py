@@ -30,9 +30,9 @@ def edge_logits(size: int) -> torch.Tensor:
 
 
 def main(out: str) -> None:
-    from driver.logits_processing import SampleRow
-    from driver.request import SamplingParams
-    from driver.sampler import pick
+    from driver.engine.logits_processing import SampleRow
+    from driver.engine.request import SamplingParams
+    from driver.engine.sampler import pick
     from worker.layers import ParallelLMHead, Shard
 
     dist.init_process_group("gloo")

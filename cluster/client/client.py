@@ -1,0 +1,322 @@
+"""Clients of a running cluster: `Client` (blocking, thread-safe) and `AsyncClient` (asyncio).
+
+One I/O thread per client (cluster/client/io_thread.py) owns the ZeroMQ DEALER socket; calls hand it frames and
+wait on futures, so one client carries thousands of concurrent requests from any number of threads or tasks.
+While anything is outstanding the I/O thread pings the server: the server cancels the requests of a client
+that goes quiet, and a client whose server goes quiet for `server_timeout_s` ends every waiting call with
+`ServerGone` instead of waiting for `timeout`.
+
+A request the server loses (a rank failed, the driver failed, the server went silent) is resumed by default:
+the client waits for a healthy server at the same address and resubmits it with the tokens it already
+delivered, and the caller sees the uninterrupted answer (cluster/client/resume.py, docs/recovery.md).
+
+A client connects lazily and pickles as its settings only, so a handle can be passed into Ray tasks and
+actors and reconnects in each worker process. Only torch-free modules are imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import weakref
+from concurrent.futures import Future
+from typing import Any, AsyncIterator, Callable, Iterator
+
+from cluster import protocol as P
+from cluster.client.io_thread import PING_EVERY_S, RESUMABLE, IOThread, PendingRequest, settle, then  # noqa: F401
+from cluster.client.resume import Resumer
+from cluster.errors import ClientError, RequestLost, ServerGone, WeightUpdateError  # noqa: F401  (re-exported)
+from cluster.outputs import GenerationOutput
+
+
+def weight_update_result(data: dict) -> dict:
+    """The result of a weight update, or WeightUpdateError when the cluster refused it (`ok` false; the
+    data names the reason in `error` and, when known, the first rank that refused in `rank`)."""
+    if data.get("ok") is True:
+        return data
+    rank = data.get("rank")
+    rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+    raise WeightUpdateError(str(data.get("error") or "the cluster refused the update"), rank, data)
+
+
+def _data(msg: dict) -> Any:
+    return msg["data"]
+
+
+class Client:
+    """Blocking client of a Lockstep cluster at `address`. `timeout` bounds every wait; `server_timeout_s`
+    is how long a server may stay silent, while this client waits for it, before calls end with
+    ServerGone. `resume`: resubmit the requests the server loses, up to `max_resumes` times each, waiting at
+    most `resume_timeout_s` for a healthy server each time; a request not resumed ends with RequestLost.
+    `on_lost(req, cause)`: who takes the requests the server loses instead of this client's own Resumer (the
+    replica router's failover, which resumes them on another replica)."""
+
+    def __init__(self, address: str = P.DEFAULT_ADDRESS, server_key: bytes | None = None,
+                 client_keys: tuple[bytes, bytes] | None = None, timeout: float | None = 600.0,
+                 max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES, server_timeout_s: float = 5.0,
+                 resume: bool = True, max_resumes: int = 3, resume_timeout_s: float = 60.0,
+                 on_lost: Callable[[PendingRequest, ClientError], None] | None = None):
+        self.address, self.server_key, self.client_keys = address, server_key, client_keys
+        self.timeout, self.max_frame_bytes, self.server_timeout_s = timeout, max_frame_bytes, server_timeout_s
+        # (`resume()` is the pause's end: the setting is `auto_resume`)
+        self.auto_resume, self.max_resumes, self.resume_timeout_s = resume, max_resumes, resume_timeout_s
+        self.resumer = Resumer(self, max_resumes, resume_timeout_s) if on_lost is None else None
+        self.on_lost = on_lost if on_lost is not None else self.resumer.lost
+        self._io: IOThread | None = None
+        self._io_lock = threading.Lock()
+
+    # a handle crosses process boundaries (Ray) as its settings; each process connects on first use
+    def __getstate__(self) -> dict:
+        return {"address": self.address, "server_key": self.server_key, "client_keys": self.client_keys,
+                "timeout": self.timeout, "max_frame_bytes": self.max_frame_bytes,
+                "server_timeout_s": self.server_timeout_s, "resume": self.auto_resume, "max_resumes": self.max_resumes,
+                "resume_timeout_s": self.resume_timeout_s}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    @property
+    def io(self) -> IOThread:
+        """The I/O thread, opened on first use and again after one ended (server gone, thread failed)."""
+        with self._io_lock:
+            if self._io is None or self._io.closed:
+                old = self._io
+                self._io = IOThread(self.address, self.server_key, self.client_keys, self.max_frame_bytes,
+                                    self.server_timeout_s, self.on_lost if self.auto_resume else None)
+                if old is not None:
+                    self._io.adopt(old)  # their callers still collect the errors that ended them
+                    self._finalizer.detach()
+                # a handle dropped without close() must not leave its thread, socket and pipe behind: a Ray
+                # worker process unpickles a fresh handle for every task it runs and lives on after them
+                self._finalizer = weakref.finalize(self, self._io.close)
+                self._finalizer.atexit = False  # at exit the daemon thread just dies, as before
+            return self._io
+
+    def close(self) -> None:
+        """Say goodbye (the server cancels this client's unfinished requests at once) and close the socket;
+        calls still outstanding end with `client_closed`. A client that is garbage-collected without
+        close() is closed the same way."""
+        if self.resumer is not None:
+            self.resumer.close()  # requests waiting for a resume end with RequestLost (client_closed)
+        with self._io_lock:
+            io, self._io = self._io, None
+        if io is not None:
+            self._finalizer.detach()
+            io.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _wait(self, fut: Future, timeout: float | None = None) -> Any:
+        return fut.result(timeout if timeout is not None else self.timeout)
+
+    # ------------------------------------------------------------------ futures (shared with AsyncClient)
+    def submit_future(self, input_ids: list[int] | None = None, *, text: str | None = None,
+                      request_id: str | None = None, max_new_tokens: int | None = None, streaming: bool = False,
+                      eos_token_id: int | list[int] | None = None, resume_tokens: list[int] | None = None,
+                      resume_versions: list[tuple[int, int]] | None = None, resumes: int = 0,
+                      stop: list[str] | None = None, return_text: bool = False, logprobs: bool = False,
+                      **sampling: Any) -> tuple[PendingRequest, Future]:
+        """Send a submit; the future resolves to the request id once the server accepts it. A request id
+        this client already has outstanding raises ClientError(`duplicate_request_id`) here. `resume_tokens`
+        (with `resume_versions` and `resumes`): resume a request by hand (the client does it by itself for
+        the requests it sent); its outputs then start with those tokens (docs/recovery.md). `stop`: stop
+        strings (the text is cut before the one that matched); outputs carry `text` when the submit is text,
+        has stop strings or `return_text`; `logprobs`: the chosen tokens' logprobs, streamed too."""
+        rid = request_id or os.urandom(12).hex()
+        fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "streaming": streaming, "sampling": sampling,
+                                  "request_id": rid, "eos_token_id": eos_token_id}
+        # additive fields, sent only when used (an older server ignores what it does not know)
+        fields |= {k: v for k, v in (("stop", list(stop) if stop is not None else None), ("return_text", return_text),
+                                     ("logprobs", logprobs)) if v}
+        if text is not None:
+            fields["text"] = text
+        else:
+            fields["input_ids"] = list(input_ids) if input_ids is not None else None
+        io = self.io
+        req = PendingRequest(rid, input_ids, dict(fields), resumable=self.auto_resume)
+        if resume_tokens or resumes:
+            fields |= {"resume_tokens": list(resume_tokens or []), "resumes": resumes,
+                       "resume_versions": [list(p) for p in resume_versions or []]}
+            req.tokens, req.versions = list(resume_tokens or []), [tuple(p) for p in resume_versions or []]
+            req.resumes = resumes
+        io.track(req)  # before the submit leaves, so no token can slip by
+
+        accepted: Future = Future()
+
+        def on_reply(f: Future) -> None:  # runs before the caller hears of a refusal
+            error = f.exception() if not f.cancelled() else ClientError(P.Code.CLIENT_CLOSED, "cancelled")
+            if error is None:
+                settle(accepted, rid)
+            elif isinstance(error, ClientError) and error.code in RESUMABLE:
+                io.lose(req, error)  # the server was lost before it answered: the resume submits it again
+                if req.resumable and io.on_lost is not None:
+                    settle(accepted, rid)
+                else:  # the caller hears why it was not resumed (RequestLost)
+                    io.forget(req)
+                    settle(accepted, error=req.final.exception() if req.final.done() else error)
+            else:
+                io.finish(req, error=error)
+                io.forget(req)
+                settle(accepted, error=error)
+
+        io.call(P.SUBMIT, **fields).add_done_callback(on_reply)
+        return req, accepted
+
+    def pause_future(self, pause: bool) -> Future:
+        """Pause (or resume); this client then holds the pause (or not) and pings while it does."""
+        io = self.io
+
+        def held(msg: dict) -> dict:
+            io.set_pause_held(pause)
+            return msg
+
+        return then(io.call(P.PAUSE if pause else P.RESUME), held)
+
+    def update_weights_future(self, path: str, kv_policy: str = "keep") -> Future:
+        return then(self.io.call(P.UPDATE_WEIGHTS, path=path, kv_policy=kv_policy),
+                    lambda msg: weight_update_result(msg["data"]))
+
+    def data_future(self, kind: str, **fields: Any) -> Future:
+        """A call whose reply carries `data` (stats, health, cancel)."""
+        return then(self.io.call(kind, **fields), _data)
+
+    def _collect(self, request_id: str) -> PendingRequest:
+        req = self.io.requests.get(request_id)
+        if req is None:
+            raise ClientError(P.Code.UNKNOWN_REQUEST, f"no request {request_id!r} is outstanding on this client")
+        return req
+
+    def _forget(self, req: PendingRequest, cancel: bool = False) -> None:
+        """Stop tracking a collected request; `cancel` asks the server to drop it if it is still running
+        (a stream the caller left early)."""
+        req.dropped = True  # a request waiting for its resume is not resumed any more
+        io = self._io
+        if io is None:
+            return
+        io.forget(req)
+        if cancel and not req.final.done():
+            io.call(P.CANCEL, request_id=req.request_id)  # best effort: nobody waits for the reply
+
+    # ------------------------------------------------------------------ calls
+    def submit(self, input_ids: list[int] | None = None, **params: Any) -> str:
+        """Queue a request; returns its id once the server accepted it (ClientError if rejected)."""
+        _, fut = self.submit_future(input_ids, **params)
+        return self._wait(fut)
+
+    def result(self, request_id: str, timeout: float | None = None) -> GenerationOutput:
+        """The final output of a submitted request (ClientError if the server failed it, ServerGone if the
+        server stopped answering)."""
+        req = self._collect(request_id)
+        try:
+            out = self._wait(req.final, timeout)
+        except ClientError:
+            self._forget(req)
+            raise
+        self._forget(req)
+        return out
+
+    def generate(self, input_ids: list[int] | None = None, **params: Any) -> GenerationOutput:
+        return self.result(self.submit(input_ids, **params))
+
+    def stream(self, input_ids: list[int] | None = None, **params: Any) -> Iterator[GenerationOutput]:
+        """One output per generated token (cumulative tokens, and text and logprobs when asked for), then the
+        final output."""
+        params["streaming"] = True
+        req, fut = self.submit_future(input_ids, **params)
+        self._wait(fut)
+        try:
+            while not (item := req.next_item(self.timeout)).is_finished():
+                yield item
+            yield item
+        finally:
+            self._forget(req, cancel=True)
+
+    def cancel(self, request_id: str) -> None:
+        self._wait(self.data_future(P.CANCEL, request_id=request_id))
+
+    def pause(self) -> None:
+        """Hold scheduling on the cluster: in-flight requests keep their KV, new ones queue. This client
+        holds the pause until `resume()`; it keeps pinging meanwhile (the server releases the pause of a
+        client that disconnects or goes quiet)."""
+        self._wait(self.pause_future(True))
+
+    def resume(self) -> None:
+        self._wait(self.pause_future(False))
+
+    def update_weights(self, path: str, kv_policy: str = "keep") -> dict:
+        """Load new weights on every rank, all or none: the result dict, or WeightUpdateError (its `rank`
+        and `reason`) when the cluster refused the update."""
+        return self._wait(self.update_weights_future(path, kv_policy))
+
+    def stats(self) -> dict:
+        return self._wait(self.data_future(P.STATS))
+
+    def health(self, timeout: float | None = 10.0) -> dict:
+        return self._wait(self.data_future(P.HEALTH), timeout)
+
+
+class AsyncClient:
+    """The same calls as `Client`, as coroutines; `stream` is an async iterator."""
+
+    def __init__(self, address: str = P.DEFAULT_ADDRESS, **kwargs: Any):
+        self.client = Client(address, **kwargs)
+
+    def __getstate__(self) -> dict:
+        return self.client.__getstate__()
+
+    def __setstate__(self, state: dict) -> None:
+        self.client = Client(**state)
+
+    async def _await(self, fut: Future) -> Any:
+        return await asyncio.wrap_future(fut)
+
+    async def submit(self, input_ids: list[int] | None = None, **params: Any) -> str:
+        _, fut = self.client.submit_future(input_ids, **params)
+        return await self._await(fut)
+
+    async def result(self, request_id: str) -> GenerationOutput:
+        req = self.client._collect(request_id)
+        try:
+            return await self._await(req.final)
+        finally:
+            self.client._forget(req)
+
+    async def generate(self, input_ids: list[int] | None = None, **params: Any) -> GenerationOutput:
+        return await self.result(await self.submit(input_ids, **params))
+
+    async def stream(self, input_ids: list[int] | None = None, **params: Any) -> AsyncIterator[GenerationOutput]:
+        params["streaming"] = True
+        req, fut = self.client.submit_future(input_ids, **params)
+        await self._await(fut)
+        try:
+            while not (item := await req.next_item_async(self.client.timeout)).is_finished():
+                yield item
+            yield item
+        finally:
+            self.client._forget(req, cancel=True)
+
+    async def cancel(self, request_id: str) -> None:
+        await self._await(self.client.data_future(P.CANCEL, request_id=request_id))
+
+    async def pause(self) -> None:
+        await self._await(self.client.pause_future(True))
+
+    async def resume(self) -> None:
+        await self._await(self.client.pause_future(False))
+
+    async def update_weights(self, path: str, kv_policy: str = "keep") -> dict:
+        return await self._await(self.client.update_weights_future(path, kv_policy))
+
+    async def stats(self) -> dict:
+        return await self._await(self.client.data_future(P.STATS))
+
+    async def health(self) -> dict:
+        return await self._await(self.client.data_future(P.HEALTH))
+
+    async def close(self) -> None:
+        self.client.close()

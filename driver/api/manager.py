@@ -1,0 +1,299 @@
+"""The seed's ContinuousBatchingManager, across ranks.
+
+Every rank builds a manager (the constructor agrees on the cache size, a collective) and starts a loop
+thread. On the driver the loop runs the engine and owns the control group; elsewhere it runs the worker
+loop and executes plans. User threads never touch the control group: they leave requests, cancels, pauses
+and stops in the inbox, and the loop acts on them at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from cluster.config import ContinuousBatchingConfig
+from cluster.dist import agree_all_ok, recv_plan, send_plan
+from cluster.errors import Code, ManagerStopped, QueueFull, RequestRejected
+from cluster.liveness import Liveness
+from cluster.outputs import GenerationOutput, RequestStatus
+from cluster.pause import PauseGate
+from driver.api.driver_loop import DriverLoop
+from driver.engine.engine import Engine
+from driver.engine.request import Request
+from driver.api.results import ResultRouter
+from driver.api.serving_metrics import ServingMetrics
+from driver.api.update_calls import WeightUpdates
+from driver.api.validation import build_request, supported_generation_config
+from driver.api.worker_side import run_worker_side
+from worker.memory import use_device
+from worker.weights import UpdateCall
+
+log = logging.getLogger("lockstep")
+
+
+class ContinuousBatchingManager:
+    def __init__(self, model: Any, generation_config: Any, continuous_batching_config: ContinuousBatchingConfig):
+        """Every rank calls it (the cache size is agreed over the control group)."""
+        self.model = model
+        self.config = continuous_batching_config
+        self.generation_config = supported_generation_config(generation_config,
+                                                             continuous_batching_config.drop_unsupported_processors)
+        self.runner, self.effective_config, self.groups = model.build_runner(continuous_batching_config)
+        self.is_driver = self.groups.is_driver
+        self.engine = Engine(self.runner, self.effective_config, self.groups, self.config.seed) \
+            if self.is_driver else None
+        self.results = ResultRouter()
+        self.metrics = ServingMetrics()  # fed by the driver's loop (DriverLoop.emit); read by `stats`
+        self.gate = PauseGate()
+        self.inbox: queue.Queue = queue.Queue()
+        self.requests: dict[str, Request] = {}  # live requests by id (driver)
+        self.thread: threading.Thread | None = None
+        self.stop_event = threading.Event()
+        self.hard = False
+        self.held = False  # scheduling held by a client's pause: requests queue, nothing steps
+        self.keep_for_next_session = False
+        self.destroyed = False
+        self.loop_error: BaseException | None = None
+        self.failure: str | None = None  # what the loop died of, naming the rank when it can
+        self.failure_code: str | None = None  # cluster.errors.Code of that failure (rank_failed, driver_failed)
+        self.restart_count = 0  # the launcher's restarts of this group so far (launch/serve.py sets it)
+        self.liveness: Liveness | None = None
+        self.wants_results = False  # a worker whose caller reads results asks the driver for them
+        self.updates = WeightUpdates(self)
+        self.loop_beat = time.monotonic()  # when the loop last came round (the front door's deadline reads it)
+        self._ids = iter(range(1 << 62))
+        self._lock = threading.Lock()
+        self.closed = False  # set (under _lock) once the loop has stopped or died: submit refuses
+        if self.effective_config.notes and self.is_driver:
+            log.info("lockstep effective config: %s", "; ".join(self.effective_config.notes))
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the loop thread. Every rank calls it."""
+        if self.destroyed:
+            raise RuntimeError("this manager was destroyed; make a new one")
+        if self.is_running():
+            return
+        self.stop_event.clear()
+        self.hard = False
+        self.loop_error = None
+        self.failure = self.failure_code = None
+        if self.liveness is None and self.groups.distributed:
+            self.liveness = Liveness(self.groups).start()
+        with self._lock:
+            self.closed = False
+        self.thread = threading.Thread(target=self._run_loop, name="lockstep-loop", daemon=True)
+        self.thread.start()
+
+    def is_running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def loop_answers(self, deadline_s: float) -> bool:
+        """The loop runs and came round within `deadline_s`, or a pause parks it (a pause may last any time)."""
+        if not self.is_running():
+            return False
+        return self.gate.parked or time.monotonic() - self.loop_beat < deadline_s
+
+    def warmup(self) -> None:
+        """Run one padded step on the scratch block, so the first request pays no one-time costs.
+        Every rank calls it, before `start` (it is a no-op while the loop runs)."""
+        if self.is_running():
+            return
+        plan = self.runner.warmup_plan()
+        if self.is_driver:
+            send_plan(plan, self.groups)
+        elif self.groups.distributed:
+            plan = recv_plan(self.groups, np.zeros(0, np.int64))
+        self.runner.execute(plan)
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
+             hard_stop: bool = False) -> None:
+        """Flush what is queued and stop (hard_stop: fail it). Every rank calls it; the driver decides."""
+        self.keep_for_next_session = keep_for_next_session
+        self.hard = hard_stop
+        self.held = False
+        self.stop_event.set()
+        self.inbox.put(None)  # wake the loop
+        if block:
+            self.join(timeout=timeout)
+        if keep_for_next_session:
+            self.model.persistent_manager = self
+
+    def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def destroy(self) -> None:
+        """Stop, release the cache, and free the process groups this model made. Idempotent."""
+        if self.destroyed:
+            return
+        if self.is_running():
+            self.stop(block=True, timeout=60)
+        self.destroyed = True
+        if getattr(self.model, "persistent_manager", None) is self:
+            self.model.persistent_manager = None
+        if self.liveness is not None:
+            self.liveness.stop()
+        if self.groups is not self.model.groups:
+            self.groups.destroy()
+        self.runner = None
+        self.engine = None
+
+    def switch_to_cb_friendly_attn(self, model: Any = None, auto_switch_to_flash: bool = True) -> str:
+        """Lockstep's attention is always paged; reports which kernel serves it."""
+        return "flash_attn" if self.effective_config.use_flash_attn else "paged_sdpa"
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the driver's engine (empty elsewhere)."""
+        e = self.engine
+        if e is None:
+            return {}
+        return {"step": e.step_no, "weight_version": e.weight_version, "tokens_generated": e.num_tokens_generated,
+                "preemptions": e.scheduler.num_preemptions, "prefix_hit_blocks": e.blocks.prefix_hit_blocks,
+                "burst_forwards": e.num_burst_forwards, "running": len(e.scheduler.running),
+                "waiting": len(e.scheduler.waiting),
+                "free_blocks": e.blocks.num_free, "num_blocks": e.blocks.num_blocks,
+                "num_host_blocks": e.scheduler.host.num_slots, **e.scheduler.offload_stats(),
+                "cuda_graphs": dict(self.runner.graph_stats)}
+
+    # ---------------------------------------------------------------- requests (driver)
+    def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, record_timestamps: bool = False,
+                    eos_token_id: int | list[int] | None = None, **logit_processor_kwargs: Any) -> str | None:
+        """Queue a request; its id on the driver, None on other ranks (a no-op there)."""
+        if not self.is_driver:
+            return None
+        req = self.build_request(input_ids, request_id, max_new_tokens, streaming, record_timestamps,
+                                 eos_token_id, **logit_processor_kwargs)
+        return self.submit(req)
+
+    def build_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
+                      streaming: bool = False, record_timestamps: bool = False,
+                      eos_token_id: int | list[int] | None = None, *, strict_processors: bool = False,
+                      resume_tokens: list[int] | None = None, resume_versions: list[tuple[int, int]] | None = None,
+                      resumes: int = 0, **logit_processor_kwargs: Any) -> Request:
+        """A validated request, not yet queued (RequestRejected, with its code, if it cannot be served).
+        `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire).
+        `resume_tokens` (with their `resume_versions`, compact (index, version) pairs): the tokens an earlier
+        run of this request (same id, same parameters) delivered; it continues after them, exactly, and its
+        outputs start with them (docs/recovery.md). `resumes`: how many times it was resumed."""
+        if request_id is None:
+            request_id = f"req_{next(self._ids)}"
+        return build_request(self, input_ids, request_id, max_new_tokens, streaming, record_timestamps,
+                             eos_token_id, logit_processor_kwargs, strict_processors=strict_processors,
+                             resume_tokens=resume_tokens, resume_versions=resume_versions, resumes=resumes)
+
+    def submit(self, req: Request, sink: Callable[[GenerationOutput], None] | None = None) -> str:
+        """Queue a built request (driver only). `sink`, when given, receives every output of it on the loop
+        thread (it must be quick); otherwise outputs go to the result router. Raises RequestRejected
+        (duplicate id), QueueFull or ManagerStopped; never queues a request no loop will run."""
+        rid = req.request_id
+        req.sink = sink
+        with self._lock:  # the inbox put is under the lock too, so a cancel can never overtake its add
+            if self.closed:
+                raise ManagerStopped(f"request {rid}: the manager is stopped"
+                                     + (f" ({self.failure})" if self.failure else ""), request_id=rid)
+            if rid in self.requests:
+                raise RequestRejected(f"request {rid}: a request with this id is already in flight",
+                                      Code.DUPLICATE_REQUEST_ID, rid)
+            if self.config.max_queue_size and self._queued() >= self.config.max_queue_size:
+                raise QueueFull(f"request {rid}: the queue is full (max_queue_size={self.config.max_queue_size})",
+                                request_id=rid)
+            self.requests[rid] = req
+            self.inbox.put(("add", req))
+        return rid
+
+    def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
+                     record_timestamps: bool = False, **logit_processor_kwargs: Any) -> list[str] | None:
+        ids = [self.add_request(x, max_new_tokens=max_new_tokens, streaming=streaming,
+                                record_timestamps=record_timestamps, **logit_processor_kwargs) for x in inputs]
+        return ids if self.is_driver else None
+
+    def cancel_request(self, request_id: str, finish_reason: str | None = None) -> None:
+        """End a request (CANCELLED); `finish_reason` says why when not "cancelled" (a stop string: "stop")."""
+        if self.is_driver:
+            self.inbox.put(("cancel", (request_id, finish_reason)))
+
+    def _queued(self) -> int:
+        return sum(1 for r in self.requests.values() if r.status == RequestStatus.PENDING)
+
+    # ---------------------------------------------------------------- results
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output (of `request_id` if given), or None after `timeout` seconds. On a worker rank,
+        results flow to it from its first call on (or from the start, after `wants_results = True`)."""
+        self.wants_results = True
+        return self.results.get(request_id, timeout)
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """Every output of one request until its final one (blocking)."""
+        self.wants_results = True
+        while True:
+            out = self.results.get(request_id, timeout=1.0)
+            if out is None:
+                if not self.is_running() and request_id not in self.requests:
+                    return
+                continue
+            yield out
+            if out.is_finished():
+                return
+
+    def register_result_handler(self, request_id: str, callback: Callable) -> None:
+        """Deliver this request's outputs to `callback` on the caller's asyncio loop; removed when it ends."""
+        import asyncio
+        self.wants_results = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = asyncio.get_event_loop()
+        self.results.register(request_id, callback, loop)
+
+    # ---------------------------------------------------------------- pause
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Park every rank's loop at one step boundary; every rank must enter it."""
+        if self.is_driver:
+            self.inbox.put(None)
+        with self.gate.hold(self.is_running):
+            yield
+
+    # ---------------------------------------------------------------- weight updates
+    def update_weights(self, source: Any, kv_policy: str = "keep", timeout: float | None = None) -> dict[str, Any]:
+        """Swap the weights at one step boundary on every rank, all or none, and bump the weight version.
+        Every rank calls it. See driver/api/update_calls.py."""
+        return self.updates.update_weights(source, kv_policy, timeout)
+
+    def update_weights_async(self, call: UpdateCall, done: Callable[[dict], None]) -> None:
+        """The front door's path (driver only): `done(result)` is called from the loop thread."""
+        self.updates.update_weights_async(call, done)
+
+    def hold_scheduling(self, hold: bool) -> None:
+        """Stop (or restart) stepping without parking the ranks: the serving pause. In-flight requests keep
+        their KV and new ones queue; workers keep receiving heartbeats, so a hold may last any time."""
+        self.held = hold
+        self.inbox.put(None)
+
+    def barrier(self) -> None:
+        """All ranks meet (the pause's two barriers). Every rank's loop thread calls it."""
+        agree_all_ok(True, self.groups)
+
+    # ---------------------------------------------------------------- the loop thread
+    def _run_loop(self) -> None:
+        """The loop thread: the driver's step loop, or a worker's plan loop. Whatever ends it, callers
+        waiting on it are woken and new requests are refused."""
+        try:
+            use_device(self.groups.device)  # the current CUDA device is per thread
+            with self.groups.owned_by_this_thread():
+                if self.is_driver:
+                    DriverLoop(self).run()
+                else:
+                    run_worker_side(self)
+        finally:
+            with self._lock:
+                self.closed = True
+            self.updates.loop_ended()

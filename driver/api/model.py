@@ -1,0 +1,245 @@
+"""The model users hold: transformers' continuous-batching entry points, made to work across ranks.
+
+`generate_batch`, `init_continuous_batching` and `continuous_batching_context_manager` keep the seed's
+signatures. Under torchrun every rank calls them with the same arguments; every rank gets the same results.
+The object also answers what transformers scripts touch on a model: `parameters()`, `named_parameters()`,
+`state_dict()` (this rank's shards under transformers' names, as views into the live weights: see
+worker/named_shards.py), `config`, `generation_config`, `device`, `dtype`, `eval()`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from cluster.config import ContinuousBatchingConfig, ResolvedConfig, resolve_config
+from cluster.dist import Groups, agree_min, make_control_group
+from cluster.errors import ManagerStopped, QueueFull
+from cluster.outputs import GenerationOutput
+from driver.api.manager import ContinuousBatchingManager
+from worker.attention import attention_workspace_bytes
+from worker.kv_cache import kv_bytes_per_token
+from worker.kv_offload import system_ram_bytes
+from worker.memory import CACHE_LEDGER, describe, propose_num_blocks, tensor_bytes, use_device
+from worker.model import CausalLM, KVHeads, head_dim_of
+from worker.named_shards import named_shards, shard_of
+from worker.runner import ModelRunner
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class ClusterModel:
+    def __init__(self, model: CausalLM, config: Any, generation_config: Any, groups: Groups, dtype: torch.dtype,
+                 model_dir: str):
+        self.model = model
+        self.config = config
+        self.generation_config = generation_config
+        self.groups = groups
+        self.dtype = dtype
+        self.model_dir = model_dir
+        self.persistent_manager: ContinuousBatchingManager | None = None
+        self.last_stats: dict[str, Any] = {}  # the engine's counters at the end of the last generate_batch
+        self._params: dict[str, nn.Parameter] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.groups.device
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    # ---------------------------------------------------------------- what transformers scripts touch
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """(transformers name, this rank's shard) for every tensor of the checkpoint. Each is a Parameter
+        sharing storage with the weights the forward reads (fused q/k/v and gate/up are views of their rows),
+        so in-place changes (inside `with manager.pause():` while a manager runs) are what the next requests
+        use. A tied lm_head appears once, as model.embed_tokens.weight (remove_duplicate=False adds it)."""
+        if self._params is None:  # views never move: the parameters' storage is fixed for the model's life
+            self._params = {n: nn.Parameter(t, requires_grad=False)
+                            for n, t in named_shards(self.model, with_tied=True).items()}
+        tied = self.model.tied and remove_duplicate
+        for name, p in self._params.items():
+            if not (tied and name == "lm_head.weight"):
+                yield prefix + name, p
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def state_dict(self, *args: Any, prefix: str = "", keep_vars: bool = False, **kwargs: Any) -> dict[str, Any]:
+        """This rank's shard of every tensor under transformers' names (lm_head.weight included when tied),
+        as tensors that share storage with the live weights (detached, as transformers' state_dict)."""
+        return {prefix + n: (p if keep_vars else p.detach())
+                for n, p in self.named_parameters(remove_duplicate=False)}
+
+    def shard_of(self, name: str, full: Any) -> torch.Tensor:
+        """This rank's part of a full (unsharded) tensor `name`, shaped like its entry in state_dict(): e.g.
+        `p.copy_(model.shard_of(name, full_state[name]))` for every (name, p) in named_parameters()."""
+        return shard_of(self.model, name, full)
+
+    def eval(self) -> ClusterModel:
+        self.model.eval()
+        return self
+
+    def build_runner(self, cb: ContinuousBatchingConfig) -> tuple[ModelRunner, ResolvedConfig, Groups]:
+        """Size the KV cache (the group agrees on the smallest proposal) and make the runner. Every rank calls it.
+
+        On CUDA the proposal comes from worker/memory.py: free memory measured after the allocator let go of its
+        cached blocks, plus what this model's earlier caches hold (released before the new one is made, so a
+        second manager gets the same cache), less static buffers, graph pool, activations, attention workspace
+        and `safety_margin`."""
+        use_device(self.device)
+        heads = KVHeads(self.config, self.model.shard)
+        d = head_dim_of(self.config)
+        per_token = kv_bytes_per_token(self.config.num_hidden_layers, heads.kv_local, d, self.dtype)
+        cuda = self.device.type == "cuda"
+        rc = resolve_config(cb, device_kind=self.device.type, max_model_len=self.max_model_len,
+                            kv_bytes_per_token=per_token, free_bytes=None if cuda else available_host_memory(),
+                            flash_available=flash_attn_available(), dtype=self.dtype, head_dim=d,
+                            system_ram=system_ram_bytes())
+        if cuda and cb.num_blocks is None:
+            workspace = attention_workspace_bytes(rc, heads.q_local, heads.kv_local, d, self.dtype)
+            rc.num_blocks, breakdown = propose_num_blocks(
+                rc, self.config, self.model.shard.size, self.dtype, self.device, per_token, self.model,
+                max_memory_percent=cb.max_memory_percent,
+                attention_workspace_bytes=workspace)  # one layer at a time: its bound is the peak
+            rc.notes.append(describe(breakdown))
+        rc.num_blocks = agree_min(rc.num_blocks, self.groups)
+        rc.num_host_blocks = agree_min(rc.num_host_blocks, self.groups)  # the driver's slots exist on every rank
+        groups = self.groups
+        if self.groups.distributed and cb.cpu_group_timeout != self.groups.control_timeout:
+            groups = make_control_group(self.groups, cb.cpu_group_timeout)
+        if cuda:
+            CACHE_LEDGER.release_all(self.device, self.model)
+        runner = ModelRunner(self.model, rc, heads.kv_local, d, self.dtype, self.device)
+        if cuda:
+            CACHE_LEDGER.hold(runner.cache, self.device, self.model, tensor_bytes(runner.cache.k + runner.cache.v))
+        return runner, rc, groups
+
+    # ---------------------------------------------------------------- the seed's entry points
+    def init_continuous_batching(self, generation_config: Any = None, continuous_batching_config: Any = None,
+                                 **_: Any) -> ContinuousBatchingManager:
+        """A manager (the persistent one if kept); every rank calls it."""
+        kept = self.persistent_manager
+        if kept is not None and not kept.destroyed:
+            return kept
+        cb = ContinuousBatchingConfig.from_any(continuous_batching_config)
+        return ContinuousBatchingManager(self, generation_config or self.generation_config, cb)
+
+    @contextmanager
+    def continuous_batching_context_manager(self, generation_config: Any = None,
+                                            continuous_batching_config: Any = None, block: bool = True,
+                                            timeout: float | None = None, persistent_manager: bool = False,
+                                            warmup: bool = True, **kwargs: Any) -> Iterator[ContinuousBatchingManager]:
+        manager = self.init_continuous_batching(generation_config, continuous_batching_config, **kwargs)
+        with self._running(manager, warmup, block, timeout, persistent_manager):
+            yield manager
+
+    @contextmanager
+    def _running(self, manager: ContinuousBatchingManager, warmup: bool, block: bool, timeout: float | None,
+                 persistent_manager: bool) -> Iterator[ContinuousBatchingManager]:
+        if warmup:
+            manager.warmup()
+        manager.start()
+        try:
+            yield manager
+        finally:
+            manager.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager)
+            if not persistent_manager:
+                manager.destroy()
+
+    def generate_batch(self, inputs: list[list[int]], generation_config: Any = None,
+                       continuous_batching_config: Any = None, record_timestamps: bool = False,
+                       progress_bar: bool = False, persistent_manager: bool = False, warmup: bool = True,
+                       **kwargs: Any) -> dict[str, GenerationOutput]:
+        """Generate for every prompt; the same dict (request id -> output, in input order) on every rank.
+        Every rank validates every input the way the driver's add_request does before any step runs, so a
+        bad input raises the same ValueError on every rank; a batch larger than max_queue_size is fed as
+        room appears."""
+        if not inputs:
+            return {}
+        gen = generation_config or self.generation_config
+        kept = self.persistent_manager
+        manager = self.init_continuous_batching(gen, continuous_batching_config)
+        try:
+            self._check_inputs(manager, inputs, record_timestamps, kwargs)
+        except Exception:
+            if manager is not kept:
+                manager.destroy()
+            raise
+        manager.wants_results = True  # before start: every rank gets every output of this batch
+        with self._running(manager, warmup, block=True, timeout=None, persistent_manager=persistent_manager):
+            # the driver numbers the requests in input order; workers' add_request would be a no-op
+            reqs = [manager.build_request(x, record_timestamps=record_timestamps, **kwargs) for x in inputs] \
+                if self.groups.is_driver else []
+            results: dict[str, GenerationOutput] = {}
+            bar = tqdm(total=len(inputs), disable=not (progress_bar and self.groups.is_driver),
+                       desc=f"Solving {len(inputs)} requests", unit="request")
+            fed = 0
+            while len(results) < len(inputs):
+                fed = self._feed(manager, reqs, fed)
+                out = manager.get_result(timeout=0.05 if fed < len(reqs) else 1)
+                if out is None:
+                    if not manager.is_running():
+                        break
+                    continue
+                if out.is_finished():
+                    results[out.request_id] = out
+                    bar.update(1)
+            bar.close()
+            if reqs:
+                results = {r.request_id: results[r.request_id] for r in reqs if r.request_id in results}
+            else:  # a worker: the driver numbered the requests in input order
+                results = dict(sorted(results.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1])))
+            self.last_stats = manager.stats()
+        if manager.loop_error is not None and len(results) < len(inputs):
+            raise RuntimeError(f"generation stopped early: {manager.loop_error!r}") from manager.loop_error
+        return results
+
+    @staticmethod
+    def _check_inputs(manager: ContinuousBatchingManager, inputs: list[list[int]], record_timestamps: bool,
+                      kwargs: dict[str, Any]) -> None:
+        """The driver's add_request validation (driver/api/validation.py, through the manager), run on every rank
+        before any step with the same names (inputs[i]), so every rank raises the same error or none does."""
+        with warnings.catch_warnings():  # the driver warns once more when it builds the real requests
+            warnings.simplefilter("ignore")
+            for i, ids in enumerate(inputs):
+                manager.build_request(ids, f"inputs[{i}]", record_timestamps=record_timestamps, **kwargs)
+
+    @staticmethod
+    def _feed(manager: ContinuousBatchingManager, reqs: list, fed: int) -> int:
+        """Submit requests from `fed` on while the queue has room (driver); returns how many are in."""
+        while fed < len(reqs):
+            try:
+                manager.submit(reqs[fed])
+            except QueueFull:
+                return fed  # again once the scheduler has taken some
+            except ManagerStopped:
+                return len(reqs)  # the loop ended; the caller sees it and raises like every rank
+            fed += 1
+        return fed

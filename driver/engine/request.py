@@ -1,0 +1,126 @@
+"""A request as the driver tracks it. Only the driver holds these; workers never see request state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cluster.outputs import GenerationOutput, RequestStatus
+
+
+@dataclass
+class SamplingParams:
+    """A request's sampling parameters and transformers' generation options (GenerationConfig's names and meaning;
+    driver/api/option_checks.py normalises the options to these immutable forms)."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    min_new_tokens: int | None = None  # None: unset (set, it overrides min_length, as in transformers)
+    min_length: int = 0  # prompt included; 0: off
+    no_repeat_ngram_size: int = 0  # 0: off
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()  # (sequence, bias), one entry per sequence
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: tuple[int, ...] = ()
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
+
+    @property
+    def constrained(self) -> bool:
+        """True when some generation option is set (driver/engine/constraint_processors.py applies them)."""
+        return bool(self.min_new_tokens or self.min_length or self.no_repeat_ngram_size or self.bad_words_ids
+                    or self.sequence_bias or self.forced_bos_token_id is not None or self.forced_eos_token_id
+                    or self.suppress_tokens or self.begin_suppress_tokens)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's tokens so far (repetition penalty, generation options): then a
+        step's rows wait until every earlier token is on the host, and the request never runs in a burst."""
+        return self.repetition_penalty != 1.0 or self.constrained
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample and not self.needs_history
+
+
+@dataclass(eq=False)  # identity, not field equality: requests are tracked by reference
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    streaming: bool = False
+    record_timestamps: bool = False
+    return_logprobs: bool = False
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    timestamps: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    error: str | None = None
+    error_code: str | None = None  # cluster.errors.Code, set with `error`
+    finish_reason: str | None = None  # set with a terminal status (cluster/outputs.py FINISH_REASONS, or "length")
+    num_computed: int = 0  # tokens whose K/V are in the cache (or are being computed by the step in flight)
+    # overlapped scheduling: tokens sampled by a step in flight, not on the host yet (the next step reads them on
+    # the device); they count in num_computed once a step has run them, never in `generated`
+    num_pending: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the leading full blocks
+    cacheable: bool = True  # False once its KV mixes weight versions: its blocks are never shared
+    created_time: float = field(default_factory=time.perf_counter)
+    start_time: float = -1.0
+    end_time: float = -1.0
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    sample_key: int | None = None  # the 64-bit noise key of counter-based sampling, made by the sampler on first use
+    # driver.engine.constraint_processors.History: what the generation options keep between steps, made on first use
+    history: object = None
+    # how many of prompt_ids' last tokens were generated before a restart (a client's resume_tokens): they count in
+    # the token index, so the resumed request samples what the uninterrupted one would have
+    resumed_tokens: int = 0
+    sink: object = None  # callable(GenerationOutput) on the loop thread (the front door's), else the ResultRouter
+    # one copy of prompt_ids that every output of this request shares, so a streamed token costs no prompt copy
+    prompt_out: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Tokens known on the host plus those sampled but still in flight: where the next token goes."""
+        return len(self.prompt_ids) + len(self.generated) + self.num_pending
+
+    @property
+    def token_index(self) -> int:
+        """The index of the next token to sample: the tokens generated so far, before and after any restart."""
+        return self.resumed_tokens + len(self.generated)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+    def note_version(self, version: int) -> None:
+        """Record the weight version of the token about to be appended."""
+        if not self.weight_versions or self.weight_versions[-1][1] != version:
+            self.weight_versions.append((len(self.generated), version))
+
+    def output(self) -> GenerationOutput:
+        """A snapshot of the request. Its outputs share one copy of the prompt (never the request's own list);
+        the rest is copied, so its cost follows the tokens generated, not the prompt."""
+        if self.prompt_out is None:
+            self.prompt_out = list(self.prompt_ids)
+        return GenerationOutput(
+            request_id=self.request_id, prompt_ids=self.prompt_out, generated_tokens=list(self.generated),
+            logprobs=list(self.logprobs), error=self.error, status=self.status, created_time=self.created_time,
+            lifespan=(self.start_time, self.end_time),
+            timestamps=list(self.timestamps) if self.record_timestamps else None,
+            weight_version=self.weight_versions[0][1] if self.weight_versions else 0,
+            weight_versions=list(self.weight_versions), error_code=self.error_code, finish_reason=self.finish_reason)

@@ -1,0 +1,243 @@
+"""Next-token choice on the driver, for the whole batch at once on the logits' device: greedy, or temperature /
+top-k / top-p sampling, with repetition penalty, transformers' generation options and logprobs.
+
+Sampling is counter-based Gumbel-max: token = argmax(processed logits + g), with g the Gumbel noise that
+driver.engine.counter_noise derives from (the request's key, its token index, the token id). The key comes from
+(the request's own seed alone, or the config seed and the request id), or is random when neither gives a seed, and is made once per request
+on the host. So a seeded request samples the same tokens whatever else shares its batches, at any TP size, on
+any device, and after any number of restarts. Greedy rows get no noise: their token is the argmax of their
+(penalised) logits. Nothing waits on the device until the one transfer of (tokens, logprobs) at the end:
+`launch` starts it and `collect` waits for it, so an overlapped engine collects one step while the next runs.
+
+A row that fails (a bad value that slipped through, NaN logits, an injected fault) fails only its own request:
+the sampler returns the exception for that row and the engine fails that request alone. When the batched
+computation raises, the sampler computes the rows again one by one, with the same functions, to find out which.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from cluster import faults
+from driver.engine.constraint_processors import constraints
+from driver.engine.counter_noise import gumbel, request_key, signed64
+from cluster.device_lists import on_device
+from driver.engine.logits_processing import SampleRow, on_rows, process_logits
+from driver.engine.request import Request
+from worker.shard_argmax import ShardArgmax
+
+
+class Draw(NamedTuple):
+    """One row's outcome: the token and its logprob (when asked for), or the exception that sampling raised."""
+
+    token: int | None
+    logprob: float | None = None
+    error: Exception | None = None
+
+
+class InvalidLogits(RuntimeError):
+    """A row whose logits hold NaN or +inf, or whose processors left no token to choose."""
+
+
+class Picks(NamedTuple):
+    """A batch's choices, on the logits' device: tokens [N] int64, logprobs [N] float32, invalid [N] bool."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    invalid: torch.Tensor
+
+
+def with_noise(processed: torch.Tensor, rows: list[SampleRow], offset: int = 0) -> torch.Tensor:
+    """Sampling rows' processed logits plus their Gumbel noise (for token index row.index + offset); other rows
+    unchanged."""
+    def noisy(x: torch.Tensor, ix: list[int]) -> torch.Tensor:
+        keys = on_device([signed64(rows[i].key) for i in ix], torch.int64, x.device)
+        index = on_device([rows[i].index + offset for i in ix], torch.int64, x.device)
+        return x + gumbel(keys, index, x.shape[-1])
+
+    return on_rows(processed, [i for i, r in enumerate(rows) if r.samples], noisy, processed)
+
+
+def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0, plain: bool | None = None) -> Picks:
+    """The batch's tokens and logprobs ([N, vocab] logits, one row each), computed on the logits' device in
+    float32 without waiting on it. `offset`: the rows' tokens come that many after their `index` (the later
+    forwards of a burst; only rows that need no token history burst). `plain`: whether every row is
+    SampleRow.plain (None: look), so that the logits need no processing and no noise."""
+    logits = logits.float()
+    if plain is None:
+        plain = all(r.plain for r in rows)
+    processed = logits if plain else process_logits(logits, rows)
+    scores = processed if plain else with_noise(processed, rows, offset)
+    best, tokens = scores.max(-1)  # the first of equal maxima, as argmax
+    invalid = ~best.isfinite()  # max propagates a NaN, so an unprocessed row's NaN shows here
+    if processed is not logits:  # a filter may have masked a NaN away: a NaN anywhere makes the row's sum NaN
+        invalid |= logits.sum(-1).isnan()
+    if any(r.logprobs for r in rows):
+        logprobs = processed.gather(1, tokens[:, None])[:, 0] - processed.logsumexp(-1)
+    else:
+        logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
+    return Picks(tokens, logprobs, invalid)
+
+
+def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
+    """The request's row for this step, `ahead` tokens after those on the host (its tokens still in flight); its
+    noise key is made on first use and kept on the request."""
+    p = req.sampling
+    if req.sample_key is None:
+        req.sample_key = request_key(p.seed, seed, req.request_id)
+    return SampleRow(req.request_id, p, req.sample_key, req.token_index + ahead,
+                     tuple(set(req.tokens)) if p.repetition_penalty != 1.0 else (), req.return_logprobs,
+                     constraints(req))
+
+
+class Launched(NamedTuple):
+    """One step's sampling, started on the device: `tokens` [rows of logits] int64 stays there (row i: logits row
+    i's token; for a row that failed early 0, or its argmax when the ranks chose the tokens); `host` ([3, live
+    rows] float64, pinned on CUDA) fills when `event` fires. `early` holds the rows whose outcome was known at
+    launch (failed rows, or every row when the batch fell back to one row at a time), None elsewhere."""
+
+    tokens: torch.Tensor
+    early: list[Draw | None]
+    live: list[int]
+    rows: list[SampleRow]
+    host: torch.Tensor | None
+    event: object = None
+
+
+def to_host(picks: Picks) -> tuple[torch.Tensor, object]:
+    """Start the one transfer of (tokens, logprobs, invalid) to the host; returns (host tensor, CUDA event)."""
+    stacked = torch.stack([picks.tokens.double(), picks.logprobs.double(), picks.invalid.double()])
+    if stacked.device.type != "cuda":
+        return stacked, None
+    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+    host.copy_(stacked, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def host_draws(host: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
+    """Draws from the transferred (tokens, logprobs, invalid) rows."""
+    out = []
+    for row, tok, lp, bad in zip(rows, *host.tolist()):
+        if bad:
+            out.append(Draw(None, None, InvalidLogits(
+                f"request {row.request_id}: its logits hold NaN or +inf, or no token survived its processors")))
+        else:
+            out.append(Draw(int(tok), lp if row.logprobs else None))
+    return out
+
+
+def draws(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0) -> list[Draw]:
+    """pick, then the step's one transfer to the host, waited for."""
+    host, event = to_host(pick(logits, rows, offset))
+    if event is not None:
+        event.synchronize()
+    return host_draws(host, rows)
+
+
+class Sampler:
+    def __init__(self, seed: int | None):
+        self.seed = seed
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[Draw | None]:
+        """One draw per row of `logits` [N, vocab]; a row's failure is its Draw's `error`, never an exception."""
+        return self.collect(self.launch(logits, *self.rows(reqs)))
+
+    def rows(self, reqs: list[Request | None], ahead: list[int] | None = None
+             ) -> tuple[list[Draw | None], list[int], list[SampleRow], bool]:
+        """The host half of a launch (it reads the requests: call it on the loop thread, once every token
+        before this step is on the host, or with `ahead`, each request's tokens still in flight, when no row
+        needs its token history): (early failures, live row numbers, their SampleRows, whether every row
+        is plain greedy). A None request (one that ended meanwhile) gets no row and no Draw."""
+        early: list[Draw | None] = [None] * len(reqs)
+        live: list[int] = []
+        rows: list[SampleRow] = []
+        for i, req in enumerate(reqs):
+            if req is None:
+                continue
+            try:
+                faults.hit("sample", request=req.request_id)
+                rows.append(sample_row(req, self.seed, ahead[i] if ahead else 0))
+                live.append(i)
+            except Exception as e:  # noqa: BLE001  (whatever it is, it belongs to this request alone)
+                early[i] = Draw(None, None, e)
+        return early, live, rows, all(r.plain for r in rows)
+
+    def launch(self, logits: torch.Tensor | ShardArgmax, early: list[Draw | None], live: list[int],
+               rows: list[SampleRow], plain: bool = False, offset: int = 0) -> Launched:
+        """The device half: pick every live row and start the transfer, without waiting on the device (unless
+        some row breaks the batch: then the rows are sampled one at a time, here). `plain`, `offset`: see
+        `pick`. ShardArgmax instead of logits: the ranks chose the (plain greedy) tokens already."""
+        chosen = isinstance(logits, ShardArgmax)
+        device = logits.tokens.device if chosen else logits.device
+        n = len(early)
+        if not live:
+            return Launched(logits.tokens if chosen else torch.zeros(n, dtype=torch.int64, device=device), early,
+                            live, rows, None)
+        index = None if len(live) == n else on_device(live, torch.int64, device)
+        if chosen:
+            return self._chosen(logits, index, early, live, rows)
+        mine = logits if index is None else logits[index]
+        try:
+            picks = pick(mine, rows, offset, plain)
+        except Exception:  # noqa: BLE001  (some row broke the batch: find which, one row at a time)
+            alone = list(early)
+            for j, row in zip(live, rows):
+                alone[j] = self._alone(logits[j:j + 1], row, offset)
+            tokens = torch.tensor([d.token if d is not None and d.token is not None else 0 for d in alone],
+                                  dtype=torch.int64)
+            return Launched(tokens.to(logits.device), alone, [], [], None)
+        tokens = picks.tokens if index is None else torch.zeros(n, dtype=torch.int64, device=logits.device).index_copy_(
+            0, index, picks.tokens)
+        host, event = to_host(picks)
+        return Launched(tokens, early, live, rows, host, event)
+
+    @staticmethod
+    def _chosen(chosen: ShardArgmax, index: torch.Tensor | None, early: list[Draw | None], live: list[int],
+                rows: list[SampleRow]) -> Launched:
+        """`launch` for tokens chosen on the vocab shards (the plan's argmax_on_shards: plain greedy rows, no
+        logprobs) at the live rows `index` (None: all), with the check `pick` makes: a row whose largest logit is
+        not finite is invalid."""
+        best, tokens = chosen
+        if index is not None:
+            best, tokens = best[index], tokens[index]
+        host, event = to_host(Picks(tokens, torch.zeros_like(best), ~best.isfinite()))
+        return Launched(chosen.tokens, early, live, rows, host, event)
+
+    @staticmethod
+    def collect(launched: Launched) -> list[Draw]:
+        """Wait for the transfer (the step's only host sync) and give one Draw per logits row."""
+        out = list(launched.early)
+        if launched.host is not None:
+            if launched.event is not None:
+                launched.event.synchronize()
+            for i, draw in zip(launched.live, host_draws(launched.host, launched.rows)):
+                out[i] = draw
+        return out
+
+    @staticmethod
+    def collect_burst(launched: list[Launched]) -> tuple[list[int], list[list[int]], list[list[float]] | None] | None:
+        """A burst's draws at once, waiting for each forward's transfer: (the live rows, each one's tokens in order,
+        each one's logprobs in order when some row asked for them). None when some row failed or the batch fell
+        back to one row at a time in any of the forwards: then `collect` them one by one."""
+        live = launched[0].live
+        if any(x.host is None or x.live != live or any(d is not None for d in x.early) for x in launched):
+            return None
+        for x in launched:
+            if x.event is not None:
+                x.event.synchronize()
+        host = torch.stack([x.host for x in launched])  # [forwards, 3, live rows]
+        if bool(host[:, 2].any()):
+            return None
+        logprobs = host[:, 1].T.tolist() if any(r.logprobs for r in launched[0].rows) else None
+        return live, host[:, 0].T.long().tolist(), logprobs
+
+    @staticmethod
+    def _alone(logits: torch.Tensor, row: SampleRow, offset: int) -> Draw:
+        try:
+            return draws(logits, [row], offset)[0]
+        except Exception as e:  # noqa: BLE001
+            return Draw(None, None, e)

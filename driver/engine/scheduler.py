@@ -1,0 +1,196 @@
+"""Which requests run this step, and how many of their tokens: chunked prefill under a token budget.
+
+`fifo` serves running requests first (decodes and unfinished prefill chunks, oldest first), then admits
+waiting requests with what is left of the budget. `prefill_first` admits waiting requests first. When a
+running request needs a page and none is free, the newest other running request is preempted: its pages
+are freed and it goes back to the front of the queue. With a host pool (`cpu_offload_space`) its computed
+pages are swapped out to it and swapped back in when it is admitted again (driver/engine/host_pool.py); without
+one, or when the pool is full, it is recomputed (prompt + tokens so far) later.
+
+Overlapped scheduling: a request sampled by the step in flight has a pending token (`Request.num_pending`), not
+on the host yet. It runs as a one-token decode that reads that token on the device; it is not scheduled once its
+tokens so far reach its limits (it ends when the step in flight is collected), and it is never admitted (after a
+preemption) until its pending token has arrived, since admission reads all its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster.config import ResolvedConfig
+from cluster.outputs import RequestStatus
+from driver.engine.block_manager import BlockManager
+from driver.engine.host_pool import HostPool
+from driver.engine.request import Request
+
+
+@dataclass
+class Scheduled:
+    req: Request
+    num_tokens: int  # query tokens this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so its last logits give the next token."""
+        return self.req.num_computed + self.num_tokens == self.req.num_tokens_ahead
+
+
+class Scheduler:
+    def __init__(self, rc: ResolvedConfig, blocks: BlockManager):
+        self.rc = rc
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.keep_free = int(rc.safety_margin * rc.num_blocks)
+        self.num_preemptions = 0
+        self.host = HostPool(rc.num_host_blocks)
+        self.dropped: dict[Request, int] = {}  # preempted without a host copy -> tokens it had computed
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Scheduled], list[Request]]:
+        """This step's batch, and the requests that can never fit the cache (to fail)."""
+        batch: list[Scheduled] = []
+        impossible: list[Request] = []
+        budget = [self.rc.max_batch_tokens]
+        if self.rc.scheduler_type == "prefill_first":
+            self._admit(batch, budget, impossible)
+            self._continue(batch, budget, impossible)
+        else:
+            self._continue(batch, budget, impossible)
+            self._admit(batch, budget, impossible)
+        return batch, impossible
+
+    def burst_length(self, batch: list[Scheduled]) -> int:
+        """How many decode forwards this batch runs from one plan (multi-step decode, rc.decode_burst), with each
+        row's pages allocated that far ahead: more than one only when nobody waits to be admitted, every row is
+        a one-token decode that samples without token history on the host (no repetition penalty, no generation
+        option), every running request is in the batch (none left out by the batch caps would wait k forwards),
+        and every row has that many tokens left before its limits."""
+        k = self.rc.decode_burst
+        if k <= 1 or self.waiting or len(batch) < len(self.running):
+            return 1
+        max_len = self.rc.max_model_len
+        for s in batch:
+            r = s.req
+            if s.num_tokens != 1 or not s.samples or r.sampling.needs_history:
+                return 1
+            ahead = r.num_tokens_ahead
+            k = min(k, r.max_new_tokens - (ahead - len(r.prompt_ids)), max_len - ahead)
+            if k <= 1:
+                return 1
+        if not all(self.blocks.allocate(s.req, s.req.num_computed + k) for s in batch):
+            return 1  # pages already given to some rows stay theirs: they need them within k tokens anyway
+        return k
+
+    def _room(self, batch: list[Scheduled], budget: list[int]) -> bool:
+        return budget[0] > 0 and len(batch) < self.rc.max_requests_per_batch
+
+    def _continue(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
+        scheduled = {id(s.req) for s in batch}
+        gone: set[int] = set()  # preempted by this loop (a set: `in self.running` would make the loop quadratic)
+        cap, max_len, allocate = self.rc.max_requests_per_batch, self.rc.max_model_len, self.blocks.allocate
+        for req in list(self.running):  # the hottest loop of the driver: hundreds of requests a step
+            if budget[0] <= 0 or len(batch) >= cap:
+                return
+            if id(req) in gone or id(req) in scheduled:
+                continue
+            ahead = len(req.prompt_ids) + len(req.generated) + req.num_pending
+            if req.num_pending and (ahead - len(req.prompt_ids) >= req.max_new_tokens or ahead >= max_len):
+                continue  # its tokens so far reach its limits: it ends when the step in flight is collected
+            scheduled.add(id(req))
+            n = min(ahead - req.num_computed, budget[0])
+            while not allocate(req, req.num_computed + n):
+                victims = [r for r in self.running if r is not req and id(r) not in scheduled]
+                if victims:
+                    self.preempt(victims[-1], offload=True)
+                    gone.add(id(victims[-1]))
+                    continue
+                if not batch:  # alone and still too big: it can never run
+                    self.running.remove(req)
+                    impossible.append(req)
+                else:
+                    self.preempt(req, offload=True)
+                break
+            else:
+                batch.append(Scheduled(req, n))
+                budget[0] -= n
+
+    def _admit(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
+        while self.waiting and self._room(batch, budget):
+            req = self.waiting[0]
+            if req.num_pending:  # preempted while a token was in flight: admit it once the token is here
+                return
+            swapped = self.host.holds(req)
+            cached = self.blocks.attach_cached(req) if swapped else 0
+            if not swapped:
+                self.blocks.match_prefix(req)
+            n = min(req.num_tokens - req.num_computed, budget[0])
+            keep = self.keep_free if self.running else 0
+            if not self.blocks.allocate(req, req.num_computed + n, keep_free=keep):
+                self.blocks.release(req, keep_hashes=swapped)
+                if swapped:
+                    return
+                req.num_computed = 0
+                if not self.running and not batch and self.blocks.num_free == self.blocks.num_blocks:
+                    self.waiting.popleft()
+                    impossible.append(req)
+                    continue
+                return
+            if swapped:  # its KV comes back into the first of its new pages, before the forward
+                self.host.swap_in(req, req.block_ids[:self.blocks.blocks_for(req.num_computed)], cached)
+                self.blocks.register_swapped_in(req)
+            elif req in self.dropped:
+                self.host.stats.recomputed_tokens += max(0, self.dropped.pop(req) - req.num_computed)
+            self.waiting.popleft()
+            self.running.append(req)
+            if req.status == RequestStatus.PENDING:
+                req.status = RequestStatus.PREFILLING
+            batch.append(Scheduled(req, n))
+            budget[0] -= n
+
+    def preempt(self, req: Request, offload: bool = False) -> None:
+        """Free the request's pages and queue it first. `offload`: its computed pages go to the host pool when
+        they fit, to come back when it is admitted again; otherwise (or when the pool is short) it is recomputed
+        from its tokens so far. A request already waiting with a host copy drops that copy."""
+        pages = req.block_ids[:self.blocks.blocks_for(req.num_computed)]
+        kept = offload and self.host.enabled and self.host.swap_out(req, pages)
+        self.blocks.release(req, keep_hashes=kept)
+        if not kept:
+            self.host.drop(req)
+            if req.num_computed:
+                self.dropped[req] = self.dropped.get(req, 0) + req.num_computed
+            req.num_computed = 0
+        req.status = RequestStatus.PENDING
+        if req in self.running:
+            self.running.remove(req)
+            self.waiting.appendleft(req)
+            self.num_preemptions += 1
+
+    def swapped_out(self) -> list[Request]:
+        """Waiting requests whose KV sits in the host pool."""
+        return list(self.host.held)
+
+    def take_swaps(self) -> tuple[np.ndarray, np.ndarray]:
+        """The page copies the next plan that runs a forward must carry: (swap_out [n, 2], swap_in [m, 2])."""
+        return self.host.take()
+
+    def offload_stats(self) -> dict[str, int]:
+        return self.host.stats.as_dict()
+
+    def finish(self, req: Request) -> None:
+        """Take a request out of the schedule (finished, failed or cancelled) and free its pages."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.release(req)
+        self.host.drop(req)
+        self.dropped.pop(req, None)

@@ -1,0 +1,288 @@
+"""The front door on the driver: a ZeroMQ ROUTER socket in front of the manager.
+
+One thread owns the socket. Client messages are decoded strictly (cluster/protocol.py); every bad one gets a
+`rejected` reply with a specific code, and nothing a client sends reaches the step loop unchecked. Requests
+are the desk's (driver/frontdoor/request_desk.py: tickets, round-robin admission, deliveries, a loop that stops
+answering). Sends never block (driver/frontdoor/client_outbox.py): a client that stops reading has its requests
+cancelled (`slow_client`). A client that goes quiet (no message or ping within `client_timeout_s`), says `bye`
+or disconnects has its requests cancelled and its pause released. Who may run admin operations:
+driver/frontdoor/admin.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from cluster import protocol as P
+from cluster.errors import Code
+from cluster.wake_pipe import WakePipe
+from driver.frontdoor.admin import AdminPolicy, CurveKeys, PauseOwner
+from driver.frontdoor.client_outbox import ClientOutbox
+from driver.frontdoor.request_desk import ClientState, RequestDesk
+from driver.frontdoor.served_weights import WeightsRecord
+from driver.api.serving_metrics import metrics_map
+
+log = logging.getLogger("lockstep")
+
+@dataclass
+class FrontendConfig:
+    address: str = P.DEFAULT_ADDRESS
+    max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
+    client_timeout_s: float = 30.0
+    # CURVE: on when server_secret_file is set (a zmq certificate with the secret key, made by
+    # zmq.auth.create_certificates); only clients whose public certificates lie in allowed_clients_dir or
+    # admin_clients_dir get in, and only the latter may pause, resume and update weights
+    curve_server_secret_file: str | None = None
+    curve_allowed_clients_dir: str | None = None
+    curve_admin_clients_dir: str | None = None
+    admin: bool = True  # false: pause/resume/update_weights are refused to everyone (admin_disabled)
+    max_client_backlog: int = 4096  # messages waiting for a client that does not read; beyond: slow_client
+    max_inflight_per_client: int = 4096  # accepted and unfinished requests of one client; beyond: client_limit
+
+
+class Frontend:
+    def __init__(self, manager: Any, config: FrontendConfig, tokenizer: Any = None, weights: Any = None,
+                 model_path: str | None = None):
+        """`weights`: the WeightsRecord (driver/frontdoor/served_weights.py) applied updates are written to;
+        `model_path`: the checkpoint directory served (in `health`, for the HTTP gateway's tokenizer)."""
+        self.manager = manager
+        self.model_path = os.path.abspath(model_path) if model_path else None
+        self.weights = weights if weights is not None else WeightsRecord(None)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.replies: deque[_Reply] = deque()  # computed on other threads, sent from this one
+        self.waker = WakePipe()
+        self.stop_event = threading.Event()
+        self.counters = {"received": 0, "rejected": 0, "accepted": 0, "finished": 0, "disconnect_cancels": 0,
+                         "slow_client_cancels": 0, "slow_client_overflows": 0, "loop_deadline_fails": 0}
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # ZeroMQ drops (and disconnects) only beyond 4x the limit; frames in between get `frame_too_large`
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_frame_bytes)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.auth = None
+        curve_keys = self._enable_curve() if config.curve_server_secret_file else None
+        self.sock.bind(config.address)
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.admin = AdminPolicy(config.admin, self.address, curve_keys)
+        self.pause = PauseOwner(manager.hold_scheduling)
+        self.outbox = ClientOutbox(self.sock, config.max_client_backlog, self._on_overflow, self._on_gone)
+        self.desk = RequestDesk(manager, config.max_inflight_per_client, self._send, self.outbox.send_if_possible,
+                                self._wake, self.counters, tokenizer)
+        self.thread = threading.Thread(target=self._run, name="lockstep-frontend", daemon=True)
+
+    def _enable_curve(self) -> CurveKeys:
+        from zmq.auth import load_certificate
+        from zmq.auth.thread import ThreadAuthenticator
+
+        if not self.config.curve_allowed_clients_dir:
+            raise ValueError("[serve] curve_server_secret_file needs curve_allowed_clients_dir")
+        public, secret = load_certificate(self.config.curve_server_secret_file)
+        if secret is None:
+            raise ValueError(f"{self.config.curve_server_secret_file} holds no secret key")
+        keys = CurveKeys(self.config.curve_allowed_clients_dir, self.config.curve_admin_clients_dir)
+        self.auth = ThreadAuthenticator(self.ctx)
+        self.auth.start()
+        self.auth.configure_curve_callback(domain="*", credentials_provider=keys)
+        self.sock.curve_secretkey, self.sock.curve_publickey = secret, public
+        self.sock.curve_server = True
+        return keys
+
+    def start(self) -> "Frontend":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self._wake()
+        self.thread.join(10)
+        if not self.thread.is_alive():  # a thread still polling keeps its pipe
+            self.waker.close()
+        if self.auth is not None:
+            self.auth.stop()
+
+    # -------------------------------------------------------------- from other threads
+    def _reply_later(self, ident: bytes, mid: Any, result: dict) -> None:
+        """A reply computed on another thread (weight updates): sent from this thread."""
+        self.replies.append(_Reply(ident, mid, result))
+        self._wake()
+
+    def _wake(self) -> None:
+        self.waker.wake()
+
+    # -------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.waker.fd, zmq.POLLIN)
+        next_sweep = time.monotonic() + 1.0
+        while not self.stop_event.is_set():
+            try:
+                self._turn(poller)
+                if time.monotonic() > next_sweep:
+                    next_sweep = time.monotonic() + 1.0
+                    for ident in self.desk.silent_clients(self.config.client_timeout_s, self.pause.owner):
+                        log.info("frontend: client %s went quiet; cancelling its requests", ident.hex())
+                        self._drop_client(ident, "disconnect_cancels")
+                    self.desk.check_loop()
+            except Exception:  # the front door must outlive anything; the next turn goes on
+                log.exception("frontend: unexpected error")
+        self._drain_outputs()  # what the loop produced before it stopped still goes out
+        deadline = time.monotonic() + 2.0
+        while self.outbox.backlogs and time.monotonic() < deadline:
+            self.outbox.flush()
+            time.sleep(0.01)
+        self.sock.close(linger=2000)
+
+    def _turn(self, poller: zmq.Poller) -> None:
+        """Read what clients sent, deliver what the loop produced, admit, and flush backlogs."""
+        events = dict(poller.poll(20 if self.outbox.backlogs else 500))
+        if self.waker.fd in events:
+            self.waker.drain()
+        if self.sock in events:
+            for _ in range(1000):  # drain, bounded so outputs are never starved
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_frames(frames)
+        self._drain_outputs()
+        self.desk.admit()
+        self.outbox.flush()
+
+    def _send(self, ident: bytes, kind: str, **fields: Any) -> None:
+        self.outbox.send(ident, P.encode(kind, **fields))
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        self.counters["received"] += 1
+        ident = frames[0].bytes
+        client = self.desk.client(ident)
+        if len(frames) != 2:
+            self._reject(ident, P.ProtocolError(Code.BAD_FRAME, f"expected one frame, got {len(frames) - 1}"))
+            return
+        try:
+            msg = P.decode(frames[1].bytes, self.config.max_frame_bytes)
+            self._handle(ident, client, msg, frames[1])
+        except P.ProtocolError as e:
+            self._reject(ident, e)
+        except Exception as e:  # the front door must outlive any message
+            log.exception("frontend: unexpected error")
+            self._reject(ident, P.ProtocolError(Code.INTERNAL, f"{type(e).__name__}: {e}"))
+
+    def _reject(self, ident: bytes, e: P.ProtocolError) -> None:
+        self.counters["rejected"] += 1
+        self._send(ident, P.REJECTED, mid=e.mid, code=e.code, message=e.message, request_id=e.request_id)
+
+    def _handle(self, ident: bytes, client: ClientState, msg: dict, frame: zmq.Frame) -> None:
+        kind, mid = msg["kind"], msg.get("mid")
+        if kind in P.ADMIN_KINDS:
+            self.admin.check(lambda: _user_id(frame), mid)
+        if kind == P.SUBMIT:
+            self._submit(ident, client, P.parse_submit(msg))
+        elif kind == P.CANCEL:
+            self.desk.cancel(ident, client, P.field(msg, "request_id", str, required=True), mid)
+        elif kind == P.PAUSE:
+            self.pause.pause(ident, mid)
+            self._send(ident, P.REPLY, mid=mid, data={"paused": True})
+        elif kind == P.RESUME:
+            self.pause.resume(ident, mid)
+            self._send(ident, P.REPLY, mid=mid, data={"paused": False})
+        elif kind == P.STATS:
+            self._send(ident, P.REPLY, mid=mid, data=self.manager.stats() | {
+                "frontend": self._frontend_stats(), "restart_count": self.manager.restart_count,
+                "weights": self.weights.current.report(), "metrics": metrics_map(self.manager)})
+        elif kind == P.HEALTH:
+            self._send(ident, P.REPLY, mid=mid, data={
+                "ok": self.desk.loop_answers(), "world_size": self.manager.groups.world_size,
+                "restart_count": self.manager.restart_count, "failure": self.manager.failure,
+                "weights": self.weights.current.report(), "model": self.model_path,
+                "model_name": os.path.basename(self.model_path) if self.model_path else None})
+        elif kind == P.UPDATE_WEIGHTS:
+            self._update_weights(ident, msg, mid)
+        elif kind == P.BYE:
+            self._drop_client(ident, "disconnect_cancels")
+        elif kind == P.PING:  # refreshes last_seen (above); the pong tells the client the server lives
+            self._send(ident, P.PONG, mid=mid, server=self.desk.server_id)
+
+    def _frontend_stats(self) -> dict[str, Any]:
+        return dict(self.counters, **self.desk.stats(), backlog=self.outbox.pending(),
+                    paused=self.pause.owner is not None)
+
+    def _update_weights(self, ident: bytes, msg: dict, mid: Any) -> None:
+        from worker.weights import UpdateCall
+
+        source = P.field(msg, "source", str, "checkpoint")
+        kv_policy = P.field(msg, "kv_policy", str, "keep")
+        if kv_policy not in ("keep", "recompute"):
+            raise P.ProtocolError(Code.BAD_FIELD, "kv_policy must be 'keep' or 'recompute'", mid)
+        if source == "checkpoint":
+            call = UpdateCall(source, path=P.field(msg, "path", str, required=True), kv_policy=kv_policy)
+        elif source == "push":  # every rank dials `store`: checked here, admins only (checked above)
+            call = UpdateCall(source, kv_policy=kv_policy, store=P.check_store(msg.get("store"), mid),
+                              buckets=P.check_buckets(msg.get("buckets"), mid))
+        else:
+            raise P.ProtocolError(Code.BAD_FIELD, f"unknown weight source {source!r}", mid)
+        def done(result: dict) -> None:  # the loop thread: record what is served now, then answer
+            if result.get("ok"):
+                self.weights.note_update(call.source, call.path if source == "checkpoint" else None,
+                                         result["version"])
+            self._reply_later(ident, mid, result)
+
+        self.manager.update_weights_async(call, done)
+
+    # -------------------------------------------------------------- requests
+    def _submit(self, ident: bytes, client: ClientState, s: P.Submit) -> None:
+        s.request_id = s.request_id or uuid.uuid4().hex
+        if s.wants_text and self.tokenizer is None:
+            raise P.ProtocolError(Code.NO_TOKENIZER, "this checkpoint has no tokenizer: send input_ids, without "
+                                  "stop or return_text", s.mid, s.request_id)
+        ids = s.input_ids if s.input_ids is not None else self.tokenizer(s.text)["input_ids"]
+        self.desk.submit(ident, client, s, ids)
+
+    def _drain_outputs(self) -> None:
+        while self.replies:
+            r = self.replies.popleft()
+            self._send(r.ident, P.REPLY, mid=r.mid, data=r.data)
+        self.desk.drain_outputs()
+
+    # -------------------------------------------------------------- clients that leave
+    def _drop_client(self, ident: bytes, counter: str, last_code: str | None = None) -> int:
+        """A client is gone (bye, silent, disconnected, or not reading): its requests are cancelled, what waits
+        for it is dropped and its pause released."""
+        self.outbox.drop(ident)
+        self.pause.release(ident)
+        return self.desk.drop_client(ident, counter, last_code)
+
+    def _on_gone(self, ident: bytes) -> None:
+        self._drop_client(ident, "disconnect_cancels")
+
+    def _on_overflow(self, ident: bytes) -> None:
+        self.counters["slow_client_overflows"] += 1
+        n = self._drop_client(ident, "slow_client_cancels", last_code=Code.SLOW_CLIENT)
+        log.warning("frontend: client %s stopped reading (%d messages waiting); cancelled its %d request(s)",
+                    ident.hex(), self.config.max_client_backlog, n)
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The CURVE key (z85) ZeroMQ's authenticator attached to a message."""
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+
+
+@dataclass
+class _Reply:
+    ident: bytes
+    mid: Any
+    data: dict

@@ -1,0 +1,256 @@
+"""The front door's requests: who owns which request id, from `accepted` to `final`.
+
+Every accepted submit becomes a ticket; its outputs come back from the manager's loop through the ticket's own
+sink, so a request id reused after its owner left can never be confused with the old one (a ticket is an
+identity), and outputs of a gone owner are dropped. An id stays taken until the loop has let its request go.
+Tickets wait in per-client queues (driver/frontdoor/admission.py) and reach the manager round-robin while its queue is
+short. If the step loop dies or stops coming round (cpu_group_timeout + LOOP_GRACE_S), the desk fails what it
+holds itself. A ticket whose text is on turns its outputs into text here (driver/frontdoor/text_output.py): a stop string
+ends it (the manager cancels the rest) and its owner gets the trimmed final. Only the front door's thread calls the desk, except `on_output` (the loop thread).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from cluster import protocol as P
+from cluster.errors import Code, LockstepError, QueueFull, RequestRejected
+from cluster.outputs import FINISH_REASONS, GenerationOutput, RequestStatus, versions_between
+from driver.frontdoor.admission import Admission, Ticket
+from driver.frontdoor.text_output import TextOutput
+
+log = logging.getLogger("lockstep")
+
+LOOP_GRACE_S = 5.0  # the loop may be silent for cpu_group_timeout plus this before the front door gives up on it
+
+
+@dataclass
+class ClientState:
+    last_seen: float
+    tickets: dict[str, Ticket] = field(default_factory=dict)  # its accepted, unanswered requests
+
+
+class RequestDesk:
+    def __init__(self, manager: Any, max_inflight_per_client: int, send: Callable[..., None],
+                 send_once: Callable[[bytes, bytes], bool], wake: Callable[[], None], counters: dict[str, int],
+                 tokenizer: Any = None):
+        """`send(ident, kind, **fields)` queues a message; `send_once(ident, frame)` tries one send, no backlog;
+        `wake()` wakes the front door's thread; `tokenizer` makes the text of the requests that want text."""
+        self.manager = manager
+        self.tokenizer = tokenizer
+        self.max_inflight_per_client = max_inflight_per_client
+        self.send, self.send_once, self.wake = send, send_once, wake
+        self.counters = counters
+        self.server_id = os.urandom(8).hex()  # new at each start: `accepted` and `pong` carry it (a restart shows)
+        self.tickets: dict[str, Ticket] = {}  # every request id in use: queued, in the manager, or being cancelled
+        self.clients: dict[bytes, ClientState] = {}
+        self.admission = Admission()
+        self.in_manager = 0  # tickets handed to manager.submit whose final has not come back
+        self.outputs: deque[tuple[Ticket, GenerationOutput]] = deque()
+        self.loop_deadline_s = (manager.effective_config.cpu_group_timeout or 300.0) + LOOP_GRACE_S
+
+    def client(self, ident: bytes) -> ClientState:
+        """The client's record, refreshed: it just sent something."""
+        c = self.clients.get(ident)
+        if c is None:
+            c = self.clients[ident] = ClientState(time.monotonic())
+        c.last_seen = time.monotonic()
+        return c
+
+    def stats(self) -> dict[str, Any]:
+        return {"clients": len(self.clients), "queued": len(self.admission), "in_manager": self.in_manager,
+                "requests": len(self.tickets)}
+
+    # -------------------------------------------------------------- in
+    def submit(self, ident: bytes, client: ClientState, s: P.Submit, input_ids: list[int]) -> None:
+        """Validate and queue a submit (ProtocolError if refused), then say `accepted`."""
+        rid, mid = s.request_id, s.mid
+        if not self.loop_answers():
+            raise P.ProtocolError(self.failure_code(), "the step loop is not answering; no new requests", mid, rid)
+        if rid in self.tickets:
+            raise P.ProtocolError(Code.DUPLICATE_REQUEST_ID, f"request id {rid!r} is already in flight", mid, rid)
+        if len(client.tickets) >= self.max_inflight_per_client:
+            raise P.ProtocolError(Code.CLIENT_LIMIT, f"this client has {len(client.tickets)} requests in flight "
+                                  f"(max_inflight_per_client={self.max_inflight_per_client})", mid, rid)
+        max_queue = self.manager.config.max_queue_size
+        if max_queue and len(self.admission) >= max_queue:
+            raise P.ProtocolError(Code.QUEUE_FULL, f"the queue is full (max_queue_size={max_queue})", mid, rid)
+        try:
+            req = self.manager.build_request(input_ids, rid, s.max_new_tokens, s.streaming, False, s.eos_token_id,
+                                             strict_processors=True, resume_tokens=s.resume_tokens,
+                                             resume_versions=s.resume_versions, resumes=s.resumes, **s.sampling)
+        except RequestRejected as e:
+            raise P.ProtocolError(e.code, e.message, mid, rid) from None
+        req.return_logprobs = req.return_logprobs or s.logprobs
+        if s.stop:  # per-token outputs, so a stop string ends it at once (ticket.streaming: does the client get them)
+            req.streaming = True
+        text = TextOutput.make(self.tokenizer, s.stop, s.resume_tokens) if s.wants_text else None
+        # a resumed request's outputs start with the tokens its client already has: the stream goes on after them
+        ticket = Ticket(rid, ident, s.streaming, req, sent=req.resumed_tokens, text=text, logprobs=s.logprobs)
+        self.tickets[rid] = client.tickets[rid] = ticket
+        self.admission.put(ticket)
+        self.counters["accepted"] += 1
+        self.send(ident, P.ACCEPTED, mid=mid, request_id=rid, server=self.server_id)
+
+    def admit(self) -> None:
+        """Hand queued tickets to the manager, round-robin across clients, while its queue is short."""
+        batch = self.manager.effective_config.max_requests_per_batch
+        engine = self.manager.engine
+        while self.admission and self.in_manager < 2 * batch and len(engine.scheduler.waiting) < batch:
+            ticket = self.admission.next()
+            try:
+                self.manager.submit(ticket.req, functools.partial(self.on_output, ticket))
+            except QueueFull:
+                self.admission.put_back(ticket)
+                return
+            except LockstepError as e:
+                self.fail(ticket, e.code, e.message)
+                continue
+            ticket.in_manager = True
+            self.in_manager += 1
+
+    def cancel(self, ident: bytes, client: ClientState, rid: str, mid: Any) -> None:
+        ticket = client.tickets.get(rid)
+        if ticket is None:
+            raise P.ProtocolError(Code.UNKNOWN_REQUEST, f"no request {rid!r} of yours is in flight", mid, rid)
+        self.send(ident, P.REPLY, mid=mid, data={"cancelled": rid})
+        if ticket.in_manager:
+            self.manager.cancel_request(rid)  # its CANCELLED final comes from the loop
+        elif self.admission.remove(ticket):
+            ticket.req.status, ticket.req.error = RequestStatus.CANCELLED, "cancelled"
+            ticket.req.finish_reason = FINISH_REASONS[RequestStatus.CANCELLED]
+            self.deliver(ticket, ticket.req.output())
+
+    # -------------------------------------------------------------- out
+    def on_output(self, ticket: Ticket, out: GenerationOutput) -> None:
+        """A ticket's sink: the manager's loop thread calls it with every output of that request."""
+        self.outputs.append((ticket, out))
+        self.wake()
+
+    def drain_outputs(self) -> None:
+        while self.outputs:
+            self.deliver(*self.outputs.popleft())
+
+    def deliver(self, ticket: Ticket, out: GenerationOutput) -> None:
+        """One output of a ticket, to its owner if it still has one."""
+        finished = out.is_finished()
+        if finished:
+            if ticket.in_manager:
+                ticket.in_manager = False
+                self.in_manager -= 1
+            if self.tickets.get(ticket.rid) is ticket:
+                del self.tickets[ticket.rid]
+        if ticket.answered or ticket.ident is None:
+            return  # its owner is gone, or it was already answered: a stale output
+        if ticket.text is not None and out.status != RequestStatus.FAILED and ticket.text.update(out) \
+                and not finished:  # a stop string ended it: the loop's later outputs of it are dropped
+            self.manager.cancel_request(ticket.rid, finish_reason="stop")  # the driver's metrics count a stop
+            finished = True
+        if not finished:
+            if ticket.streaming:
+                self._send_tokens(ticket, out)
+            return
+        self._settle(ticket)
+        self.counters["finished"] += 1
+        if out.status == RequestStatus.FAILED:
+            self.send(ticket.ident, P.ERROR, request_id=ticket.rid, code=out.error_code or Code.INTERNAL,
+                      message=out.error or "")
+        else:
+            self.send(ticket.ident, P.FINAL, output=out.to_dict())
+
+    def _send_tokens(self, ticket: Ticket, out: GenerationOutput) -> None:
+        """A streaming ticket's new tokens (with their text and logprobs when asked for)."""
+        start, ticket.sent = ticket.sent, len(out.generated_tokens)
+        extra: dict[str, Any] = {}
+        if ticket.text is not None:
+            extra["text"] = ticket.text.take_delta()
+        if ticket.logprobs:
+            extra["logprobs"] = out.logprobs[start:ticket.sent]
+        self.send(ticket.ident, P.TOKENS, request_id=ticket.rid, tokens=out.generated_tokens[start:], index=start,
+                  versions=[list(p) for p in versions_between(out.weight_versions, start, ticket.sent)], **extra)
+
+    def _settle(self, ticket: Ticket) -> None:
+        """The ticket is answered: its owner no longer counts it."""
+        ticket.answered = True
+        client = self.clients.get(ticket.ident)
+        if client is not None and client.tickets.get(ticket.rid) is ticket:
+            del client.tickets[ticket.rid]
+
+    def fail(self, ticket: Ticket, code: str, message: str) -> None:
+        """End a ticket with an `error` from the front door itself (the loop cannot answer it)."""
+        if not ticket.in_manager and self.tickets.get(ticket.rid) is ticket:
+            del self.tickets[ticket.rid]  # a ticket in the manager keeps its id until the loop lets it go
+        if ticket.answered or ticket.ident is None:
+            return
+        self._settle(ticket)
+        self.send(ticket.ident, P.ERROR, request_id=ticket.rid, code=code, message=message)
+
+    # -------------------------------------------------------------- clients that leave
+    def drop_client(self, ident: bytes, counter: str, last_code: str | None = None) -> int:
+        """Cancel every request of a client that is gone (bye, silent, disconnected, or not reading);
+        `last_code`: try once to tell it why, per request. Returns how many were cancelled."""
+        client = self.clients.pop(ident, None)
+        if client is None:
+            return 0
+        for ticket in self.admission.drop_client(ident):
+            if self.tickets.get(ticket.rid) is ticket:
+                del self.tickets[ticket.rid]
+        for ticket in client.tickets.values():
+            if ticket.in_manager:
+                self.manager.cancel_request(ticket.rid)  # the id stays taken until its CANCELLED final
+            if last_code is not None:
+                self.send_once(ident, P.encode(P.ERROR, request_id=ticket.rid, code=last_code,
+                                               message="the client stopped reading its replies"))
+            ticket.answered, ticket.ident = True, None
+        self.counters[counter] += len(client.tickets)
+        return len(client.tickets)
+
+    def silent_clients(self, timeout_s: float, pause_owner: bytes | None) -> list[bytes]:
+        """Clients silent for timeout_s that hold requests or the pause (the others are just forgotten)."""
+        limit = time.monotonic() - timeout_s
+        silent = []
+        for ident, client in list(self.clients.items()):
+            if client.last_seen < limit:
+                if client.tickets or pause_owner == ident:
+                    silent.append(ident)
+                else:
+                    del self.clients[ident]
+        return silent
+
+    # -------------------------------------------------------------- a loop that does not answer
+    def loop_answers(self) -> bool:
+        return self.manager.loop_answers(self.loop_deadline_s)
+
+    def failure_code(self) -> str:
+        m = self.manager
+        if m.is_running():
+            return Code.DRIVER_FAILED  # alive but stuck past its deadline
+        if m.loop_error is None and m.failure is None:
+            return Code.STOPPED
+        return m.failure_code or Code.DRIVER_FAILED
+
+    def check_loop(self) -> None:
+        """Fail every outstanding request here if the loop died or has not come round within its deadline."""
+        answers = self.loop_answers()
+        self.drain_outputs()  # what a dying loop emitted comes first, with its own codes
+        if answers:
+            return
+        self.admission.drain()  # queued tickets are in self.tickets too
+        owed = [t for t in self.tickets.values() if not t.answered and t.ident is not None]
+        code = self.failure_code()
+        m = self.manager
+        message = (m.failure or f"the driver's step loop has not answered for "
+                   f"{time.monotonic() - m.loop_beat:.1f}s (deadline {self.loop_deadline_s:.0f}s)")
+        if owed:
+            log.error("frontend: failing %d request(s) with %s: %s", len(owed), code, message)
+        for ticket in list(self.tickets.values()):
+            if ticket.in_manager and not ticket.answered:
+                m.cancel_request(ticket.rid)
+            self.fail(ticket, code, message)
+        self.counters["loop_deadline_fails"] += len(owed)

@@ -1,0 +1,136 @@
+"""`lockstep serve --http`: the HTTP gateway as a child process of rank 0, supervised there.
+
+The gateway (launch/gateway/server.py, `lockstep http`) is a client of the driver's front door like any other. Run in a
+thread of rank 0 it shared the step loop's GIL: HTTP work could hold a step back, and a step the event loop (in
+one run of benchmarks/serving.py --http the in-thread gateway added 12 ms a token over the ZeroMQ path; as a
+process, the median of five runs is 6 ms). So rank 0 starts
+`python -m launch.cli http --address <front door> --listen HOST:PORT --model DIR --exit-with-parent PID`:
+
+- `start` returns once the child prints `http http://HOST:PORT` (its output is passed on to rank 0's), and raises
+  if it exits first, or at once if the address stays in use for PORT_WAIT_S (a restarted group may find the old
+  child still letting the port go);
+- a supervisor thread starts it again when it exits while the group still serves, with a growing pause;
+- it runs in a session of its own, so a signal to rank 0's process group reaches rank 0 alone, which stops it
+  (`stop`); and it leaves by itself when rank 0 is gone (`--exit-with-parent`: it watches its parent's pid), so
+  a rank 0 killed outright leaves no gateway holding the port;
+- the admin token goes to the child in LOCKSTEP_HTTP_ADMIN_TOKEN, never on its command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from cluster.config import HTTP_ADMIN_TOKEN_ENV
+
+log = logging.getLogger("lockstep")
+
+REPO = Path(__file__).resolve().parents[1]
+PORT_WAIT_S = 5.0  # a gateway left by a rank 0 killed outright lets its port go within about 2 s
+MAX_PAUSE_S = 30.0
+
+
+class GatewayProcess:
+    """The gateway of `lockstep serve --http`, as a supervised child process (rank 0 only)."""
+
+    def __init__(self, address: str, listen: str, model_dir: str | None, admin_token: str | None):
+        self.listen = listen
+        self.command = [sys.executable, "-m", "launch.cli", "http", "--address", address, "--listen", listen,
+                        "--exit-with-parent", str(os.getpid())]
+        if model_dir:
+            self.command += ["--model", str(model_dir)]
+        self.env = dict(os.environ)
+        self.env.pop(HTTP_ADMIN_TOKEN_ENV, None)
+        if admin_token:
+            self.env[HTTP_ADMIN_TOKEN_ENV] = admin_token
+        pythonpath = [str(REPO)] + [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        self.env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+        self.proc: subprocess.Popen | None = None
+        self.stopping = threading.Event()
+
+    def start(self, timeout: float = 120.0) -> "GatewayProcess":
+        """Start the child and return once it listens; RuntimeError when it cannot (its last output says why)."""
+        if not port_free(self.listen, PORT_WAIT_S):
+            raise RuntimeError(f"the HTTP gateway cannot listen on {self.listen}: the address is in use")
+        ok, last = self._spawn(timeout)
+        if not ok:
+            raise RuntimeError(f"the HTTP gateway did not start on {self.listen}:\n{last}")
+        threading.Thread(target=self._supervise, name="lockstep-http-supervisor", daemon=True).start()
+        return self
+
+    def _spawn(self, timeout: float) -> tuple[bool, str]:
+        """One start: (listening, its last output lines)."""
+        # a session of its own: a Ctrl-C (or a launcher's SIGINT) to rank 0's process group must not end the gateway
+        # before rank 0 does (the supervisor would start it again while the group stops); `stop` ends it
+        proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=self.env, cwd=REPO, start_new_session=True)
+        listening = threading.Event()
+        tail: list[str] = []
+
+        def pump() -> None:  # pass the child's output on; note when it listens
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                tail[:] = (tail + [line])[-20:]
+                if line.startswith("http http"):
+                    listening.set()
+            listening.set()  # it ended: start() looks at proc.poll()
+
+        threading.Thread(target=pump, name="lockstep-http-output", daemon=True).start()
+        if listening.wait(timeout) and proc.poll() is None:
+            self.proc = proc
+            return True, ""
+        proc.kill()
+        proc.wait()
+        return False, "".join(tail)
+
+    def _supervise(self) -> None:
+        """Start the child again whenever it exits while rank 0 still serves."""
+        pause = 1.0
+        while not self.stopping.is_set():
+            proc = self.proc
+            code = proc.wait() if proc is not None else None
+            if self.stopping.is_set():
+                return
+            log.error("the HTTP gateway (pid %s) exited with status %s; starting it again in %.0f s", proc.pid,
+                      code, pause)
+            if self.stopping.wait(pause):
+                return
+            ok, last = port_free(self.listen, PORT_WAIT_S) and self._spawn(120.0) or (False, "the address is in use")
+            if not ok:
+                log.error("the HTTP gateway did not start again:\n%s", last)
+            pause = 1.0 if ok else min(2 * pause, MAX_PAUSE_S)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the child (SIGTERM, then SIGKILL) and its supervision."""
+        self.stopping.set()
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def port_free(listen: str, wait_s: float) -> bool:
+    """Whether HOST:PORT can be bound (as the gateway binds it), trying for up to `wait_s`."""
+    from launch.gateway.server import bind_listen, parse_listen
+
+    host, port = parse_listen(listen)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            bind_listen(host, port).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+        time.sleep(0.2)

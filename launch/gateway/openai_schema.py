@@ -1,0 +1,144 @@
+"""OpenAI's request bodies for /v1/completions and /v1/chat/completions (pydantic, OpenAI's field names), and
+what each asks of a Lockstep submit. Unknown fields are ignored, as OpenAI-compatible servers do; known fields
+this server cannot honour are refused with `unsupported`. Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.errors import Code
+from cluster.protocol import MAX_STOP_STRINGS
+from launch.gateway.errors import HttpError
+
+MAX_N = 16  # choices per request (each is one submit)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever EOS says (benchmarks)
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:  # the wire's limit, refused here with the field named
+            raise HttpError(Code.BAD_FIELD, f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+        return stops
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_supported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise HttpError(Code.UNSUPPORTED, f"{name} is not supported (repetition_penalty is)", name)
+        if self.logit_bias:
+            raise HttpError(Code.UNSUPPORTED, "logit_bias is not supported", "logit_bias")
+
+    def submit_params(self, max_new_tokens: int | None, logprobs: bool, text: bool) -> dict[str, Any]:
+        """The Lockstep submit keywords (cluster.client.client `submit`) this request asks for, the prompt aside.
+        `text`: ask for text outputs (the checkpoint has a tokenizer; without one, answers carry no text)."""
+        self.check_supported()
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+        if text:
+            params["return_text"] = True
+        if self.temperature is not None:  # 0 is greedy, as in OpenAI; unset: the checkpoint's generation config
+            params["do_sample"] = self.temperature > 0
+            if self.temperature > 0:
+                params["temperature"] = self.temperature
+        if self.top_p is not None:
+            params["top_p"] = self.top_p
+        if self.seed is not None:
+            params["seed"] = self.seed
+        if self.ignore_eos:
+            params["eos_token_id"] = -1
+        if stops := self.stops():
+            params["stop"] = stops
+        if logprobs:
+            params["logprobs"] = True
+        return params
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=1)  # only the chosen token's logprob is available
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise HttpError(Code.EMPTY_PROMPT, "the prompt is empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise HttpError(Code.UNSUPPORTED, "echo is not supported", "echo")
+        if self.suffix:
+            raise HttpError(Code.UNSUPPORTED, "suffix is not supported", "suffix")
+        if self.best_of not in (None, self.n):
+            raise HttpError(Code.UNSUPPORTED, "best_of other than n is not supported", "best_of")
+
+    def params(self, text: bool) -> dict[str, Any]:
+        return self.submit_params(self.max_tokens, self.logprobs is not None, text)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id ... go to the chat template as given
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it; content parts of type `text` are joined."""
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            if any(part.get("type") != "text" for part in self.content):
+                raise HttpError(Code.UNSUPPORTED, "only text content parts are supported", "messages")
+            d["content"] = "".join(str(part.get("text", "")) for part in self.content)
+        return d
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=1)  # only the chosen token's logprob is available
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise HttpError(Code.UNSUPPORTED, "tools are not supported", "tools")
+
+    def params(self, text: bool) -> dict[str, Any]:
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.submit_params(limit, self.logprobs, text)

@@ -1,0 +1,292 @@
+"""OpenAI completions and chat completions on a Lockstep cluster: each choice is one submit through
+`AsyncClient`; answers are OpenAI's response objects, or Server-Sent Events chunks ending with `data: [DONE]`.
+
+A caller that goes away cancels its requests: a non-streaming call's waiting task is cancelled (the gateway
+watches the connection) and sends `cancel`; a stream closed early ends its `AsyncClient.stream`, which cancels.
+A seeded call samples the same tokens each time: a request's own seed alone keys the sampler's noise, and
+choice i > 0 of a call gets a seed derived from (seed, i), so its n choices differ. Torch-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from cluster.client import AsyncClient
+from cluster.errors import ClientError, Code
+from launch.gateway.errors import HttpError
+from launch.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from cluster.outputs import GenerationOutput
+
+
+
+@dataclass
+class Model:
+    """What the gateway serves: the name OpenAI clients use, the checkpoint path, and its tokenizer (None when
+    the checkpoint has none)."""
+
+    name: str
+    path: str | None
+    tokenizer: Any = None
+
+    def matches(self, name: str) -> bool:
+        return name in (self.name, self.path)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
+
+
+@dataclass
+class Choice:
+    """One choice of a call: its submit and what has been reported of its output so far."""
+
+    index: int
+    source: dict[str, Any]  # input_ids or text
+    request_id: str
+    seed: int | None = None  # its own seed (`choice_seed`), None when the call gave none
+    text: str = ""
+    tokens: int = 0
+    last: GenerationOutput | None = None
+
+    def params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The call's submit keywords with this choice's seed."""
+        return params if self.seed is None else params | {"seed": self.seed}
+
+    def advance(self, out: GenerationOutput) -> tuple[str, list[int], list[float]]:
+        """The text, tokens and logprobs new in `out` since the last call."""
+        text = getattr(out, "text", None) or ""
+        delta = text[len(self.text):] if text.startswith(self.text) else ""
+        self.text = text if text.startswith(self.text) else self.text
+        new = out.generated_tokens[self.tokens:]
+        logprobs = list(out.logprobs[self.tokens:self.tokens + len(new)])
+        self.tokens, self.last = len(out.generated_tokens), out
+        return delta, new, logprobs
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed: the call's for the first choice, one derived from (seed, index) for the others, so
+    the n choices of a seeded call differ and a call made again samples each of them the same."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # in [0, 2^63): a valid seed on the wire
+
+
+def finish_reason(out: GenerationOutput, max_new_tokens: int | None) -> str:
+    """OpenAI's finish_reason: the server's (stop string or EOS: "stop"; a limit: "length")."""
+    reason = getattr(out, "finish_reason", None)
+    if reason in ("stop", "length"):
+        return reason
+    limit = max_new_tokens if max_new_tokens is not None else float("inf")
+    return "length" if len(out.generated_tokens) >= limit else "stop"
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def until_done_or_gone(work: Awaitable[Any], gone: Callable[[], Awaitable[bool]], every_s: float = 0.25) -> Any:
+    """Await `work`, cancelling it (and raising CancelledError) once `gone()` says the caller left."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every_s)
+            if done:
+                return task.result()
+            if await gone():
+                task.cancel()
+                raise asyncio.CancelledError("the HTTP client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class OpenAIServing:
+    def __init__(self, client: AsyncClient, model: Model):
+        self.client, self.model = client, model
+
+    # ------------------------------------------------------------------ requests -> choices
+    def _check_model(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        if not self.model.matches(body.model):
+            raise HttpError("model_not_found", f"the model {body.model!r} does not exist; this server serves "
+                                               f"{self.model.name!r}", "model")
+
+    def _choices(self, body: Any, prefix: str, sources: list[dict[str, Any]]) -> list[Choice]:
+        """n choices per prompt, each with its own request id (and seed: `choice_seed`)."""
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        return [Choice(p * body.n + i, src, f"{base}-{p * body.n + i}", choice_seed(body.seed, p * body.n + i))
+                for p, src in enumerate(sources) for i in range(body.n)]
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        tok = self.model.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise HttpError(Code.NO_TOKENIZER, "this checkpoint has no tokenizer with a chat template", "messages")
+        text = tok.apply_chat_template([m.for_template() for m in body.messages], tokenize=False,
+                                       add_generation_prompt=body.add_generation_prompt)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    # ------------------------------------------------------------------ running choices
+    def _cancel(self, choices: list[Choice]) -> None:
+        """Best effort: tell the server to drop these requests (nobody waits for the replies)."""
+        for c in choices:
+            if c.last is None or not c.last.is_finished():
+                fut = asyncio.ensure_future(self.client.cancel(c.request_id))
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _run(self, choices: list[Choice], params: dict[str, Any]) -> None:
+        """Every choice to its final output (a non-streaming call); cancelled: the server drops them."""
+        async def one(c: Choice) -> None:
+            try:
+                c.advance(await self.client.generate(c.source.get("input_ids"), text=c.source.get("text"),
+                                                     request_id=c.request_id, **c.params(params)))
+            except ClientError as e:
+                raise HttpError.of(e) from None
+        try:
+            await asyncio.gather(*(one(c) for c in choices))
+        except BaseException:
+            self._cancel(choices)
+            raise
+
+    async def _open_stream(self, c: Choice, params: dict[str, Any]
+                           ) -> tuple[AsyncIterator[GenerationOutput], GenerationOutput]:
+        """A choice's stream and its first output (so a refusal comes before any byte of the answer)."""
+        stream = self.client.stream(c.source.get("input_ids"), text=c.source.get("text"), request_id=c.request_id,
+                                    **c.params(params))
+        try:
+            return stream, await stream.__anext__()
+        except ClientError as e:
+            await stream.aclose()
+            raise HttpError.of(e) from None
+
+    async def _stream(self, choices: list[Choice], params: dict[str, Any]
+                      ) -> AsyncIterator[tuple[Choice, GenerationOutput]]:
+        """Every output of every choice as it comes; leaving early cancels what still runs."""
+        opened = await asyncio.gather(*(self._open_stream(c, params) for c in choices), return_exceptions=True)
+        failed = [o for o in opened if isinstance(o, BaseException)]
+        if failed:
+            for o in opened:
+                if not isinstance(o, BaseException):
+                    await o[0].aclose()
+            raise failed[0]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice, stream: AsyncIterator[GenerationOutput], first: GenerationOutput) -> None:
+            try:
+                await queue.put((c, first))
+                if not first.is_finished():
+                    async for out in stream:
+                        await queue.put((c, out))
+            except Exception as e:  # handed to the reader
+                await queue.put((c, e))
+            finally:
+                await stream.aclose()  # ends (and, unfinished, cancels) the request on the server
+
+        tasks = [asyncio.ensure_future(pump(c, *o)) for c, o in zip(choices, opened)]
+        try:
+            left = len(choices)
+            while left:
+                c, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise HttpError.of(item) if isinstance(item, ClientError) else item
+                left -= item.is_finished()
+                yield c, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # ------------------------------------------------------------------ completions
+    def completions_parts(self, body: CompletionRequest) -> tuple[list[Choice], dict[str, Any]]:
+        self._check_model(body)
+        params = body.params(self.model.tokenizer is not None)
+        sources = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in body.prompts()]
+        return self._choices(body, "cmpl", sources), params
+
+    def chat_parts(self, body: ChatCompletionRequest) -> tuple[list[Choice], dict[str, Any]]:
+        self._check_model(body)
+        params = body.params(self.model.tokenizer is not None)
+        return self._choices(body, "chatcmpl", [{"input_ids": self.chat_prompt(body)}]), params
+
+    def _usage(self, choices: list[Choice]) -> dict[str, int]:
+        prompts = {id(c.source): len(c.last.prompt_ids) for c in choices if c.last is not None}
+        done = sum(c.tokens for c in choices)
+        return {"prompt_tokens": sum(prompts.values()), "completion_tokens": done,
+                "total_tokens": sum(prompts.values()) + done}
+
+    def _logprobs(self, chat: bool, tokens: list[int], logprobs: list[float], top: bool, offset: int = 0) -> Any:
+        texts = [self.model.token_text(t) for t in tokens]
+        if chat:
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
+                                 "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode())}] if top
+                                 else []} for s, lp in zip(texts, logprobs)]}
+        offsets, at = [], offset
+        for s in texts:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets,
+                "top_logprobs": [{s: lp} for s, lp in zip(texts, logprobs)] if top else None}
+
+    def _choice_logprobs(self, body: Any, chat: bool, tokens: list[int], logprobs: list[float], offset: int) -> Any:
+        if chat:
+            return self._logprobs(True, tokens, logprobs, bool(body.top_logprobs)) if body.logprobs else None
+        return None if body.logprobs is None else self._logprobs(False, tokens, logprobs, body.logprobs >= 1, offset)
+
+    async def respond(self, body: Any, chat: bool, choices: list[Choice], params: dict[str, Any]) -> dict:
+        """The whole answer of a non-streaming call."""
+        await self._run(choices, params)
+        limit = params.get("max_new_tokens")
+        out_choices = []
+        for c in choices:
+            lp = self._choice_logprobs(body, chat, c.last.generated_tokens, c.last.logprobs, 0)
+            d: dict[str, Any] = {"index": c.index, "logprobs": lp, "finish_reason": finish_reason(c.last, limit)}
+            d |= {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
+            out_choices.append(d)
+        return {"id": choices[0].request_id.rsplit("-", 1)[0], "created": int(time.time()), "model": self.model.name,
+                "object": "chat.completion" if chat else "text_completion", "choices": out_choices,
+                "usage": self._usage(choices), "system_fingerprint": None}
+
+    async def stream_events(self, body: Any, chat: bool, choices: list[Choice], params: dict[str, Any]
+                            ) -> AsyncIterator[str]:
+        """The SSE chunks of a streaming call, ending with `data: [DONE]` (an error on the way: one `error` chunk,
+        then [DONE])."""
+        limit = params.get("max_new_tokens")
+        usage_on = body.include_usage()
+        head = {"id": choices[0].request_id.rsplit("-", 1)[0], "created": int(time.time()),
+                "model": self.model.name, "object": "chat.completion.chunk" if chat else "text_completion",
+                "system_fingerprint": None}
+        extra = {"usage": None} if usage_on else {}
+        outputs = self._stream(choices, params)
+        pending = [await outputs.__anext__()]  # every choice accepted (a refusal raises here, before any chunk)
+        if chat:
+            for c in choices:
+                yield sse(head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]} | extra)
+        try:
+            async for c, out in _chain(pending, outputs):
+                offset = len(c.text)
+                delta, new, logprobs = c.advance(out)
+                reason = finish_reason(out, limit) if out.is_finished() else None
+                if not (delta or new or reason):
+                    continue
+                lp = self._choice_logprobs(body, chat, new, logprobs, offset) if new else None
+                d: dict[str, Any] = {"index": c.index, "logprobs": lp, "finish_reason": reason}
+                d |= {"delta": {"content": delta} if delta or not reason else {}} if chat else {"text": delta}
+                yield sse(head | {"choices": [d]} | extra)
+            if usage_on:
+                yield sse(head | {"choices": [], "usage": self._usage(choices)})
+        except HttpError as e:
+            yield sse(e.body())
+        finally:
+            await outputs.aclose()
+        yield sse("[DONE]")
+
+
+async def _chain(first: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item

@@ -1,0 +1,102 @@
+"""One weight update for every replica: all end on the new checkpoint, or all stay on what they served.
+
+Each replica's own update is all-or-none across its ranks (docs/recovery.md, README "Hot weight updates"); this
+extends that across replicas. Before anything changes, every replica must be healthy and each one's current
+weights must be loadable again (a checkpoint path, or its model directory for the initial weights), since that
+is where a refused update rolls back to. Then every replica is paused (in-flight requests keep their KV, new
+ones queue), updated one after the other, and resumed. If one refuses, the replicas already updated are updated
+back to their previous weights (new version numbers, the old weights), and the result says `ok` false with
+the refusing replica and its reason. Torch-free.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from cluster.errors import ClientError, WeightUpdateError
+
+
+class ReplicaAdmin(Protocol):
+    """What the fleet update needs of a replica's client (cluster.client.client.Client has it)."""
+
+    def health(self, timeout: float | None = ...) -> dict: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def update_weights(self, path: str, kv_policy: str = ...) -> dict: ...
+
+
+def restorable(weights: dict[str, Any], fallback: str | None) -> str | None:
+    """The checkpoint that loads a replica's current weights again, or None when they cannot be (pushed)."""
+    if weights.get("source") == "checkpoint":
+        return weights.get("path")
+    if weights.get("source") == "initial":
+        return fallback
+    return None
+
+
+def update_all(clients: list[ReplicaAdmin], path: str, kv_policy: str = "keep",
+               fallbacks: list[str | None] | None = None) -> dict[str, Any]:
+    """Update every replica from the checkpoint at `path`, all or none. `fallbacks[i]`: replica i's model
+    directory (its initial weights). Returns {ok, versions, seconds} or {ok: false, error, replica, ...}."""
+    start = time.monotonic()
+    fallbacks = fallbacks or [None] * len(clients)
+    previous: list[str] = []
+    for i, c in enumerate(clients):
+        try:
+            health = c.health(10.0)
+        except (ClientError, TimeoutError) as e:
+            return refused(i, f"replica {i} did not answer health: {e}")
+        if health.get("ok") is not True:
+            return refused(i, f"replica {i} is not healthy: {health.get('failure')}")
+        back = restorable(health.get("weights") or {}, fallbacks[i])
+        if back is None:
+            return refused(i, f"replica {i} serves weights that cannot be loaded again "
+                              f"({(health.get('weights') or {}).get('source')}): an update could not be rolled back")
+        previous.append(back)
+    paused: list[ReplicaAdmin] = []
+    try:
+        for c in clients:
+            c.pause()
+            paused.append(c)
+        return _apply(clients, path, kv_policy, previous, start)
+    finally:
+        for c in paused:
+            try:
+                c.resume()
+            except ClientError:  # its group restarted meanwhile: a new group is not paused
+                pass
+
+
+def _apply(clients: list[ReplicaAdmin], path: str, kv_policy: str, previous: list[str],
+           start: float) -> dict[str, Any]:
+    versions: list[int] = []
+    for i, c in enumerate(clients):
+        try:
+            versions.append(int(c.update_weights(path, kv_policy)["version"]))
+        except ClientError as e:
+            reason = e.reason if isinstance(e, WeightUpdateError) else str(e)
+            result = refused(i, f"replica {i}: {reason}")
+            result["rolled_back"], result["rollback_errors"] = rollback(clients[:i], previous, kv_policy)
+            return result
+    return {"ok": True, "versions": versions, "version": versions[0] if len(set(versions)) == 1 else None,
+            "seconds": time.monotonic() - start}
+
+
+def rollback(clients: list[ReplicaAdmin], previous: list[str], kv_policy: str) -> tuple[list[int], list[str]]:
+    """Load each client's previous weights again: the new version of each, and the errors of those that refused
+    (then the replicas no longer serve the same weights, and the result says so)."""
+    versions, errors = [], []
+    for i, c in enumerate(clients):
+        try:
+            versions.append(int(c.update_weights(previous[i], kv_policy)["version"]))
+        except ClientError as e:
+            errors.append(f"replica {i}: {e}")
+    return versions, errors
+
+
+def refused(replica: int, error: str) -> dict[str, Any]:
+    return {"ok": False, "error": error, "replica": replica}
