@@ -1,7 +1,8 @@
 """The main job: every rank loads its shard and runs one generate_batch; rank 0 prints what came out.
 
 Run through `lockstep run` (which starts the ranks with torchrun), or directly:
-`torchrun --nproc-per-node 2 -m launch.demo --model models/tiny-llama`.
+`torchrun --nproc-per-node 2 -m launch.demo --model models/tiny-llama`. With a tokenizer beside the weights
+(`lockstep make-model` writes one) the prompts are text and the outputs print as text beside their ids.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 import argparse
 import random
 import time
+
+PROMPTS = ("Return the number of", "Create a new", "The default value is", "Raise an exception if",
+           "If the file does not exist", "Convert a string to", "This method is called when", "Read the data from")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,11 +26,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import cluster
     from cluster.config import load_preset
+    from driver.frontdoor.text_output import load_tokenizer
 
     model = cluster.load(args.model)
+    tokenizer = load_tokenizer(args.model)
     rng = random.Random(args.seed)
-    vocab = model.config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 64))] for _ in range(args.num_prompts)]
+    if tokenizer is not None:
+        prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.num_prompts)]
+    else:
+        vocab = model.config.vocab_size
+        prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 64))] for _ in range(args.num_prompts)]
     cb = load_preset(args.config) if args.config else None
     start = time.perf_counter()
     out = model.generate_batch(prompts, continuous_batching_config=cb, max_new_tokens=args.new_tokens,
@@ -36,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         tokens = sum(len(o.generated_tokens) for o in out.values())
         for rid, o in list(out.items())[:4]:
             print(f"{rid}: prompt {len(o.prompt_ids)} tokens -> {o.generated_tokens[:12]}...")
+            if tokenizer is not None:  # random weights: the text is the tokenizer's, the sense is not there yet
+                text = [tokenizer.decode(ids, skip_special_tokens=True) for ids in (o.prompt_ids, o.generated_tokens)]
+                print(f"    {text[0]!r} -> {text[1]!r}")
         print(f"tp={model.groups.world_size} requests={len(out)} generated={tokens} tokens "
               f"in {elapsed:.2f}s: {tokens / elapsed:.1f} tok/s")
     return 0

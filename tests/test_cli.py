@@ -42,3 +42,5 @@ def test_main_job_runs_tp2(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "tp=2 requests=8 generated=" in proc.stdout
     assert "req_0: prompt" in proc.stdout
+    assert "    'Return the number of' -> '" in proc.stdout  # the made tokenizer: text beside the ids
+    assert "requests finished: 100%" in proc.stderr and "tokens generated" in proc.stderr  # what the bar counts

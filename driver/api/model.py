@@ -199,7 +199,8 @@ class ClusterModel:
                 if self.groups.is_driver else []
             results: dict[str, GenerationOutput] = {}
             bar = tqdm(total=len(inputs), disable=not (progress_bar and self.groups.is_driver),
-                       desc=f"Solving {len(inputs)} requests", unit="request")
+                       desc="requests finished", unit="request")
+            generated = 0
             fed = 0
             while len(results) < len(inputs):
                 fed = self._feed(manager, reqs, fed)
@@ -210,6 +211,8 @@ class ClusterModel:
                     continue
                 if out.is_finished():
                     results[out.request_id] = out
+                    generated += len(out.generated_tokens)
+                    bar.set_postfix_str(f"{generated} tokens generated", refresh=False)
                     bar.update(1)
             bar.close()
             if reqs:
