@@ -1,17 +1,16 @@
 """Attention over the paged KV cache for mixed prefill and decode batches.
 
-The token batch is laid out as [decode group | prefill group]. The decode group holds one query token per
-sequence (padded to a power of two); the prefill group holds the other sequences' query tokens back to back.
+The token batch is laid out as [decode group | prefill group]: one query token per decoding sequence (padded
+to a power of two), then the other sequences' query tokens back to back.
 
 Without flash-attn (the CPU, float32, or a page size its kernels refuse) attention gathers each sequence's
-keys and values from the cache through precomputed slot indices (built on the host from the block tables, so
-the forward itself has static shapes and no host syncs), and masks by position: key j is visible to a query
-at position p when j <= p (and p - j < window, for sliding layers). GQA is handled without repeating keys:
-the query heads that share a KV head are folded into the query axis. The gather runs in chunks of
-sequences and queries sized from the shapes alone (so they are static per bucket) under an element budget,
-so its workspace is bounded by `attention_workspace_bytes` whatever the contexts in the batch.
-Eager float32 CPU steps of one forward (no graph, no compile, no burst) skip the decode group's gather:
-each decode row reads its own pages in place, at its own length (`_decode_rows`, from `AttnMeta.dec_rows`).
+keys and values through slot indices built on the host from the block tables (so the forward has static
+shapes and no host syncs), and masks by position: key j is visible to a query at position p when j <= p (and
+p - j < window, for sliding layers). GQA folds the query heads that share a KV head into the query axis
+instead of repeating keys. The gather runs in chunks of sequences and queries sized from the shapes alone
+(static per bucket) under an element budget, so its workspace is bounded by `attention_workspace_bytes`
+whatever the contexts. Eager float32 CPU steps of one forward (no graph, compile or burst) skip the decode
+gather: each row reads its own pages in place, at its own length (`_decode_rows`, from `AttnMeta.dec_rows`).
 
 With flash-attn (worker/flash.py) both groups read the pages in place: decode through
 `flash_attn_with_kvcache`, prefill and mixed steps through `flash_attn_varlen_func` with a block table.
@@ -84,11 +83,6 @@ def chunk_shape(b: int, nq: int, length: int, hq: int, hkv: int, d: int, budget:
     return rb, qc
 
 
-def chunk_elements(b: int, nq: int, length: int, hq: int, hkv: int, d: int, budget: int) -> int:
-    rb, qc = chunk_shape(b, nq, length, hq, hkv, d, budget)
-    return rb * (_row_cost(length, hkv, d) + qc * _query_cost(length, hq, hkv, d))
-
-
 def attention_workspace_bytes(rc: ResolvedConfig, num_heads: int, num_kv_heads: int, head_dim: int,
                               dtype: torch.dtype) -> int:
     """Upper bound of the extra memory one layer's attention allocates in a step (this rank's heads).
@@ -98,13 +92,10 @@ def attention_workspace_bytes(rc: ResolvedConfig, num_heads: int, num_kv_heads: 
     float32 scores and any model dtype), plus the step's attention output and its scatter buffer.
     Zero-cost on the flash-attn path, which reads pages in place; counted anyway as the safe bound.
     """
-    elem = 8
     length = rc.max_kv_padded
     one = _row_cost(length, num_kv_heads, head_dim) + _query_cost(length, num_heads, num_kv_heads, head_dim)
-    chunk = max(rc.attn_chunk_elements, one)
-    size = torch.empty(0, dtype=dtype).element_size()
-    outputs = 2 * (rc.max_tokens_padded + 1) * num_heads * head_dim * size
-    return chunk * elem + outputs
+    outputs = 2 * (rc.max_tokens_padded + 1) * num_heads * head_dim * dtype.itemsize
+    return max(rc.attn_chunk_elements, one) * 8 + outputs
 
 
 @dataclass

@@ -9,7 +9,8 @@ kernels read a sequence's keys through its block table in place, so nothing is g
 - prefill and mixed steps: `flash_attn_varlen_func` with `block_table`, `cu_seqlens_q` / `cu_seqlens_k`
   (int32 cumulative query and context lengths) and `max_seqlen_q` / `max_seqlen_k` (host integers).
 
-`varlen_metadata` builds the latter on the host from the plan's arrays; the CPU tests check it.
+`varlen_metadata` builds the latter on the host from the plan's arrays (worker/step_inputs.py checks the
+block table's width first).
 """
 
 from __future__ import annotations
@@ -22,42 +23,27 @@ import torch
 
 @dataclass
 class VarlenMeta:
-    """What `flash_attn_varlen_func` needs for the prefill group; tensors are views of static buffers."""
+    """What `flash_attn_varlen_func` needs for the prefill group: host arrays from `varlen_metadata`, then (in
+    `AttnMeta.pre_flash`) views of the static buffers they were copied into."""
 
-    cu_seqlens_q: torch.Tensor  # [Bp + 1] int32
-    cu_seqlens_k: torch.Tensor  # [Bp + 1] int32
-    block_table: torch.Tensor  # [Bp, NB] int32, NB = max_blocks_per_request (rows padded with the scratch block)
+    cu_seqlens_q: torch.Tensor | np.ndarray  # [Bp + 1] int32
+    cu_seqlens_k: torch.Tensor | np.ndarray  # [Bp + 1] int32
+    block_table: torch.Tensor | np.ndarray  # [Bp, NB] int32, NB = max_blocks_per_request (padded: scratch block)
     max_seqlen_q: int
     max_seqlen_k: int
     num_tokens: int  # real prefill tokens; the padding tokens after them get zeros
 
 
-@dataclass
-class VarlenHost:
-    """The host arrays of `VarlenMeta`, before they are copied into the static buffers."""
-
-    cu_seqlens_q: np.ndarray
-    cu_seqlens_k: np.ndarray
-    block_table: np.ndarray
-    max_seqlen_q: int
-    max_seqlen_k: int
-    num_tokens: int
-
-
 def varlen_metadata(q_lens: np.ndarray, kv_lens: np.ndarray, tables: np.ndarray, width: int,
-                    scratch_block: int) -> VarlenHost:
-    """The prefill group's varlen arguments. q_lens, kv_lens: [Bp]; tables: [Bp, <= width] block ids."""
-    q_lens = np.asarray(q_lens, np.int64)
-    kv_lens = np.asarray(kv_lens, np.int64)
-    if tables.shape[1] > width:
-        raise ValueError(f"block table of width {tables.shape[1]} exceeds max_blocks_per_request={width}")
+                    scratch_block: int) -> VarlenMeta:
+    """The prefill group's varlen arguments, on the host. q_lens, kv_lens: [Bp]; tables: [Bp, <= width]."""
+    q_lens, kv_lens = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
     table = np.full((len(q_lens), width), scratch_block, np.int32)
     table[:, :tables.shape[1]] = tables
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
-    return VarlenHost(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=table,
-                      max_seqlen_q=int(q_lens.max(initial=0)), max_seqlen_k=int(kv_lens.max(initial=0)),
-                      num_tokens=int(cu_q[-1]))
+    return VarlenMeta(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=table, max_seqlen_q=int(q_lens.max(initial=0)),
+                      max_seqlen_k=int(kv_lens.max(initial=0)), num_tokens=int(cu_q[-1]))
 
 
 def _window(window: int | None) -> tuple[int, int]:

@@ -4,17 +4,15 @@ Only the decode step (every sequence a single query token) is captured: one grap
 of two up to max_requests_per_batch), each at fixed shapes (the bucket's rows, the KV read width of the
 longest context the config allows, the block table at max_blocks_per_request), all sharing one memory pool.
 A decode step that fits a bucket is laid out at that bucket's shapes in the runner's static buffers and
-replayed; any other step runs eagerly. The all-reduces of TP inside the captured forward are NCCL on CUDA,
-captured with it, so every rank must capture the same buckets in the same order and replay in lockstep:
-the runner does both from the plans, which every rank runs identically.
+replayed; any other step runs eagerly. TP's all-reduces inside the captured forward are NCCL, captured with
+it, so every rank must capture the same buckets in the same order and replay in lockstep: the runner does
+both from the plans, which every rank runs identically.
 
-The capture is given a callable and a graph factory. On CUDA the factory makes `torch.cuda.CUDAGraph`
-captures (`CudaGraphFactory`); the CPU tests use `EagerStandIn`, which records the static inputs and, on
-replay, runs the eager function and writes its result into the captured output, as a replay would.
-
-A captured graph reads fixed addresses: the model's parameters and buffers, the KV cache, the static input
-buffers. `snapshot_addresses` records them at capture; `changed_addresses` names any that moved since (a
-weight update must copy into the existing storage, never rebind it).
+On CUDA the factory makes `torch.cuda.CUDAGraph` captures (`CudaGraphFactory`); the CPU tests use
+`EagerStandIn`, whose replay re-runs the eager function into the captured output. A captured graph reads
+fixed addresses (parameters and buffers, KV cache, static input buffers): `DecodeGraphs` records them at
+capture and `changed_addresses` names any that moved since (a weight update must copy into the existing
+storage, never rebind it).
 """
 
 from __future__ import annotations
@@ -142,7 +140,5 @@ class DecodeGraphs:
         return graph.output
 
     def changed_addresses(self, now: dict[str, int]) -> list[str]:
-        """Names whose address differs from the snapshot at capture (or that vanished)."""
-        if not self.captured:
-            return []
+        """Names whose address differs from the snapshot at capture (or that vanished); none before capture."""
         return sorted(k for k, ptr in self.addresses.items() if now.get(k) != ptr)

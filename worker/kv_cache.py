@@ -16,7 +16,7 @@ from worker.kv_offload import HostKVPool
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """K and V of one token across all layers of this rank's shard."""
-    return 2 * num_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
 
 
 class KVCache:

@@ -19,6 +19,9 @@ from typing import Any, Callable
 
 import torch
 
+from cluster.config import next_pow2
+from worker.step_inputs import StaticBuffers
+
 DEFAULT_MAX_MEMORY_PERCENT = 0.9  # of the memory free for the cache, as transformers' default
 ACTIVATION_FACTOR = 8  # hidden-sized tensors live at once at a step's peak (residual, norm, q/k/v, MLP halves ...)
 MLP_FACTOR = 3  # gate, up and their product: intermediate-sized tensors at the MLP peak
@@ -31,10 +34,7 @@ def use_device(device: torch.device | str | None) -> None:
     The current CUDA device is per thread: every thread that runs device work (the loop thread, a launcher's
     rank thread, the thread that loads the model) calls it first, or its kernels and NCCL calls go to GPU 0.
     """
-    if device is None:
-        return
-    device = torch.device(device)
-    if device.type == "cuda":
+    if device is not None and torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
 
 
@@ -45,23 +45,21 @@ def tensor_bytes(tensors) -> int:
 
 def static_buffer_bytes(rc: Any) -> int:
     """What the runner's static input buffers for `rc` take: built on the meta device, so nothing is allocated."""
-    from worker.runner import StaticBuffers
-
     return tensor_bytes(StaticBuffers(rc, torch.device("meta")).buffers.values())
+
+
+def hidden_peak_bytes(tokens: int, hidden: int, intermediate_local: int, itemsize: int) -> int:
+    """The forward's transient memory at `tokens` tokens: hidden x a small factor, plus the MLP's intermediate
+    tensors of this rank's shard. A CUDA graph pool shared by every decode bucket holds about this much for the
+    largest bucket."""
+    return tokens * (ACTIVATION_FACTOR * hidden + MLP_FACTOR * intermediate_local) * itemsize
 
 
 def activation_peak_bytes(max_batch_tokens: int, hidden: int, intermediate_local: int, vocab: int,
                           max_logit_rows: int, itemsize: int) -> int:
-    """The largest step's transient memory: max_batch_tokens x hidden x a small factor (plus the MLP's
-    intermediate tensors of this rank's shard), and the float32 logits of the sampled rows on the driver."""
-    hidden_peak = max_batch_tokens * (ACTIVATION_FACTOR * hidden + MLP_FACTOR * intermediate_local) * itemsize
-    logits = max_logit_rows * vocab * 4 * 2  # the gathered logits and their float32 copy
-    return hidden_peak + logits
-
-
-def graph_pool_estimate(max_decode_batch: int, hidden: int, intermediate_local: int, itemsize: int) -> int:
-    """A CUDA graph pool shared by every decode bucket holds about one activation peak of the largest bucket."""
-    return max_decode_batch * (ACTIVATION_FACTOR * hidden + MLP_FACTOR * intermediate_local) * itemsize
+    """The largest step's transient memory: its hidden peak, and the float32 logits of the sampled rows on the
+    driver (the gathered logits and their float32 copy)."""
+    return hidden_peak_bytes(max_batch_tokens, hidden, intermediate_local, itemsize) + max_logit_rows * vocab * 8
 
 
 @dataclass(frozen=True)
@@ -94,8 +92,7 @@ def plan_kv_blocks(m: MemoryInputs) -> tuple[int, dict[str, int | float]]:
     if not 0 <= m.safety_margin < 1:
         raise ValueError(f"safety_margin={m.safety_margin!r}: must be in [0, 1)")
     available = int((m.free_bytes + m.reclaimable_bytes) * frac)
-    overhead = m.static_bytes + m.graph_pool_bytes + m.activation_bytes + m.attention_workspace_bytes
-    after_overhead = available - overhead
+    after_overhead = available - m.static_bytes - m.graph_pool_bytes - m.activation_bytes - m.attention_workspace_bytes
     margin = int(max(after_overhead, 0) * m.safety_margin)
     budget = after_overhead - margin
     page_bytes = m.kv_bytes_per_token * m.page_size
@@ -107,30 +104,21 @@ def plan_kv_blocks(m: MemoryInputs) -> tuple[int, dict[str, int | float]]:
         "safety_margin": margin, "kv_budget": max(budget, 0), "page_bytes": page_bytes}
     if blocks < 1:
         raise MemoryError("no KV page fits: " + describe(breakdown))
-    if m.max_blocks is not None and blocks > m.max_blocks:
-        blocks = m.max_blocks
-    breakdown["num_blocks"] = blocks
-    breakdown["kv_cache"] = blocks * page_bytes
+    if m.max_blocks is not None:
+        blocks = min(blocks, m.max_blocks)
+    breakdown.update(num_blocks=blocks, kv_cache=blocks * page_bytes)
     return blocks, breakdown
 
 
 def describe(breakdown: dict[str, int | float]) -> str:
     """One line for the manager's notes, sizes in MiB."""
-    parts = []
-    for k, v in breakdown.items():
-        if isinstance(v, float) or k == "num_blocks":
-            parts.append(f"{k}={v}")
-        else:
-            parts.append(f"{k}={v / MiB:.1f}MiB")
-    return "KV sizing: " + " ".join(parts)
+    return "KV sizing: " + " ".join(f"{k}={v}" if isinstance(v, float) or k == "num_blocks" else
+                                    f"{k}={v / MiB:.1f}MiB" for k, v in breakdown.items())
 
 
 def measure_free_bytes(device: torch.device | str) -> tuple[int, int]:
-    """(free, total) device memory after the caching allocator gave its unused blocks back.
-
-    On CUDA: `empty_cache()` (which acts on the current device, so the thread's device is set first), then
-    `mem_get_info(device)`. Elsewhere: MemAvailable and MemTotal of the host.
-    """
+    """(free, total) device memory after the caching allocator gave its unused blocks back (`empty_cache()` acts
+    on the current device, so the thread's device is set first). Elsewhere: the host's MemAvailable, MemTotal."""
     device = torch.device(device)
     if device.type == "cuda":
         use_device(device)
@@ -228,19 +216,14 @@ def propose_num_blocks(rc: Any, model_config: Any, tp: int, dtype: torch.dtype, 
     """This rank's proposal for `num_blocks` on a CUDA device (the group then takes the MIN with
     `cluster.dist.agree_min`), and its breakdown. `rc` is the resolved config (its num_blocks is ignored),
     `owner` the model the cache is for; `measure` and `ledger` are parameters so tests can feed numbers."""
-    from cluster.config import next_pow2
-
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    hidden, inter = model_config.hidden_size, model_config.intermediate_size // tp
+    itemsize, hidden, inter = dtype.itemsize, model_config.hidden_size, model_config.intermediate_size // tp
     rows = next_pow2(rc.max_requests_per_batch)
-    free, _ = measure(device)
-    m = MemoryInputs(
-        free_bytes=free, kv_bytes_per_token=kv_bytes_per_token, page_size=rc.page_size,
+    return plan_kv_blocks(MemoryInputs(
+        free_bytes=measure(device)[0], kv_bytes_per_token=kv_bytes_per_token, page_size=rc.page_size,
         static_bytes=static_buffer_bytes(rc),
-        graph_pool_bytes=graph_pool_estimate(rows, hidden, inter, itemsize) if any(rc.use_cuda_graph) else 0,
+        graph_pool_bytes=hidden_peak_bytes(rows, hidden, inter, itemsize) if any(rc.use_cuda_graph) else 0,
         activation_bytes=activation_peak_bytes(rc.max_tokens_padded, hidden, inter, model_config.vocab_size,
                                                rows, itemsize),
         attention_workspace_bytes=attention_workspace_bytes, reclaimable_bytes=ledger.held(device, owner),
         max_memory_percent=max_memory_percent, safety_margin=rc.safety_margin,
-        max_blocks=rc.max_requests_per_batch * rc.max_blocks_per_request)
-    return plan_kv_blocks(m)
+        max_blocks=rc.max_requests_per_batch * rc.max_blocks_per_request))

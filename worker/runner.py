@@ -1,14 +1,13 @@
 """The model runner: StepPlan -> static input buffers -> sharded forward -> logits on the driver.
 
 Capture safety, as DESIGN.md asks: every input of the forward is a view into one flat buffer allocated once,
-whose storage never moves; each step lays the plan out on the host and copies it there once
-(worker/step_inputs.py). Shapes are padded to buckets (decode batches to powers of two, query tokens to
-`q_padding`, KV lengths to `kv_padding`), so the set of shapes is finite. The host-side index arithmetic
-happens there, before the forward, never inside it.
+whose storage never moves; each step lays the plan out on the host, index arithmetic included, and copies it
+there once (worker/step_inputs.py). Shapes are padded to buckets (decode batches to powers of two, query
+tokens to `q_padding`, KV lengths to `kv_padding`), so the set of shapes is finite.
 
 With decode graphs on (worker/graphs.py) a decode-only step that fits a batch bucket is laid out at that
-bucket's fixed shapes and replayed; every other step runs eagerly. The graphs are captured, every bucket,
-the first time the runner executes (the manager's warm-up step), on every rank alike.
+bucket's fixed shapes and replayed; every other step runs eagerly. Every bucket is captured the first time
+the runner executes (the manager's warm-up step), on every rank alike.
 """
 
 from __future__ import annotations
@@ -25,20 +24,12 @@ from cluster.dist import DRIVER
 from cluster.plan import StepPlan
 from worker.attention import AttnMeta
 from worker.compiled import ForwardFn
-from worker.graphs import (
-    CudaGraphFactory,
-    DecodeGraphs,
-    GraphFactory,
-    decode_buckets,
-    tensor_addresses,
-)
+from worker.graphs import CudaGraphFactory, DecodeGraphs, GraphFactory, decode_buckets, tensor_addresses
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
 from worker.shard_argmax import ShardArgmax
 from worker.step_inputs import StaticBuffers, prepare_step
 from worker.stream import Handle, InlineStream, Stream
-
-__all__ = ["ModelRunner", "StaticBuffers", "static_inputs"]  # StaticBuffers: worker/memory.py sizes it from here
 
 
 def static_inputs(ids: torch.Tensor, meta: AttnMeta) -> dict[str, torch.Tensor]:
@@ -55,9 +46,7 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device, graph_factory: GraphFactory | None = None):
         """`graph_factory`: how decode graphs are captured. None: CUDA graphs where rc.use_cuda_graph asks
         for decode graphs on a CUDA device, none otherwise. Tests pass `graphs.EagerStandIn()`."""
-        self.model = model
-        self.rc = rc
-        self.device = device
+        self.model, self.rc, self.device = model, rc, device
         self.cache = KVCache(model.config.num_hidden_layers, rc.num_blocks, rc.page_size, kv_heads, head_dim,
                              dtype, device, rc.num_host_blocks)
         self.buffers = StaticBuffers(rc, device)
@@ -67,19 +56,16 @@ class ModelRunner:
         self.row_views = device.type == "cpu" and dtype == torch.float32 and not self.forwards.compiled
         if graph_factory is None and rc.use_cuda_graph[1] and device.type == "cuda":
             graph_factory = CudaGraphFactory(device)
-        self.graphs = None if graph_factory is None else DecodeGraphs(decode_buckets(rc.max_requests_per_batch),
-                                                                      graph_factory)
+        self.graphs = DecodeGraphs(decode_buckets(rc.max_requests_per_batch), graph_factory) if graph_factory else None
         # the device queue the forwards (and, overlapped, sampling and the token broadcast) go through
         self.stream: Stream = InlineStream(device)
-        # overlapped scheduling: the last step's sampled tokens, broadcast from rank 0 (see `share`)
+        # overlapped scheduling: the last step's sampled tokens, broadcast from rank 0 (see `share_burst`)
         self.shared_tokens = torch.zeros(rc.max_requests_per_batch, dtype=torch.int64, device=device)
         self.graph_stats: dict[str, Any] = (self.graphs.stats if self.graphs is not None else
                                             {"captured_buckets": [], "replays": 0, "eager_steps": 0})
 
     def prepare(self, plan: StepPlan, bucket: int | None = None) -> tuple[torch.Tensor, AttnMeta, int]:
-        """Lay the plan out in the static buffers (worker/step_inputs.py). Returns (input ids, attention
-        metadata, real logit rows). `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes;
-        None: the eager layout, padded only as far as this step needs."""
+        """(input ids, attention metadata, real logit rows): `prepare_step` on this runner's buffers."""
         return prepare_step(self.rc, self.buffers, plan, self.cache.scratch_block, bucket, self.row_views)
 
     def warmup_plan(self, num_seqs: int = 1) -> StepPlan:
@@ -140,15 +126,14 @@ class ModelRunner:
     # ---------------------------------------------------------------- steps
     def execute(self, plan: StepPlan) -> torch.Tensor | ShardArgmax | None:
         """Run one step and wait for it. Every rank calls it with the same plan; the driver gets [sampled seqs,
-        vocab] logits, or, for a plan with `argmax_on_shards`, every rank the greedy tokens (ShardArgmax)."""
+        vocab] logits, or with `argmax_on_shards` every rank the greedy tokens (ShardArgmax)."""
         return self.launch(plan).value()
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Handle[torch.Tensor | ShardArgmax | None]:
-        """Prepare the plan's inputs here (host) and queue its (first) forward on this runner's stream; the
-        handle's result is what `execute` returns. Input ids -(1 + j) are resolved on the device from
-        `shared_tokens` (row j of the previous step's samples), after the previous step's `share_burst`. Every
-        rank calls it alike; for a plan with `share_tokens`, every rank then calls `share_burst`."""
+        """Prepare the plan's inputs on the host and queue its (first) forward on the stream; the handle's result
+        is what `execute` returns. Input ids -(1 + j) are resolved on the device from `shared_tokens` (row j of
+        the previous step's samples). Every rank calls it alike, then, with `share_tokens`, `share_burst`."""
         if not self.forwards.warmed:  # the first time: compile what the compile configs ask for
             self.forwards.warm_up(self.compile_plans(), lambda p: self.prepare(p)[:2], self.cache.k, self.cache.v)
         run = self._prepared(plan)

@@ -1,22 +1,21 @@
 """A step's inputs: the plan laid out on the host in one staging buffer, then one copy to the device.
 
-Every integer input of a step (token ids, positions, cache slots, the attention index arithmetic, the
-logit rows, flash-attn's tables) is written with numpy, back to back, into a host staging buffer (pinned
-on CUDA), and reaches the device in ONE copy into one flat int64 device buffer; the forward's inputs are
-views of that buffer. Each input starts at an offset that depends only on the shapes of the inputs laid
-out before it, so a step of the same shapes (a CUDA graph bucket) always gets the same addresses: the
-graphs read them, and the flat buffer itself never moves.
+Every integer input of a step (token ids, positions, cache slots, the attention index arithmetic, the logit
+rows, flash-attn's tables) is written with numpy, back to back, into a host staging buffer (pinned on CUDA),
+and reaches the device in ONE copy into one flat int64 device buffer whose views are the forward's inputs.
+An input's offset depends only on the shapes laid out before it, so a step of the same shapes (a CUDA graph
+bucket) always gets the same addresses, and the flat buffer never moves.
 
-Two staging buffers alternate, so the host can lay out step k+1 while step k's copy is still queued on the
-device; each records a CUDA event after its copy and waits on it before it is refilled. On the CPU the
-copy is a plain synchronous copy (prepare must not then run while a forward reads the device buffer).
-
-Under flash-attn the [B, L] key-slot lists and the padded prefill query grids are not built: the kernels
-read the block tables, so those inputs are zero-size views and the host work does not grow with the
-longest context.
+Two staging buffers alternate, so the host can lay out step k+1 while step k's copy is still queued; each
+records a CUDA event after its copy and waits on it before it is refilled. On the CPU the copy is synchronous
+(prepare must not then run while a forward reads the device buffer). Under flash-attn the [B, L] key-slot
+lists and padded prefill query grids are zero-size views (the kernels read the block tables), so the host
+work does not grow with the longest context.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -57,26 +56,21 @@ class StaticBuffers:
         self.buffers = {"flat": self.flat}  # what graph_reads and the memory accounting see
         self._staging: list[torch.Tensor] = []  # made on first use (never for the meta device)
         self._events: list[object | None] = [None, None]
-        self._turn = 0
+        self.turn = 0  # which staging buffer (0 or 1) the current or last step was laid out in
         self._host: np.ndarray | None = None
         self._cursor = 0
-
-    @property
-    def turn(self) -> int:
-        """Which staging buffer (0 or 1) the current or last step was laid out in."""
-        return self._turn
 
     def begin(self) -> None:
         """Start laying out a step in the next staging buffer, once its previous copy has completed."""
         if not self._staging:
             pin = self.device.type == "cuda"
             self._staging = [torch.zeros(self.flat.numel(), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._turn ^= 1
-        event = self._events[self._turn]
+        self.turn ^= 1
+        event = self._events[self.turn]
         if event is not None:
             event.synchronize()  # type: ignore[attr-defined]
-            self._events[self._turn] = None
-        self._host = self._staging[self._turn].numpy()
+            self._events[self.turn] = None
+        self._host = self._staging[self.turn].numpy()
         self._cursor = 0
 
     def alloc(self, shape: tuple[int, ...], int32: bool = False,
@@ -106,12 +100,12 @@ class StaticBuffers:
 
     def commit(self) -> None:
         """The step's one host-to-device copy (everything laid out since begin)."""
-        n, src = self._cursor, self._staging[self._turn]
+        n, src = self._cursor, self._staging[self.turn]
         self.flat[:n].copy_(src[:n], non_blocking=True)
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-            self._events[self._turn] = event
+            self._events[self.turn] = event
         self._host = None
 
 
@@ -119,19 +113,15 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
                  bucket: int | None = None, row_views: bool = False) -> tuple[torch.Tensor, AttnMeta, int]:
     """Lay `plan` out in the static buffers. Returns (input ids, attention metadata, real logit rows).
 
-    `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes (rows, KV width, one logit
-    row per bucket row); None: the eager layout, padded only as far as this step needs. A burst plan
-    (`plan.burst` > 1) makes the decode group's key-slot lists `burst - 1` positions wider and lays the slots
-    of those positions out last (`dec_ahead`): the lists hold the scratch slot there until the burst's forwards
-    reach them (ModelRunner._advance), so a page's stale K/V (a NaN) is never read, not even masked.
-    `row_views` (an eager float32 CPU forward): a plan of one forward lists each decode row's pages
-    (`AttnMeta.dec_rows`) instead of its key slots."""
-    page = rc.page_size
+    `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes (rows, KV width, one logit row
+    per bucket row); None: the eager layout, padded only as far as this step needs. A burst plan (`burst` > 1)
+    widens the decode key-slot lists by `burst - 1` positions and lays their slots out last (`dec_ahead`): the
+    lists hold the scratch slot there until the burst's forwards reach them (ModelRunner._advance), so a page's
+    stale K/V (a NaN) is never read, not even masked. `row_views` (an eager float32 CPU forward): a plan of one
+    forward lists each decode row's pages (`AttnMeta.dec_rows`) instead of its key slots."""
+    page, flash_on, tables = rc.page_size, rc.use_flash_attn, plan.block_tables
     scratch = scratch_block * page
-    flash_on = rc.use_flash_attn
-    q_lens = plan.q_lens.astype(np.int64)
-    kv_lens = plan.kv_lens.astype(np.int64)
-    tables = plan.block_tables
+    q_lens, kv_lens = plan.q_lens.astype(np.int64), plan.kv_lens.astype(np.int64)
     b, bd = plan.num_seqs, plan.num_decode
     if bucket is not None and (bd != b or bd > bucket):
         raise ValueError(f"a plan of {b} sequences ({bd} decoding) does not fit decode bucket {bucket}")
@@ -222,10 +212,8 @@ def _flash_meta(buf: StaticBuffers, meta: AttnMeta, tables: np.ndarray, q_lens: 
         lens[:bd] = kv_lens[:bd]
     if len(q_lens) > bd:
         host = flash.varlen_metadata(q_lens[bd:], kv_lens[bd:], tables[bd:], nb, scratch_block)
-        meta.pre_flash = flash.VarlenMeta(
-            cu_seqlens_q=buf.put(host.cu_seqlens_q, int32=True), cu_seqlens_k=buf.put(host.cu_seqlens_k, int32=True),
-            block_table=buf.put(host.block_table, int32=True), max_seqlen_q=host.max_seqlen_q,
-            max_seqlen_k=host.max_seqlen_k, num_tokens=host.num_tokens)
+        meta.pre_flash = replace(host, **{k: buf.put(getattr(host, k), int32=True)
+                                          for k in ("cu_seqlens_q", "cu_seqlens_k", "block_table")})
 
 
 def kv_slots(tables: np.ndarray, kv_lens: np.ndarray, length: int, page: int, scratch: int) -> np.ndarray:

@@ -1,11 +1,10 @@
 """The device queue, as the host sees it: work is submitted in order and waited for only when its result is needed.
 
-On CUDA, kernel launches are asynchronous already: `InlineStream` runs each submitted function at once (it only
-enqueues device work) and `result()` waits on an event recorded after it. On the CPU every op runs when it is
-called, so `InlineStream` simply runs the function. `ThreadStream` simulates an asynchronous device on the CPU:
-one daemon thread runs the submitted functions in order while the host thread goes on (benchmarks/control_plane.py
-uses it with a fixed-time stand-in forward). A real forward on a ThreadStream would read the static input
-buffers while the host prepares the next step into them, so only stand-in forwards that read no buffers run there.
+`InlineStream` runs each submitted function at once: on CUDA it only enqueues device work (`result()` waits on
+an event recorded after it), on the CPU every op runs when called. `ThreadStream` simulates an asynchronous
+device on the CPU: one daemon thread runs the functions in order while the host goes on (benchmarks/control_plane.py,
+with a fixed-time stand-in forward). A real forward there would read the static input buffers while the host
+prepares the next step into them, so only stand-in forwards that read no buffers run on it.
 """
 
 from __future__ import annotations
@@ -33,10 +32,6 @@ class Handle(Generic[T]):
         self._value, self._error = value, error
         self._done.set()
 
-    def done(self) -> bool:
-        """The host part has run (the device part may still be queued, on CUDA)."""
-        return self._done.is_set()
-
     def in_order(self) -> T:
         """The value, for a function submitted after this one on the same stream: stream order makes it ready,
         so nothing waits (on CUDA its device work is queued ahead of the caller's)."""
@@ -56,19 +51,10 @@ class Handle(Generic[T]):
 
     def result(self) -> T:
         """The value, once the function and the device work it queued (on CUDA) are done."""
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
+        value = self.value()
         if self._event is not None:
             self._event.synchronize()
-        return self._value
-
-
-def ready(value: T) -> Handle[T]:
-    """A handle whose result is already known."""
-    h: Handle[T] = Handle()
-    h._set(value)
-    return h
+        return value
 
 
 class InlineStream:
