@@ -1,13 +1,12 @@
 """Rank 0's loop thread: the only thread of the driver that talks on the control group while it runs.
 
-Each pass: take what users left in the inbox (adds, cancels, weight updates), park for a pause, run one
-engine step, and make sure some plan reaches the workers at least every IDLE_HEARTBEAT_S, whatever the inbox
-does (a worker waiting in `recv_plan` for longer than `cpu_group_timeout` would take the group down).
+Each pass: take what users left in the inbox (adds, cancels, weight updates), park for a pause, run one engine
+step, and make sure some plan reaches the workers at least every IDLE_HEARTBEAT_S, whatever the inbox does (a
+worker waiting in `recv_plan` longer than `cpu_group_timeout` would take the group down).
 
-When the loop dies it decides whose fault it was: a rank that stopped stamping liveness (named, code
-`rank_failed`), or the driver itself (code `driver_failed`; the workers are healthy, so they get a
-best-effort STOP and leave at once). Either way every outstanding request ends with that error, the manager
-refuses new ones, and the process exits non-zero (launch/serve.py).
+When the loop dies it decides whose fault it was: a rank that stopped stamping liveness (named, `rank_failed`),
+or the driver itself (`driver_failed`: the healthy workers get a best-effort STOP). Either way every outstanding
+request ends with that error, the manager refuses new ones, and the process exits non-zero (launch/serve.py).
 """
 
 from __future__ import annotations
@@ -108,14 +107,11 @@ class DriverLoop:
     def _drain_inbox(self, timeout: float) -> None:
         try:
             item = self.m.inbox.get(timeout=timeout) if timeout > 0 else self.m.inbox.get_nowait()
+            while True:
+                self._handle(item)
+                item = self.m.inbox.get_nowait()
         except queue.Empty:
             return
-        while True:
-            self._handle(item)
-            try:
-                item = self.m.inbox.get_nowait()
-            except queue.Empty:
-                return
 
     def _handle(self, item: Any) -> None:
         if item is None:  # a wake-up
@@ -182,7 +178,7 @@ class DriverLoop:
     def _fail(self, error: BaseException) -> None:
         m, engine = self.m, self.engine
         m.loop_error = error
-        engine.abandon()  # never wait on a step in flight here: its requests end below
+        engine.in_flight = None  # never wait on a step in flight here: its requests end below
         silent = [] if isinstance(error, LockstepError) or m.liveness is None else m.liveness.silent_ranks()
         if isinstance(error, LockstepError):  # it says itself what went wrong (weights diverged ...)
             code, m.failure = error.code, f"the driver stopped at step {engine.step_no}: {error}"

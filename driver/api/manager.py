@@ -1,9 +1,8 @@
 """The seed's ContinuousBatchingManager, across ranks.
 
-Every rank builds a manager (the constructor agrees on the cache size, a collective) and starts a loop
-thread. On the driver the loop runs the engine and owns the control group; elsewhere it runs the worker
-loop and executes plans. User threads never touch the control group: they leave requests, cancels, pauses
-and stops in the inbox, and the loop acts on them at the next step boundary.
+Every rank builds a manager (the constructor agrees on the cache size, a collective) and starts a loop thread: on
+the driver it runs the engine and owns the control group; elsewhere it runs the worker loop. User threads never
+touch the control group: they leave requests, cancels, pauses and stops in the inbox for the next step boundary.
 """
 
 from __future__ import annotations
@@ -57,7 +56,6 @@ class ContinuousBatchingManager:
         self.stop_event = threading.Event()
         self.hard = False
         self.held = False  # scheduling held by a client's pause: requests queue, nothing steps
-        self.keep_for_next_session = False
         self.destroyed = False
         self.loop_error: BaseException | None = None
         self.failure: str | None = None  # what the loop died of, naming the rank when it can
@@ -115,7 +113,6 @@ class ContinuousBatchingManager:
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
              hard_stop: bool = False) -> None:
         """Flush what is queued and stop (hard_stop: fail it). Every rank calls it; the driver decides."""
-        self.keep_for_next_session = keep_for_next_session
         self.hard = hard_stop
         self.held = False
         self.stop_event.set()
@@ -156,9 +153,8 @@ class ContinuousBatchingManager:
             return {}
         return {"step": e.step_no, "weight_version": e.weight_version, "tokens_generated": e.num_tokens_generated,
                 "preemptions": e.scheduler.num_preemptions, "prefix_hit_blocks": e.blocks.prefix_hit_blocks,
-                "burst_forwards": e.num_burst_forwards, "running": len(e.scheduler.running),
-                "waiting": len(e.scheduler.waiting),
-                "free_blocks": e.blocks.num_free, "num_blocks": e.blocks.num_blocks,
+                "burst_forwards": e.num_burst_forwards, "running": len(e.scheduler.running), "waiting":
+                len(e.scheduler.waiting), "free_blocks": e.blocks.num_free, "num_blocks": e.blocks.num_blocks,
                 "num_host_blocks": e.scheduler.host.num_slots, **e.scheduler.offload_stats(),
                 "cuda_graphs": dict(self.runner.graph_stats)}
 
@@ -169,9 +165,8 @@ class ContinuousBatchingManager:
         """Queue a request; its id on the driver, None on other ranks (a no-op there)."""
         if not self.is_driver:
             return None
-        req = self.build_request(input_ids, request_id, max_new_tokens, streaming, record_timestamps,
-                                 eos_token_id, **logit_processor_kwargs)
-        return self.submit(req)
+        return self.submit(self.build_request(input_ids, request_id, max_new_tokens, streaming, record_timestamps,
+                                              eos_token_id, **logit_processor_kwargs))
 
     def build_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                       streaming: bool = False, record_timestamps: bool = False,
@@ -181,11 +176,9 @@ class ContinuousBatchingManager:
         """A validated request, not yet queued (RequestRejected, with its code, if it cannot be served).
         `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire).
         `resume_tokens` (with their `resume_versions`, compact (index, version) pairs): the tokens an earlier
-        run of this request (same id, same parameters) delivered; it continues after them, exactly, and its
-        outputs start with them (docs/recovery.md). `resumes`: how many times it was resumed."""
-        if request_id is None:
-            request_id = f"req_{next(self._ids)}"
-        return build_request(self, input_ids, request_id, max_new_tokens, streaming, record_timestamps,
+        run of this request delivered; it continues after them exactly (docs/recovery.md). `resumes`: how often."""
+        return build_request(self, input_ids, f"req_{next(self._ids)}" if request_id is None else request_id,
+                             max_new_tokens, streaming, record_timestamps,
                              eos_token_id, logit_processor_kwargs, strict_processors=strict_processors,
                              resume_tokens=resume_tokens, resume_versions=resume_versions, resumes=resumes)
 
@@ -202,7 +195,8 @@ class ContinuousBatchingManager:
             if rid in self.requests:
                 raise RequestRejected(f"request {rid}: a request with this id is already in flight",
                                       Code.DUPLICATE_REQUEST_ID, rid)
-            if self.config.max_queue_size and self._queued() >= self.config.max_queue_size:
+            queued = sum(1 for r in self.requests.values() if r.status == RequestStatus.PENDING)
+            if self.config.max_queue_size and queued >= self.config.max_queue_size:
                 raise QueueFull(f"request {rid}: the queue is full (max_queue_size={self.config.max_queue_size})",
                                 request_id=rid)
             self.requests[rid] = req
@@ -219,9 +213,6 @@ class ContinuousBatchingManager:
         """End a request (CANCELLED); `finish_reason` says why when not "cancelled" (a stop string: "stop")."""
         if self.is_driver:
             self.inbox.put(("cancel", (request_id, finish_reason)))
-
-    def _queued(self) -> int:
-        return sum(1 for r in self.requests.values() if r.status == RequestStatus.PENDING)
 
     # ---------------------------------------------------------------- results
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:

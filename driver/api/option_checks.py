@@ -1,8 +1,6 @@
-"""Checks of transformers' generation options a request may carry (GenerationConfig's names: min_new_tokens,
-min_length, no_repeat_ngram_size, bad_words_ids, sequence_bias, forced_bos_token_id, forced_eos_token_id,
-suppress_tokens, begin_suppress_tokens): each value normalised to the immutable form SamplingParams holds, or a
-RequestRejected (bad_field) naming the option and what it must be. Also the number helpers driver/api/validation.py
-shares."""
+"""Checks of transformers' generation options a request may carry (GenerationConfig's names, OPTION_CHECKS): each
+value normalised to the immutable form SamplingParams holds, or a RequestRejected (bad_field) naming the option and
+what it must be. Also the number helpers driver/api/validation.py shares."""
 
 from __future__ import annotations
 
@@ -67,14 +65,10 @@ def _ids(v: Any, vocab: int | None, limit: int, empty: bool = True) -> tuple[int
     return tuple(_token(t, vocab) for t in v)
 
 
-def _sequence(v: Any, vocab: int | None) -> tuple[int, ...]:
-    return _ids(v, vocab, MAX_OPTION_SEQUENCE_LEN, empty=False)
-
-
 def _sequences(v: Any, vocab: int | None) -> tuple[tuple[int, ...], ...]:
     if not isinstance(v, (list, tuple)) or len(v) > MAX_OPTION_SEQUENCES:
         raise BadOption(f"not a list of at most {MAX_OPTION_SEQUENCES} token sequences")
-    return tuple(_sequence(s, vocab) for s in v)
+    return tuple(_ids(s, vocab, MAX_OPTION_SEQUENCE_LEN, empty=False) for s in v)
 
 
 def _bias(v: Any, vocab: int | None) -> tuple[tuple[tuple[int, ...], float], ...]:
@@ -90,7 +84,7 @@ def _bias(v: Any, vocab: int | None) -> tuple[tuple[tuple[int, ...], float], ...
         bias = real(pair[1])
         if bias is None or not math.isfinite(bias):
             raise BadOption(f"bias {pair[1]!r} is not a finite number")
-        out[_sequence(pair[0], vocab)] = bias
+        out[_ids(pair[0], vocab, MAX_OPTION_SEQUENCE_LEN, empty=False)] = bias
     return tuple(out.items())
 
 
@@ -122,8 +116,7 @@ def shown(value: Any) -> str:
 
 def check_option(name: str, value: Any, vocab_size: int | None, where: str, request_id: str | None) -> Any:
     """Option `name`'s value in SamplingParams' form, or RequestRejected (bad_field) naming it, why, and what it
-    must be. `vocab_size` None: ids are checked against the vocabulary later (a generation config, before a
-    model is known); `where` names the request or the generation config."""
+    must be. `vocab_size` None: ids are not checked against the vocabulary; `where` names the request or config."""
     normalise, allowed = OPTION_CHECKS[name]
     try:
         return normalise(value, vocab_size)

@@ -44,12 +44,6 @@ class WeightUpdates:
         ("recompute"). Returns {"ok": True, "version", "tensors", "seconds"}. Raises, on every rank alike,
         WeightUpdateError (nothing changed anywhere; `rank` is the first rank that refused) or WeightsDiverged
         (a rank failed while copying: the loop ends)."""
-        result = self._update(source, kv_policy, timeout)
-        if not result["ok"]:
-            raise WeightUpdateError(result["error"], result.get("rank"), result)
-        return result
-
-    def _update(self, source: Any, kv_policy: str, timeout: float | None) -> dict[str, Any]:
         m = self.m
         if kv_policy not in ("keep", "recompute"):
             raise ValueError(f"kv_policy={kv_policy!r}: must be 'keep' or 'recompute'")
@@ -59,22 +53,21 @@ class WeightUpdates:
         call = UpdateCall(source="tensors" if local is not None else "checkpoint",
                           path="" if local is not None else str(source), kv_policy=kv_policy)
         # inside a pause (this rank's loop is parked for the caller's own entry), or with no loop: this thread
-        # may use the groups, in the same order on every rank
+        # may use the groups, in the same order on every rank: every rank's caller runs its share now
         if m.gate.held or not m.is_running():
-            return self._run_here(call, local)
-        if not m.is_driver:  # the driver decides when; this rank's share runs in its loop
-            return self._wait_worker_share(local, timeout)
-        fut = self._queue(call, local)
-        return self._wait(fut, timeout)
-
-    def _run_here(self, call: UpdateCall, local: dict | None) -> dict[str, Any]:
-        """Inside a pause (or with no loop): every rank's caller runs its share now."""
-        try:
-            result = self._run(call, local, expected=None)
-        except WeightsDiverged:
-            self.m.stop(block=False, hard_stop=True)  # the loop must not serve on with differing weights
-            raise
-        return self.after_update(result, call) if self.m.is_driver else result
+            try:
+                result = self._run(call, local, expected=None)
+            except WeightsDiverged:
+                m.stop(block=False, hard_stop=True)  # the loop must not serve on with differing weights
+                raise
+            result = self.after_update(result, call) if m.is_driver else result
+        elif not m.is_driver:  # the driver decides when; this rank's share runs in its loop
+            result = self._wait_worker_share(local, timeout)
+        else:
+            result = self._wait(self._queue(call, local), timeout)
+        if not result["ok"]:
+            raise WeightUpdateError(result["error"], result.get("rank"), result)
+        return result
 
     def _run(self, call: UpdateCall, local: dict | None, expected: int | None) -> dict[str, Any]:
         """This rank's share: run_update with this rank's version, then bump it if every rank applied."""
@@ -87,18 +80,15 @@ class WeightUpdates:
             raise
         if result["ok"]:
             self.version += 1
-            self._check_graph_addresses()
+            # every tensor a captured CUDA graph reads must still be where it was captured, or the graphs would
+            # replay on stale storage and serve garbage: a move ends this rank's loop
+            moved = self.m.runner.check_graph_addresses()
+            if moved:
+                rank = self.m.groups.rank
+                self.diverged = WeightsDiverged(f"rank {rank}: the update moved {len(moved)} tensor(s) that captured"
+                                                f" CUDA graphs read, e.g. {moved[:3]}; refusing to serve", [rank])
+                raise self.diverged
         return result | {"version": self.version}
-
-    def _check_graph_addresses(self) -> None:
-        """After an applied update: every tensor a captured CUDA graph reads must still be where it was
-        captured, or the graphs would replay on stale storage and serve garbage. A move ends this rank's loop."""
-        moved = self.m.runner.check_graph_addresses()
-        if moved:
-            rank = self.m.groups.rank
-            self.diverged = WeightsDiverged(f"rank {rank}: the update moved {len(moved)} tensor(s) that captured "
-                                            f"CUDA graphs read, e.g. {moved[:3]}; refusing to serve", [rank])
-            raise self.diverged
 
     def _wait_worker_share(self, local: dict | None, timeout: float | None) -> dict[str, Any]:
         m = self.m

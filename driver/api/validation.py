@@ -4,6 +4,7 @@ the request, with the wire code that says what is wrong."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -44,21 +45,6 @@ def check_prompt(input_ids: Any, request_id: str, vocab_size: int, max_model_len
                               f"is {max_model_len}, which leaves no room for a new token", Code.PROMPT_TOO_LONG,
                               request_id)
     return list(input_ids)
-
-
-def check_max_new_tokens(value: Any, request_id: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestRejected(f"request {request_id}: max_new_tokens must be an integer, got {value!r}",
-                              Code.BAD_MAX_NEW_TOKENS, request_id)
-    if value < 1:
-        raise RequestRejected(f"request {request_id}: max_new_tokens={value}; it must be at least 1",
-                              Code.BAD_MAX_NEW_TOKENS, request_id)
-    return value
-
-
-def default_max_new_tokens(generation_config: Any) -> int:
-    value = getattr(generation_config, "max_new_tokens", None)
-    return value if value is not None else DEFAULT_MAX_NEW_TOKENS
 
 
 def _top_k(v: Any) -> int | None:
@@ -107,16 +93,6 @@ def check_sampling_value(name: str, value: Any, request_id: str | None, vocab_si
     return checked
 
 
-def check_sampling_kwargs(kwargs: dict[str, Any], request_id: str, vocab_size: int | None = None) -> dict[str, Any]:
-    """Per-request sampling parameters and generation options, checked and normalised (no rank state needed:
-    any rank may call it)."""
-    unknown = set(kwargs) - set(SAMPLING_KWARGS)
-    if unknown:
-        raise RequestRejected(f"request {request_id}: unknown generation parameter(s) {sorted(unknown)}",
-                              Code.BAD_FIELD, request_id)
-    return {k: check_sampling_value(k, v, request_id, vocab_size) for k, v in kwargs.items() if v is not None}
-
-
 def check_combination(sampling: SamplingParams, request_id: str | None) -> None:
     """The checks that read several parameters: temperature > 0 when sampling; a forced token not suppressed."""
     if sampling.do_sample and sampling.temperature <= 0:
@@ -129,10 +105,9 @@ def check_combination(sampling: SamplingParams, request_id: str | None) -> None:
 def sampling_from(generation_config: Any, vocab_size: int | None = None) -> SamplingParams:
     """The sampling defaults and generation options a GenerationConfig sets (unset fields take transformers'
     meaning), checked (token ids against `vocab_size` when given)."""
-    names = [name for name in SAMPLING_KWARGS if name != "seed"]
-    values = {name: getattr(generation_config, name, None) for name in names}
-    checked = {k: check_sampling_value(k, v, None, vocab_size) for k, v in values.items() if v is not None}
-    sampling = SamplingParams(**checked)
+    values = {name: getattr(generation_config, name, None) for name in SAMPLING_KWARGS if name != "seed"}
+    sampling = SamplingParams(**{k: check_sampling_value(k, v, None, vocab_size) for k, v in values.items()
+                                 if v is not None})
     check_combination(sampling, None)
     return sampling
 
@@ -167,21 +142,10 @@ def check_eos(eos: Any, request_id: str, vocab_size: int) -> frozenset[int]:
     return frozenset(ids)
 
 
-def default_eos(generation_config: Any) -> frozenset[int]:
-    eos = getattr(generation_config, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
-
-
-def kv_pages_needed(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
-    """Pages a request holds at its longest: the last sampled token is never fed back, so its K/V never exists."""
-    return -(-(prompt_len + max_new_tokens - 1) // page_size)
-
-
 def check_fits_cache(prompt_len: int, max_new_tokens: int, request_id: str, rc: Any) -> None:
-    """RequestRejected (exceeds_kv_cache) for a request that could not finish even alone in the whole cache."""
-    need = kv_pages_needed(prompt_len, max_new_tokens, rc.page_size)
+    """RequestRejected (exceeds_kv_cache) for a request that could not finish even alone in the whole cache (the
+    pages it holds at its longest: the last sampled token is never fed back, so its K/V never exists)."""
+    need = -(-(prompt_len + max_new_tokens - 1) // rc.page_size)
     if need > rc.num_blocks:
         raise RequestRejected(f"request {request_id}: a prompt of {prompt_len} tokens and up to {max_new_tokens} new "
                               f"ones need {need} KV pages of {rc.page_size} tokens; the whole cache holds "
@@ -237,14 +201,22 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
     request_id = check_request_id(request_id)
     vocab = manager.model.config.vocab_size
     prompt = check_prompt(input_ids, request_id, vocab, rc.max_model_len)
-    mnt = check_max_new_tokens(default_max_new_tokens(gen) if max_new_tokens is None else max_new_tokens,
-                               request_id)
+    if max_new_tokens is None:
+        max_new_tokens = getattr(gen, "max_new_tokens", None)
+    mnt = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+    if isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1:
+        raise RequestRejected(f"request {request_id}: max_new_tokens={mnt!r}; it must be an integer of at least 1",
+                              Code.BAD_MAX_NEW_TOKENS, request_id)
     if len(prompt) + mnt > rc.max_model_len:
         raise RequestRejected(f"request {request_id}: max_new_tokens={mnt} with a prompt of {len(prompt)} tokens "
                               f"goes beyond the model's context of {rc.max_model_len}", Code.BAD_MAX_NEW_TOKENS,
                               request_id)
     check_fits_cache(len(prompt), mnt, request_id, rc)
-    params = check_sampling_kwargs(kwargs, request_id, vocab)
+    unknown = set(kwargs) - set(SAMPLING_KWARGS)
+    if unknown:
+        raise RequestRejected(f"request {request_id}: unknown generation parameter(s) {sorted(unknown)}",
+                              Code.BAD_FIELD, request_id)
+    params = {k: check_sampling_value(k, v, request_id, vocab) for k, v in kwargs.items() if v is not None}
     sampling = sampling_from(gen, vocab)
     if "seed" in params:
         sampling.seed = params["seed"]
@@ -257,11 +229,14 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
                               f"per_request_processors = true in the server's [continuous_batching] preset",
                               Code.UNSUPPORTED, request_id)
     elif processors:
-        import warnings
         warnings.warn(f"request {request_id}: {sorted(processors)} ignored: per-request processor parameters "
                       f"need ContinuousBatchingConfig(per_request_processors=True)", stacklevel=3)
     check_combination(sampling, request_id)
-    eos = check_eos(eos_token_id, request_id, vocab) if eos_token_id is not None else default_eos(gen)
+    if eos_token_id is not None:
+        eos = check_eos(eos_token_id, request_id, vocab)
+    else:
+        eos = getattr(gen, "eos_token_id", None)
+        eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
     common = dict(request_id=request_id, eos_token_ids=eos, sampling=sampling, streaming=streaming,
                   record_timestamps=record_timestamps, return_logprobs=manager.config.return_logprobs)
     tokens, versions, count = check_resume(resume_tokens, resume_versions, resumes, request_id, vocab, mnt, eos)
@@ -271,25 +246,17 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
                           resume_versions=versions, resumes=count, **common)
 
 
-def unsupported_processors(generation_config: Any) -> list[str]:
-    """The GenerationConfig fields set away from their defaults that Lockstep cannot honour."""
-    from transformers import GenerationConfig
-
-    default = GenerationConfig()
-    return [name for name in UNSUPPORTED_PROCESSORS
-            if getattr(generation_config, name, None) not in (None, getattr(default, name, None))]
-
-
 def supported_generation_config(generation_config: Any, drop: bool) -> Any:
-    """`generation_config` without unsupported processors (drop=True, with a warning), or ValueError (also for a
-    sampling value out of range)."""
+    """`generation_config` without the fields set away from their defaults that Lockstep cannot honour (drop=True,
+    with a warning), or ValueError (also for a sampling value out of range)."""
     import copy
-    import warnings
 
     from transformers import GenerationConfig
 
     sampling_from(generation_config)  # its sampling values are checked once, on every rank, before anything runs
-    names = unsupported_processors(generation_config)
+    default = GenerationConfig()
+    names = [name for name in UNSUPPORTED_PROCESSORS
+             if getattr(generation_config, name, None) not in (None, getattr(default, name, None))]
     if not names:
         return generation_config
     if not drop:
@@ -298,7 +265,6 @@ def supported_generation_config(generation_config: Any, drop: bool) -> Any:
     warnings.warn(f"dropping unsupported generation settings {names} (drop_unsupported_processors=True)",
                   stacklevel=3)
     cleaned = copy.deepcopy(generation_config)
-    default = GenerationConfig()
     for name in names:
         setattr(cleaned, name, getattr(default, name, None))
     return cleaned

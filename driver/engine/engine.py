@@ -1,16 +1,13 @@
 """Rank 0's step: schedule -> StepPlan -> broadcast -> forward -> sample -> update requests.
 
-The engine is single-threaded: only the manager's loop thread calls it, and only it talks on the control
-group, so every rank sees the same sequence of plans.
-
-Overlapped (rc.overlap, `use_async_batching`), step N is scheduled, broadcast and launched while step N-1 is still
-in flight; step N's sampling is queued behind its forward (before N-1 is collected when no row reads its token
-history, after otherwise), N-1 is collected (its tokens, endings, logprobs: the one host sync), and every rank
-broadcasts N's sampled tokens on the device group, where step N+1's inputs read them (`StepPlan.share_tokens`).
-With multi-step decode (rc.decode_burst) a decode-only plan runs up to that many forwards, each reading the
-tokens the one before sampled (`StepPlan.burst`, Scheduler.burst_length). A step returns the requests of the
-step it collected. Before any plan that is not a STEP, the caller flushes (`flush`): no other plan ever meets a
-step in flight.
+Only the manager's loop thread calls the engine, and only it talks on the control group, so every rank sees the
+same sequence of plans. Overlapped (rc.overlap), step N is scheduled, broadcast and launched while N-1 is in
+flight; N's sampling is queued behind its forward (before N-1 is collected when no row reads its token history,
+after otherwise), N-1 is collected (the one host sync), and every rank broadcasts N's tokens on the device group,
+where step N+1's inputs read them (`StepPlan.share_tokens`). With multi-step decode (rc.decode_burst) a
+decode-only plan runs several forwards, each reading the tokens the one before sampled (`StepPlan.burst`). A step
+returns the requests of the step it collected. Before any plan that is not a STEP the caller flushes (`flush`):
+no other plan ever meets a step in flight.
 """
 
 from __future__ import annotations
@@ -68,9 +65,8 @@ class Engine:
 
     def end(self, req: Request, status: RequestStatus, error: str | None = None, code: str | None = None,
             reason: str | None = None) -> None:
-        """Finish, fail or cancel a request: its pages are freed at once (a step in flight writes them before
-        any later step can, in device order). `code` (cluster.errors.Code) says why it failed; `reason` is its
-        finish_reason (by default the status's: cluster/outputs.py FINISH_REASONS)."""
+        """Finish, fail or cancel a request: its pages are freed at once (a step in flight writes them before any
+        later step can, in device order). `code`: cluster.errors.Code; `reason`: by default FINISH_REASONS[status]."""
         self.scheduler.finish(req)
         req.status = status
         req.finish_reason = reason or FINISH_REASONS[status]
@@ -79,8 +75,7 @@ class Engine:
         req.end_time = time.perf_counter()
 
     def send(self, command: Command, data: bytes = b"") -> None:
-        """Broadcast a plan that runs no forward. The driver calls it (after `flush`); the workers' loops
-        receive it."""
+        """Broadcast a plan that runs no forward (after `flush`); every worker's loop receives it."""
         if self.in_flight is not None:
             raise RuntimeError(f"a {command.name} plan while step {self.step_no - 1} is in flight: flush first")
         self.rank_states = send_plan(StepPlan(command=command, step=self.step_no,
@@ -105,22 +100,15 @@ class Engine:
             events += self._apply(f.sampled, self.sampler.collect(launched.value()), f.weight_version, pending=True)
         return list(dict.fromkeys(events)) if len(f.launched) > 1 else events
 
-    def abandon(self) -> None:
-        """Drop the step in flight without waiting for it (a failure path: its requests are ended anyway)."""
-        self.in_flight = None
-
     def step(self, data: bytes = b"") -> list[Request]:
-        """Run one step; returns the requests that got a token or ended during it (overlapped: during the step
-        it collected). `data` (outputs owed to the workers) rides along with the plan, or with a PUBLISH plan
-        when nothing can run."""
-        batch, impossible = self.scheduler.schedule()
-        events = []
-        for req in impossible:  # validation refuses these at add time; a request built by hand can still get here
+        """Run one step; returns the requests that got a token or ended (overlapped: in the step it collected).
+        `data` (outputs owed to the workers) rides with the plan, or with a PUBLISH plan when nothing can run."""
+        batch, events = self.scheduler.schedule()
+        for req in events:  # validation refuses these at add time; a request built by hand can still get here
             self.end(req, RequestStatus.FAILED,
                      f"request {req.request_id} needs {self.blocks.blocks_for(req.num_computed + 1)} or more KV "
                      f"pages of {self.rc.page_size} tokens; the cache holds {self.rc.num_blocks}",
                      Code.EXCEEDS_KV_CACHE)
-            events.append(req)
         if not batch:
             events += self.flush()
             if data:
@@ -164,8 +152,8 @@ class Engine:
         return events
 
     def _queue_sampling(self, logits: Handle, host_rows: tuple) -> list[Handle[Launched]]:
-        """Queue, behind the forward(s) of the plan just launched, each forward's sampling and token broadcast
-        (ModelRunner.share_burst); one handle per forward."""
+        """Queue each forward's sampling and token broadcast behind the plan just launched (ModelRunner.share_burst);
+        one handle per forward."""
         launched: list[Handle[Launched]] = []
 
         def sample(i: int, forward: Handle) -> Callable[[], torch.Tensor]:
@@ -178,8 +166,7 @@ class Engine:
         return launched
 
     def _register(self, batch: list[Scheduled]) -> None:
-        """Make the batch's newly full blocks findable, as far as their tokens are on the host (the block manager
-        returns at once when no block completed)."""
+        """Make the batch's newly full blocks findable, as far as their tokens are on the host."""
         for s in batch:
             if not s.req.is_finished:
                 self.blocks.register_full_blocks(s.req)
@@ -188,9 +175,7 @@ class Engine:
                pending: bool = False) -> list[Request]:
         """Append each request's token (ending it on EOS or its limits); a request that ended meanwhile drops it.
         `pending`: the tokens were counted in `num_pending` until now."""
-        events = []
-        now = time.perf_counter()
-        tokens = 0
+        events, now = [], time.perf_counter()
         for req, draw in zip(sampled, draws):
             if pending:
                 req.num_pending -= 1
@@ -201,33 +186,26 @@ class Engine:
                          Code.SAMPLING_FAILED)
                 events.append(req)
                 continue
-            tokens += self._append(req, [draw.token], None if draw.logprob is None else [draw.logprob], now, version)
+            self._append(req, [draw.token], None if draw.logprob is None else [draw.logprob], now, version)
             events.append(req)
-        self.num_tokens_generated += tokens
         return events
 
     def _apply_burst(self, sampled: list[Request], live: list[int], tokens: list[list[int]],
                      logprobs: list[list[float]] | None, version: int) -> list[Request]:
-        """`_apply` for a burst's forwards at once: each live row's tokens, cut after the first EOS or at its limits
-        (what applying them one forward at a time does, in one pass a request)."""
-        events = []
-        now = time.perf_counter()
-        total = 0
+        """`_apply` for a burst's forwards at once: each live row's tokens (as applying them one forward at a time)."""
+        events, now = [], time.perf_counter()
         for req in sampled:
             req.num_pending -= len(tokens[0]) if tokens else 0
         for j, row in enumerate(tokens):
             req = sampled[live[j]]
             if req.status >= RequestStatus.FINISHED:  # ended meanwhile: its tokens are dropped
                 continue
-            total += self._append(req, row, logprobs[j] if logprobs is not None and req.return_logprobs else None,
-                                  now, version)
+            self._append(req, row, logprobs[j] if logprobs is not None and req.return_logprobs else None, now, version)
             events.append(req)
-        self.num_tokens_generated += total
         return events
 
-    def _append(self, req: Request, row: list[int], logprobs: list[float] | None, now: float, version: int) -> int:
-        """Append a live request's new tokens in order, cut after the first EOS or at its limits, and end it there;
-        returns how many it took."""
+    def _append(self, req: Request, row: list[int], logprobs: list[float] | None, now: float, version: int) -> None:
+        """Append a live request's new tokens in order, cut after the first EOS or at its limits, and end it there."""
         done = len(req.generated)
         n = max(1, min(len(row), req.max_new_tokens - done, self.rc.max_model_len - len(req.prompt_ids) - done))
         eos = req.eos_token_ids
@@ -249,7 +227,7 @@ class Engine:
         elif (len(req.generated) >= req.max_new_tokens
               or len(req.prompt_ids) + len(req.generated) >= self.rc.max_model_len):
             self.end(req, RequestStatus.FINISHED, reason="length")
-        return n
+        self.num_tokens_generated += n
 
     def _plan(self, batch: list[Scheduled]) -> StepPlan:
         """The STEP plan of a batch. A token still in flight is the input id -(1 + j): sampled row j of the

@@ -1,17 +1,15 @@
 """Next-token choice on the driver, for the whole batch at once on the logits' device: greedy, or temperature /
 top-k / top-p sampling, with repetition penalty, transformers' generation options and logprobs.
 
-Sampling is counter-based Gumbel-max: token = argmax(processed logits + g), with g the Gumbel noise that
-driver.engine.counter_noise derives from (the request's key, its token index, the token id). The key comes from
-(the request's own seed alone, or the config seed and the request id), or is random when neither gives a seed, and is made once per request
-on the host. So a seeded request samples the same tokens whatever else shares its batches, at any TP size, on
-any device, and after any number of restarts. Greedy rows get no noise: their token is the argmax of their
-(penalised) logits. Nothing waits on the device until the one transfer of (tokens, logprobs) at the end:
+Sampling is counter-based Gumbel-max: token = argmax(processed logits + g), g the noise driver.engine.counter_noise
+derives from (the request's key, its token index, the token id). The key comes from the request's own seed, else
+from the config seed and the request id, else is random; it is made once per request on the host. So a seeded
+request samples the same tokens whatever shares its batches, at any TP size, on any device, after any number of
+restarts. Greedy rows get no noise. Nothing waits on the device until the one transfer of (tokens, logprobs):
 `launch` starts it and `collect` waits for it, so an overlapped engine collects one step while the next runs.
 
-A row that fails (a bad value that slipped through, NaN logits, an injected fault) fails only its own request:
-the sampler returns the exception for that row and the engine fails that request alone. When the batched
-computation raises, the sampler computes the rows again one by one, with the same functions, to find out which.
+A row that fails (a bad value that slipped through, NaN logits, an injected fault) fails only its own request.
+When the batched computation raises, the rows are computed again one by one to find out which.
 """
 
 from __future__ import annotations
@@ -93,10 +91,9 @@ def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
 
 
 class Launched(NamedTuple):
-    """One step's sampling, started on the device: `tokens` [rows of logits] int64 stays there (row i: logits row
-    i's token; for a row that failed early 0, or its argmax when the ranks chose the tokens); `host` ([3, live
-    rows] float64, pinned on CUDA) fills when `event` fires. `early` holds the rows whose outcome was known at
-    launch (failed rows, or every row when the batch fell back to one row at a time), None elsewhere."""
+    """One step's sampling, started on the device: `tokens` [rows of logits] int64 stays there (a row that failed
+    early: 0, or its argmax when the ranks chose); `host` ([3, live rows] float64, pinned on CUDA) fills when `event`
+    fires. `early`: the outcomes known at launch (failed rows, or all when the batch fell back to one at a time)."""
 
     tokens: torch.Tensor
     early: list[Draw | None]
@@ -128,14 +125,6 @@ def host_draws(host: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
         else:
             out.append(Draw(int(tok), lp if row.logprobs else None))
     return out
-
-
-def draws(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0) -> list[Draw]:
-    """pick, then the step's one transfer to the host, waited for."""
-    host, event = to_host(pick(logits, rows, offset))
-    if event is not None:
-        event.synchronize()
-    return host_draws(host, rows)
 
 
 class Sampler:
@@ -178,8 +167,10 @@ class Sampler:
             return Launched(logits.tokens if chosen else torch.zeros(n, dtype=torch.int64, device=device), early,
                             live, rows, None)
         index = None if len(live) == n else on_device(live, torch.int64, device)
-        if chosen:
-            return self._chosen(logits, index, early, live, rows)
+        if chosen:  # the plan's argmax_on_shards (plain greedy, no logprobs), with the check `pick` makes
+            best, tokens = logits if index is None else (logits.best[index], logits.tokens[index])
+            host, event = to_host(Picks(tokens, torch.zeros_like(best), ~best.isfinite()))
+            return Launched(logits.tokens, early, live, rows, host, event)
         mine = logits if index is None else logits[index]
         try:
             picks = pick(mine, rows, offset, plain)
@@ -194,18 +185,6 @@ class Sampler:
             0, index, picks.tokens)
         host, event = to_host(picks)
         return Launched(tokens, early, live, rows, host, event)
-
-    @staticmethod
-    def _chosen(chosen: ShardArgmax, index: torch.Tensor | None, early: list[Draw | None], live: list[int],
-                rows: list[SampleRow]) -> Launched:
-        """`launch` for tokens chosen on the vocab shards (the plan's argmax_on_shards: plain greedy rows, no
-        logprobs) at the live rows `index` (None: all), with the check `pick` makes: a row whose largest logit is
-        not finite is invalid."""
-        best, tokens = chosen
-        if index is not None:
-            best, tokens = best[index], tokens[index]
-        host, event = to_host(Picks(tokens, torch.zeros_like(best), ~best.isfinite()))
-        return Launched(chosen.tokens, early, live, rows, host, event)
 
     @staticmethod
     def collect(launched: Launched) -> list[Draw]:
@@ -237,7 +216,11 @@ class Sampler:
 
     @staticmethod
     def _alone(logits: torch.Tensor, row: SampleRow, offset: int) -> Draw:
+        """One row's pick, then its transfer to the host, waited for."""
         try:
-            return draws(logits, [row], offset)[0]
+            host, event = to_host(pick(logits, [row], offset))
+            if event is not None:
+                event.synchronize()
+            return host_draws(host, [row])[0]
         except Exception as e:  # noqa: BLE001
             return Draw(None, None, e)

@@ -1,16 +1,14 @@
 """Which requests run this step, and how many of their tokens: chunked prefill under a token budget.
 
-`fifo` serves running requests first (decodes and unfinished prefill chunks, oldest first), then admits
-waiting requests with what is left of the budget. `prefill_first` admits waiting requests first. When a
-running request needs a page and none is free, the newest other running request is preempted: its pages
-are freed and it goes back to the front of the queue. With a host pool (`cpu_offload_space`) its computed
-pages are swapped out to it and swapped back in when it is admitted again (driver/engine/host_pool.py); without
-one, or when the pool is full, it is recomputed (prompt + tokens so far) later.
+`fifo` serves running requests first (decodes and unfinished prefill chunks, oldest first), then admits waiting
+requests with what is left of the budget; `prefill_first` admits first. When a running request needs a page and
+none is free, the newest other running request is preempted to the front of the queue: with a host pool
+(`cpu_offload_space`, driver/engine/host_pool.py) its computed pages are swapped out and back in at its
+readmission; without one, or when the pool is full, it is recomputed later.
 
-Overlapped scheduling: a request sampled by the step in flight has a pending token (`Request.num_pending`), not
-on the host yet. It runs as a one-token decode that reads that token on the device; it is not scheduled once its
-tokens so far reach its limits (it ends when the step in flight is collected), and it is never admitted (after a
-preemption) until its pending token has arrived, since admission reads all its tokens.
+Overlapped, a request sampled by the step in flight has a pending token (`Request.num_pending`) not on the host
+yet: it runs as a one-token decode that reads that token on the device, is not scheduled once its tokens reach its
+limits (it ends when the step in flight is collected), and is not readmitted until its pending token arrived.
 """
 
 from __future__ import annotations
@@ -60,20 +58,15 @@ class Scheduler:
         batch: list[Scheduled] = []
         impossible: list[Request] = []
         budget = [self.rc.max_batch_tokens]
-        if self.rc.scheduler_type == "prefill_first":
-            self._admit(batch, budget, impossible)
-            self._continue(batch, budget, impossible)
-        else:
-            self._continue(batch, budget, impossible)
-            self._admit(batch, budget, impossible)
+        first = self.rc.scheduler_type == "prefill_first"
+        for fill in (self._admit, self._continue) if first else (self._continue, self._admit):
+            fill(batch, budget, impossible)
         return batch, impossible
 
     def burst_length(self, batch: list[Scheduled]) -> int:
-        """How many decode forwards this batch runs from one plan (multi-step decode, rc.decode_burst), with each
-        row's pages allocated that far ahead: more than one only when nobody waits to be admitted, every row is
-        a one-token decode that samples without token history on the host (no repetition penalty, no generation
-        option), every running request is in the batch (none left out by the batch caps would wait k forwards),
-        and every row has that many tokens left before its limits."""
+        """How many decode forwards this batch runs from one plan (rc.decode_burst), each row's pages allocated that
+        far ahead: more than one only when nobody waits, every running request is in the batch as a one-token
+        decode that samples without token history, and every row has that many tokens left before its limits."""
         k = self.rc.decode_burst
         if k <= 1 or self.waiting or len(batch) < len(self.running):
             return 1
@@ -89,9 +82,6 @@ class Scheduler:
         if not all(self.blocks.allocate(s.req, s.req.num_computed + k) for s in batch):
             return 1  # pages already given to some rows stay theirs: they need them within k tokens anyway
         return k
-
-    def _room(self, batch: list[Scheduled], budget: list[int]) -> bool:
-        return budget[0] > 0 and len(batch) < self.rc.max_requests_per_batch
 
     def _continue(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
         scheduled = {id(s.req) for s in batch}
@@ -124,7 +114,7 @@ class Scheduler:
                 budget[0] -= n
 
     def _admit(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
-        while self.waiting and self._room(batch, budget):
+        while self.waiting and budget[0] > 0 and len(batch) < self.rc.max_requests_per_batch:
             req = self.waiting[0]
             if req.num_pending:  # preempted while a token was in flight: admit it once the token is here
                 return
@@ -157,9 +147,8 @@ class Scheduler:
             budget[0] -= n
 
     def preempt(self, req: Request, offload: bool = False) -> None:
-        """Free the request's pages and queue it first. `offload`: its computed pages go to the host pool when
-        they fit, to come back when it is admitted again; otherwise (or when the pool is short) it is recomputed
-        from its tokens so far. A request already waiting with a host copy drops that copy."""
+        """Free the request's pages and queue it first. `offload`: its computed pages go to the host pool when they
+        fit; otherwise it is recomputed from its tokens so far (a waiting request drops its host copy)."""
         pages = req.block_ids[:self.blocks.blocks_for(req.num_computed)]
         kept = offload and self.host.enabled and self.host.swap_out(req, pages)
         self.blocks.release(req, keep_hashes=kept)
