@@ -34,6 +34,10 @@ HOST_ALL_REDUCE_ENV = "LOCKSTEP_HOST_ALL_REDUCE"  # "0": CPU ranks on one host a
 HOST_ALL_REDUCE_SLOT_BYTES = 4 << 20  # a rank's slot in the shared segment; larger tensors go in pieces
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class ContinuousBatchingConfig:
     """Every field of transformers' ContinuousBatchingConfig, same names and defaults (see shared/seed), then
@@ -91,23 +95,18 @@ class ContinuousBatchingConfig:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"ContinuousBatchingConfig.{name}={getattr(self, name)!r}: {why}")
 
-        def positive_or_none(name: str) -> None:
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                bad(name, "must be a positive integer or None")
-
-        if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size <= 0:
+        if not _is_int(self.page_size) or self.page_size <= 0:
             bad("page_size", "must be a positive integer")
         for name in ("num_blocks", "max_batch_tokens", "max_requests_per_batch"):
-            positive_or_none(name)
+            if (v := getattr(self, name)) is not None and not (_is_int(v) and v > 0):
+                bad(name, "must be a positive integer or None")
         mbr = self.max_blocks_per_request
         if mbr is not None and (not isinstance(mbr, int) or mbr < 0):
             bad("max_blocks_per_request", "must be a non-negative integer or None")
         if self.max_memory_percent is not None and not 0 < self.max_memory_percent <= 1:
             bad("max_memory_percent", "must be in (0, 1]")
         for name in ("q_padding_interval_size", "kv_padding_interval_size", "max_queue_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            if not _is_int(v := getattr(self, name)) or v < 0:
                 bad(name, "must be a non-negative integer")
         if self.default_compile_level not in (0, 1, 2, 3):
             bad("default_compile_level", "must be 0, 1, 2 or 3")
@@ -120,7 +119,7 @@ class ContinuousBatchingConfig:
             bad("scheduler_type", f"must be one of {SCHEDULERS}")
         if self.safety_margin is not None and not 0 <= self.safety_margin < 1:
             bad("safety_margin", "must be in [0, 1)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not _is_int(self.seed):
             bad("seed", "must be an integer or None")
         cg = self.use_cuda_graph
         if not (cg is None or isinstance(cg, bool)
@@ -132,7 +131,7 @@ class ContinuousBatchingConfig:
             bad("cpu_offload_space_safety_threshold", "must be in [0, 1]")
         if self.cpu_group_timeout is not None and self.cpu_group_timeout <= 0:
             bad("cpu_group_timeout", "must be positive or None")
-        if not isinstance(self.decode_burst, int) or isinstance(self.decode_burst, bool) or self.decode_burst < 1:
+        if not _is_int(self.decode_burst) or self.decode_burst < 1:
             bad("decode_burst", "must be a positive integer")
 
     @classmethod
@@ -229,24 +228,19 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
     if cfg.max_blocks_per_request:
         max_blocks = min(max_blocks, cfg.max_blocks_per_request)
         max_model_len = min(max_model_len, max_blocks * page)
-    if cfg.num_blocks is not None:
-        num_blocks = cfg.num_blocks
-    else:
+    num_blocks = cfg.num_blocks
+    if num_blocks is None:
         if device_kind == "cpu" and cfg.max_memory_percent is None:
             budget = CPU_KV_CACHE_BYTES
         else:
-            frac = cfg.max_memory_percent if cfg.max_memory_percent is not None else 0.9
-            budget = int((free_bytes or 0) * frac)
-        num_blocks = max(1, budget // (kv_bytes_per_token * page))
+            budget = int((free_bytes or 0) * (cfg.max_memory_percent if cfg.max_memory_percent is not None else 0.9))
         # never more than every request at full length could use
-        num_blocks = min(num_blocks, max_requests * max_blocks)
-    graphs, graph_notes = graph_decision(cfg.use_cuda_graph, device_kind)
-    notes += graph_notes
+        num_blocks = min(max(1, budget // (kv_bytes_per_token * page)), max_requests * max_blocks)
+    graphs = graph_decision(cfg.use_cuda_graph, device_kind, notes)
     use_flash, flash_note = flash_decision(device_kind=device_kind, flash_available=flash_available,
                                            wanted=cfg.auto_switch_to_flash, dtype=dtype, head_dim=head_dim,
                                            page_size=page)
-    if flash_note:
-        notes.append(flash_note)
+    notes += [flash_note] if flash_note else []
     # overlapped scheduling hides the host's step work behind an asynchronous forward; the CPU's forward is
     # synchronous, so there it would only add one collective a step
     overlap = cfg.use_async_batching if cfg.use_async_batching is not None else device_kind == "cuda"
@@ -293,8 +287,8 @@ def host_pool_pages(cfg: ContinuousBatchingConfig, page_bytes: int, system_ram: 
     return pages
 
 
-def graph_decision(asked: bool | tuple[bool, bool] | None, device_kind: str) -> tuple[tuple[bool, bool], list[str]]:
-    """(varlen, decode) CUDA graphs that will run, and why any asked for will not.
+def graph_decision(asked: bool | tuple[bool, bool] | None, device_kind: str, notes: list[str]) -> tuple[bool, bool]:
+    """(varlen, decode) CUDA graphs that will run; why any asked for will not goes to `notes`.
 
     None means "where it can": decode graphs on CUDA. Only the decode step (one token a sequence, batch
     buckets of powers of two) is captured; varlen (prefill and mixed) steps always run eagerly.
@@ -302,16 +296,14 @@ def graph_decision(asked: bool | tuple[bool, bool] | None, device_kind: str) -> 
     pair = (asked, asked) if isinstance(asked, bool) else tuple(asked) if asked is not None else None
     if device_kind != "cuda":
         if pair and any(pair):
-            return (False, False), ["use_cuda_graph -> (False, False): no CUDA device"]
-        return (False, False), []
-    if pair is None:
-        pair = (False, True)
+            notes.append("use_cuda_graph -> (False, False): no CUDA device")
+        return (False, False)
+    pair = (False, True) if pair is None else pair
     resolved = (False, bool(pair[1]))
-    if not any(pair):
-        return resolved, []
-    note = (f"use_cuda_graph -> {resolved}: only the decode step is captured (one graph a batch bucket, "
-            "powers of two); prefill and mixed steps run eagerly")
-    return resolved, [note]
+    if any(pair):
+        notes.append(f"use_cuda_graph -> {resolved}: only the decode step is captured (one graph a batch bucket, "
+                     "powers of two); prefill and mixed steps run eagerly")
+    return resolved
 
 
 FLASH_DTYPES = ("float16", "bfloat16")

@@ -1,9 +1,6 @@
-"""Process groups and the control channel.
-
-Two groups, as DESIGN.md draws them: the device group carries the forward's all-reduces (NCCL on CUDA,
-gloo on CPU) and the control group carries StepPlans and agreements (always gloo, with the
-`cpu_group_timeout` timeout). Alone (WORLD_SIZE unset or 1) there is no process group at all.
-"""
+"""Process groups and the control channel. The device group carries the forward's all-reduces (NCCL on CUDA,
+gloo on CPU), the control group StepPlans and agreements (gloo, `cpu_group_timeout`). Alone (WORLD_SIZE unset
+or 1) there is no process group at all."""
 
 from __future__ import annotations
 
@@ -12,8 +9,8 @@ import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator
 from datetime import timedelta
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -131,9 +128,8 @@ def make_control_group(groups: Groups, cpu_group_timeout: float | None) -> Group
 
 def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
     """Send one plan from the driver; returns every rank's state row (the driver's: the plan's header). The driver
-    calls it; every other rank calls `recv_plan` once for it. The state rows come by a gather and the header by a
-    broadcast, not one all-reduce of the table: on gloo a small all-reduce's latency is several times theirs
-    (measured here, 2 ranks: median 0.70 / p90 4.2 ms against 0.49 / 0.63; 4 ranks: 5.2 / 10.6 against 1.2 / 4.4)."""
+    calls it; every other rank calls `recv_plan` once for it. A gather and broadcasts, not one all-reduce of the
+    table: on gloo a small all-reduce is several times slower (docs/architecture.md, "The StepPlan")."""
     groups.check_control_thread()
     if not groups.distributed:
         return None
@@ -159,17 +155,14 @@ def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
     dist.gather(row, None, dst=DRIVER, group=groups.control_group)
     dist.broadcast(row, DRIVER, group=groups.control_group)  # now the plan's header
     h = row.numpy()
-    payload = None
-    if h[H.PAYLOAD_LEN]:
-        t = torch.empty(int(h[H.PAYLOAD_LEN]), dtype=torch.int32)
-        dist.broadcast(t, DRIVER, group=groups.control_group)
-        payload = t.numpy()
-    data = b""
-    if h[H.DATA_LEN]:
-        t = torch.empty(int(h[H.DATA_LEN]), dtype=torch.uint8)
-        dist.broadcast(t, DRIVER, group=groups.control_group)
-        data = t.numpy().tobytes()
-    return plan_from_parts(h, payload, data)
+
+    def received(n: int, dtype: torch.dtype) -> np.ndarray:  # the next broadcast, when the header announces one
+        t = torch.empty(int(n), dtype=dtype)
+        if n:
+            dist.broadcast(t, DRIVER, group=groups.control_group)
+        return t.numpy()
+
+    return plan_from_parts(h, received(h[H.PAYLOAD_LEN], torch.int32), received(h[H.DATA_LEN], torch.uint8).tobytes())
 
 
 def agree_min(value: int, groups: Groups) -> int:

@@ -1,10 +1,9 @@
 """Prometheus text for the driver's `metrics` map (driver/api/serving_metrics.py, in the `stats` reply).
 
-Names follow vLLM's under a `lockstep:` prefix, each labelled with `model_name`, so existing dashboards need only
-the prefix changed; `gpu_cache_usage_perc` and `time_per_output_token_seconds` repeat `kv_cache_usage_perc` and
-`inter_token_latency_seconds` under their older vLLM names. Behind a replica router (launch/router/router.py) every series
-also has a `replica` label, one per replica (sum over it for the whole service); `merge` gives the `stats` reply's
-summed map. Torch-free.
+Names follow vLLM's under a `lockstep:` prefix, labelled with `model_name`, so existing dashboards need only the
+prefix changed (`gpu_cache_usage_perc` and `time_per_output_token_seconds` are vLLM's older names). Behind a
+replica router (launch/router/router.py) every series also has a `replica` label; `merge` gives the `stats`
+reply's summed map. Torch-free.
 """
 
 from __future__ import annotations
@@ -54,16 +53,12 @@ class MetricsSnapshot(Collector):
         return [self.model_name] + ([replica] if replica is not None else [])
 
     def collect(self) -> Iterator[Metric]:
-        for name, key, doc in GAUGES:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=self.names)
-            for replica, m in self.maps.items():
-                g.add_metric(self._labels(replica), float(m.get(key, 0)))
-            yield g
-        for name, key, doc in COUNTERS:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=self.names)
-            for replica, m in self.maps.items():
-                c.add_metric(self._labels(replica), float(m.get(key, 0)))
-            yield c
+        for family, table in ((GaugeMetricFamily, GAUGES), (CounterMetricFamily, COUNTERS)):
+            for name, key, doc in table:
+                fam = family(PREFIX + name, doc, labels=self.names)
+                for replica, m in self.maps.items():
+                    fam.add_metric(self._labels(replica), float(m.get(key, 0)))
+                yield fam
         success = CounterMetricFamily(PREFIX + "request_success", "Requests that ended, by finish reason.",
                                       labels=self.names + ["finished_reason"])
         for replica, m in self.maps.items():
@@ -74,8 +69,8 @@ class MetricsSnapshot(Collector):
             fam = HistogramMetricFamily(PREFIX + name, doc, labels=self.names)
             for replica, m in self.maps.items():
                 h = m.get(key) or {"buckets": [["+Inf", 0]], "sum": 0.0}
-                fam.add_metric(self._labels(replica), [(_bound(b), float(n)) for b, n in h["buckets"]],
-                               float(h["sum"]))
+                buckets = [(b if b == "+Inf" else repr(float(b)), float(n)) for b, n in h["buckets"]]
+                fam.add_metric(self._labels(replica), buckets, float(h["sum"]))
             yield fam
 
 
@@ -97,7 +92,8 @@ def merge(maps: list[dict[str, Any]]) -> dict[str, Any]:
     for _, key, _ in HISTOGRAMS:
         hs = [m[key] for m in maps if m.get(key)]
         if hs:
-            out[key] = {"buckets": [[b, sum(h["buckets"][i][1] for h in hs)] for i, (b, _) in enumerate(hs[0]["buckets"])],
+            out[key] = {"buckets": [[b, sum(h["buckets"][i][1] for h in hs)]
+                                    for i, (b, _) in enumerate(hs[0]["buckets"])],
                         "sum": sum(h["sum"] for h in hs), "count": sum(h["count"] for h in hs)}
     return out
 
@@ -109,10 +105,6 @@ def replica_maps(stats: dict[str, Any]) -> dict[str | None, dict[str, Any]]:
         return {str(r.get("index", i)): (r.get("stats") or {}).get("metrics", {})
                 for i, r in enumerate(stats["replicas"])}
     return {None: stats.get("metrics", {})}
-
-
-def _bound(b: float | str) -> str:
-    return "+Inf" if b == "+Inf" else repr(float(b))
 
 
 def render(stats: dict[str, Any], model_name: str) -> bytes:

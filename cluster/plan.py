@@ -1,12 +1,9 @@
 """The StepPlan: everything a rank needs to run one step, as fixed-layout integers.
 
-On the wire between ranks a plan is: a gather of every other rank's state row (HEADER_LEN int64) on the
-driver (so the driver hears from every rank each step), one broadcast of the driver's int64 header, then
-(when the header says so) one broadcast of a flat int32 payload whose
-layout the header's counts define, then (when the header says so) a broadcast of msgpack bytes for commands
-that carry data. Nothing is pickled. Workers keep no request state: a plan is complete in itself.
-
-Sequences are ordered with every single-token query first (the decode group), then the rest.
+On the wire (cluster/dist.py): a gather of every other rank's state row (HEADER_LEN int64) on the driver, a
+broadcast of the driver's int64 header, then, when the header says so, one of a flat int32 payload whose layout
+the header's counts define and one of msgpack bytes for commands that carry data. Nothing is pickled. Workers
+keep no request state: a plan is complete in itself. Every single-token query comes first (the decode group).
 """
 
 from __future__ import annotations
@@ -97,30 +94,17 @@ class StepPlan:
     @property
     def num_decode(self) -> int:
         """Sequences at the front whose query is a single token."""
-        n = 0
-        for q in self.q_lens:
-            if q != 1:
-                break
-            n += 1
-        return n
+        return next((i for i, q in enumerate(self.q_lens) if q != 1), self.num_seqs)
 
     def header(self) -> np.ndarray:
         h = np.zeros(HEADER_LEN, np.int64)
-        h[H.MAGIC] = PLAN_MAGIC
-        h[H.COMMAND] = int(self.command)
-        h[H.STEP] = self.step
-        h[H.NUM_TOKENS] = self.num_tokens
-        h[H.NUM_SEQS] = self.num_seqs
-        h[H.NUM_DECODE] = self.num_decode
+        h[[H.MAGIC, H.COMMAND, H.STEP, H.NUM_TOKENS, H.NUM_SEQS, H.NUM_DECODE, H.WEIGHT_VERSION, H.DATA_LEN]] = (
+            PLAN_MAGIC, self.command, self.step, self.num_tokens, self.num_seqs, self.num_decode, self.weight_version,
+            len(self.data))
         h[H.TABLE_WIDTH] = self.block_tables.shape[1] if self.block_tables.ndim == 2 else 0
-        h[H.NUM_SWAP_OUT] = self.swap_out.shape[0]
-        h[H.NUM_SWAP_IN] = self.swap_in.shape[0]
+        h[[H.NUM_SWAP_OUT, H.NUM_SWAP_IN]] = self.swap_out.shape[0], self.swap_in.shape[0]
+        h[[H.SHARE_TOKENS, H.BURST, H.ARGMAX_ON_SHARDS]] = self.share_tokens, self.burst, self.argmax_on_shards
         h[H.PAYLOAD_LEN] = payload_len(h)
-        h[H.WEIGHT_VERSION] = self.weight_version
-        h[H.DATA_LEN] = len(self.data)
-        h[H.SHARE_TOKENS] = int(self.share_tokens)
-        h[H.BURST] = self.burst
-        h[H.ARGMAX_ON_SHARDS] = int(self.argmax_on_shards)
         return h
 
     def payload(self) -> np.ndarray:
@@ -143,13 +127,9 @@ def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> S
                     weight_version=int(h[H.WEIGHT_VERSION]), data=data, share_tokens=bool(h[H.SHARE_TOKENS]),
                     burst=max(1, int(h[H.BURST])), argmax_on_shards=bool(h[H.ARGMAX_ON_SHARDS]))
     if payload is not None and payload.size:
-        o = 0
-        plan.input_ids = payload[o:o + t]; o += t
-        plan.q_lens = payload[o:o + b]; o += b
-        plan.kv_lens = payload[o:o + b]; o += b
-        plan.sample = payload[o:o + b]; o += b
-        plan.block_tables = payload[o:o + b * nb].reshape(b, nb); o += b * nb
         n_out, n_in = int(h[H.NUM_SWAP_OUT]), int(h[H.NUM_SWAP_IN])
-        plan.swap_out = payload[o:o + 2 * n_out].reshape(n_out, 2); o += 2 * n_out
-        plan.swap_in = payload[o:o + 2 * n_in].reshape(n_in, 2)
+        plan.input_ids, plan.q_lens, plan.kv_lens, plan.sample, tables, swap_out, swap_in = np.split(
+            payload[:payload_len(h)], np.cumsum([t, b, b, b, b * nb, 2 * n_out]))
+        plan.block_tables, plan.swap_out, plan.swap_in = (
+            tables.reshape(b, nb), swap_out.reshape(n_out, 2), swap_in.reshape(n_in, 2))
     return plan

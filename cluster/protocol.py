@@ -118,17 +118,11 @@ def field(msg: dict, name: str, types: Any, default: Any = None, required: bool 
         if required:
             raise ProtocolError(Code.BAD_FIELD, f"field {name!r} is required", msg.get("mid"))
         return default
-    value = msg[name]
-    if isinstance(value, bool) and types is not bool and bool not in (types if isinstance(types, tuple) else ()):
-        raise ProtocolError(Code.BAD_FIELD, f"field {name!r} must be {_names(types)}, got bool", msg.get("mid"))
-    if not isinstance(value, types):
-        raise ProtocolError(Code.BAD_FIELD, f"field {name!r} must be {_names(types)}, got "
-                                            f"{type(value).__name__}", msg.get("mid"))
+    value, allowed = msg[name], types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):  # a bool is an int
+        raise ProtocolError(Code.BAD_FIELD, f"field {name!r} must be {' or '.join(t.__name__ for t in allowed)}, "
+                                            f"got {type(value).__name__}", msg.get("mid"))
     return value
-
-
-def _names(types: Any) -> str:
-    return " or ".join(t.__name__ for t in types) if isinstance(types, tuple) else types.__name__
 
 
 def _is_int(v: Any) -> bool:
@@ -192,17 +186,13 @@ _HOST_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 
 def _is_host(host: str) -> bool:
     """A hostname (RFC 1123 labels) or an IP literal (IPv6 in brackets)."""
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            return ipaddress.ip_address(host[1:-1]).version == 6
-        except ValueError:
-            return False
     try:
+        if host.startswith("[") and host.endswith("]"):
+            return ipaddress.ip_address(host[1:-1]).version == 6
         ipaddress.ip_address(host)
         return True
-    except ValueError:
-        pass
-    return 0 < len(host) <= 253 and all(_HOST_LABEL.match(label) for label in host.split("."))
+    except ValueError:  # brackets are no hostname's
+        return 0 < len(host) <= 253 and all(_HOST_LABEL.match(label) for label in host.split("."))
 
 
 def check_store(value: Any, mid: Any = None) -> str:
@@ -229,7 +219,7 @@ def check_buckets(value: Any, mid: Any = None) -> list[list[list[Any]]]:
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[0]
                     and isinstance(entry[1], list) and isinstance(entry[2], str)):
                 raise ProtocolError(Code.BAD_FIELD, f"bucket {b}: every entry is [name, shape, dtype]", mid)
-            if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in entry[1]):
+            if not all(_is_int(d) and 0 <= d < 1 << 40 for d in entry[1]):
                 raise ProtocolError(Code.BAD_FIELD, f"bucket {b}: a shape is a list of non-negative integers", mid)
             if entry[2] not in PUSH_DTYPES or entry[2] != bucket[0][2]:
                 raise ProtocolError(Code.BAD_FIELD, f"bucket {b}: dtype must be one of {PUSH_DTYPES}, one per "

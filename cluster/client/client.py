@@ -1,30 +1,25 @@
 """Clients of a running cluster: `Client` (blocking, thread-safe) and `AsyncClient` (asyncio).
 
-One I/O thread per client (cluster/client/io_thread.py) owns the ZeroMQ DEALER socket; calls hand it frames and
-wait on futures, so one client carries thousands of concurrent requests from any number of threads or tasks.
-While anything is outstanding the I/O thread pings the server: the server cancels the requests of a client
-that goes quiet, and a client whose server goes quiet for `server_timeout_s` ends every waiting call with
-`ServerGone` instead of waiting for `timeout`.
-
-A request the server loses (a rank failed, the driver failed, the server went silent) is resumed by default:
-the client waits for a healthy server at the same address and resubmits it with the tokens it already
-delivered, and the caller sees the uninterrupted answer (cluster/client/resume.py, docs/recovery.md).
-
-A client connects lazily and pickles as its settings only, so a handle can be passed into Ray tasks and
-actors and reconnects in each worker process. Only torch-free modules are imported here.
+One I/O thread per client (io_thread.py) owns the ZeroMQ DEALER socket; calls hand it frames and wait on
+futures, so one client carries thousands of concurrent requests from any number of threads or tasks. While
+anything is outstanding it pings the server: the server cancels the requests of a client that goes quiet, and
+a server quiet for `server_timeout_s` ends every waiting call with `ServerGone` instead of waiting for
+`timeout`. A request the server loses is resumed by default (resume.py, docs/recovery.md): the caller sees
+the uninterrupted answer. A client connects lazily and pickles as its settings only, so a handle can be passed
+into Ray tasks and actors and reconnects in each worker process. Torch-free.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
+from asyncio import wrap_future
 import threading
 import weakref
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from cluster import protocol as P
-from cluster.client.io_thread import PING_EVERY_S, RESUMABLE, IOThread, PendingRequest, settle, then  # noqa: F401
+from cluster.client.io_thread import RESUMABLE, IOThread, PendingRequest, settle, then
 from cluster.client.resume import Resumer
 from cluster.errors import ClientError, RequestLost, ServerGone, WeightUpdateError  # noqa: F401  (re-exported)
 from cluster.outputs import GenerationOutput
@@ -38,10 +33,6 @@ def weight_update_result(data: dict) -> dict:
     rank = data.get("rank")
     rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
     raise WeightUpdateError(str(data.get("error") or "the cluster refused the update"), rank, data)
-
-
-def _data(msg: dict) -> Any:
-    return msg["data"]
 
 
 class Client:
@@ -68,10 +59,9 @@ class Client:
 
     # a handle crosses process boundaries (Ray) as its settings; each process connects on first use
     def __getstate__(self) -> dict:
-        return {"address": self.address, "server_key": self.server_key, "client_keys": self.client_keys,
-                "timeout": self.timeout, "max_frame_bytes": self.max_frame_bytes,
-                "server_timeout_s": self.server_timeout_s, "resume": self.auto_resume, "max_resumes": self.max_resumes,
-                "resume_timeout_s": self.resume_timeout_s}
+        names = ("address", "server_key", "client_keys", "timeout", "max_frame_bytes", "server_timeout_s",
+                 "max_resumes", "resume_timeout_s")
+        return {n: getattr(self, n) for n in names} | {"resume": self.auto_resume}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
@@ -95,8 +85,7 @@ class Client:
 
     def close(self) -> None:
         """Say goodbye (the server cancels this client's unfinished requests at once) and close the socket;
-        calls still outstanding end with `client_closed`. A client that is garbage-collected without
-        close() is closed the same way."""
+        outstanding calls end with `client_closed`. A client garbage-collected without close() closes alike."""
         if self.resumer is not None:
             self.resumer.close()  # requests waiting for a resume end with RequestLost (client_closed)
         with self._io_lock:
@@ -183,7 +172,7 @@ class Client:
 
     def data_future(self, kind: str, **fields: Any) -> Future:
         """A call whose reply carries `data` (stats, health, cancel)."""
-        return then(self.io.call(kind, **fields), _data)
+        return then(self.io.call(kind, **fields), lambda msg: msg["data"])
 
     def _collect(self, request_id: str) -> PendingRequest:
         req = self.io.requests.get(request_id)
@@ -192,8 +181,7 @@ class Client:
         return req
 
     def _forget(self, req: PendingRequest, cancel: bool = False) -> None:
-        """Stop tracking a collected request; `cancel` asks the server to drop it if it is still running
-        (a stream the caller left early)."""
+        """Stop tracking a collected request; `cancel`: the server drops it if still running (a stream left early)."""
         req.dropped = True  # a request waiting for its resume is not resumed any more
         io = self._io
         if io is None:
@@ -209,8 +197,7 @@ class Client:
         return self._wait(fut)
 
     def result(self, request_id: str, timeout: float | None = None) -> GenerationOutput:
-        """The final output of a submitted request (ClientError if the server failed it, ServerGone if the
-        server stopped answering)."""
+        """The final output of a submitted request (ClientError if the server failed it, ServerGone if it is gone)."""
         req = self._collect(request_id)
         try:
             out = self._wait(req.final, timeout)
@@ -224,8 +211,7 @@ class Client:
         return self.result(self.submit(input_ids, **params))
 
     def stream(self, input_ids: list[int] | None = None, **params: Any) -> Iterator[GenerationOutput]:
-        """One output per generated token (cumulative tokens, and text and logprobs when asked for), then the
-        final output."""
+        """One output per generated token (cumulative tokens, text and logprobs when asked for), then the final."""
         params["streaming"] = True
         req, fut = self.submit_future(input_ids, **params)
         self._wait(fut)
@@ -240,17 +226,15 @@ class Client:
         self._wait(self.data_future(P.CANCEL, request_id=request_id))
 
     def pause(self) -> None:
-        """Hold scheduling on the cluster: in-flight requests keep their KV, new ones queue. This client
-        holds the pause until `resume()`; it keeps pinging meanwhile (the server releases the pause of a
-        client that disconnects or goes quiet)."""
+        """Hold scheduling on the cluster: in-flight requests keep their KV, new ones queue, until `resume()`.
+        This client pings meanwhile (the server releases the pause of a client that disconnects or goes quiet)."""
         self._wait(self.pause_future(True))
 
     def resume(self) -> None:
         self._wait(self.pause_future(False))
 
     def update_weights(self, path: str, kv_policy: str = "keep") -> dict:
-        """Load new weights on every rank, all or none: the result dict, or WeightUpdateError (its `rank`
-        and `reason`) when the cluster refused the update."""
+        """Load new weights on every rank, all or none: the result, or WeightUpdateError (`rank`, `reason`)."""
         return self._wait(self.update_weights_future(path, kv_policy))
 
     def stats(self) -> dict:
@@ -272,17 +256,14 @@ class AsyncClient:
     def __setstate__(self, state: dict) -> None:
         self.client = Client(**state)
 
-    async def _await(self, fut: Future) -> Any:
-        return await asyncio.wrap_future(fut)
-
     async def submit(self, input_ids: list[int] | None = None, **params: Any) -> str:
         _, fut = self.client.submit_future(input_ids, **params)
-        return await self._await(fut)
+        return await wrap_future(fut)
 
     async def result(self, request_id: str) -> GenerationOutput:
         req = self.client._collect(request_id)
         try:
-            return await self._await(req.final)
+            return await wrap_future(req.final)
         finally:
             self.client._forget(req)
 
@@ -292,7 +273,7 @@ class AsyncClient:
     async def stream(self, input_ids: list[int] | None = None, **params: Any) -> AsyncIterator[GenerationOutput]:
         params["streaming"] = True
         req, fut = self.client.submit_future(input_ids, **params)
-        await self._await(fut)
+        await wrap_future(fut)
         try:
             while not (item := await req.next_item_async(self.client.timeout)).is_finished():
                 yield item
@@ -301,22 +282,22 @@ class AsyncClient:
             self.client._forget(req, cancel=True)
 
     async def cancel(self, request_id: str) -> None:
-        await self._await(self.client.data_future(P.CANCEL, request_id=request_id))
+        await wrap_future(self.client.data_future(P.CANCEL, request_id=request_id))
 
     async def pause(self) -> None:
-        await self._await(self.client.pause_future(True))
+        await wrap_future(self.client.pause_future(True))
 
     async def resume(self) -> None:
-        await self._await(self.client.pause_future(False))
+        await wrap_future(self.client.pause_future(False))
 
     async def update_weights(self, path: str, kv_policy: str = "keep") -> dict:
-        return await self._await(self.client.update_weights_future(path, kv_policy))
+        return await wrap_future(self.client.update_weights_future(path, kv_policy))
 
     async def stats(self) -> dict:
-        return await self._await(self.client.data_future(P.STATS))
+        return await wrap_future(self.client.data_future(P.STATS))
 
     async def health(self) -> dict:
-        return await self._await(self.client.data_future(P.HEALTH))
+        return await wrap_future(self.client.data_future(P.HEALTH))
 
     async def close(self) -> None:
         self.client.close()

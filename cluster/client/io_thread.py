@@ -1,16 +1,15 @@
-"""The I/O thread behind a client: it alone owns the ZeroMQ DEALER socket.
+"""The I/O thread behind a client: it alone owns the ZeroMQ DEALER socket; calls hand it frames (`call`,
+`track`) and wait on futures.
 
-Calls hand it frames (`call`, `track`) and wait on futures. While anything is outstanding (a request, a
-reply, or a pause this client holds) it pings the server every second; the server answers each ping with a
-`pong`, so a server that sends nothing at all for `server_timeout_s` is taken as gone, and every outstanding
-future and stream ends with `ServerGone`. The pong names the server (an id new at each start), like the
-`accepted` of each request: a request accepted by a server that is no longer the one answering (a group
-restarted at the same address within the silence check) is lost too. An exception inside the thread ends every outstanding call with
-`client_failed` instead of leaving them waiting; either way the thread ends, and the client's next call
-opens a fresh one. `close()` delivers the `bye`, so the server cancels this client's requests at once.
-A request the server loses (`rank_failed`, `driver_failed`, the server gone) goes to `on_lost` when it is
-resumable and the client resumes (cluster/client/resume.py); otherwise it ends with RequestLost.
-Only torch-free modules are imported here.
+While anything is outstanding (a request, a reply, a pause this client holds) it pings the server every
+second. A server silent for `server_timeout_s` is taken as gone: everything outstanding ends with
+`ServerGone`. The pong names the server (an id new at each start), like each request's `accepted`, so a
+request accepted by a server that is no longer the one answering (restarted at the same address within the
+silence check) is lost too. An exception inside the thread ends every outstanding call with `client_failed`;
+either way the thread ends and the client's next call opens a fresh one. `close()` delivers the `bye`, so the
+server cancels this client's requests at once. A lost request (`rank_failed`, `driver_failed`, the server
+gone) goes to `on_lost` when it is resumable (cluster/client/resume.py); otherwise it ends with RequestLost.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ import zmq
 from cluster import protocol as P
 from cluster.errors import ClientError, Code, RequestLost, ServerGone
 from cluster.outputs import GenerationOutput
-from cluster.client.pending import PendingRequest, settle  # noqa: F401  (re-exported)
+from cluster.client.pending import PendingRequest, settle
+from cluster.client.resume import lost_error
 from cluster.wake_pipe import WakePipe
 
 log = logging.getLogger("lockstep")
@@ -42,29 +42,20 @@ DRAIN_AT_MOST = 1000  # frames read per round, so the outbox and the silence che
 RESUMABLE = frozenset({Code.RANK_FAILED, Code.DRIVER_FAILED, Code.WEIGHTS_DIVERGED, Code.SERVER_GONE})
 
 
-def lost(req: PendingRequest, error: ClientError, reason: str) -> RequestLost:
-    """The error of a request the server lost and this client does not resume."""
-    return RequestLost(error.code, error.message, req.request_id, reason, len(req.tokens), req.resumes)
-
-
-def then(fut: Future, fn: Callable[[Any], Any], on_ok: Callable[[], None] | None = None) -> Future:
+def then(fut: Future, fn: Callable[[Any], Any]) -> Future:
     """A future of `fn(result of fut)`; `fn` may raise, and `fut`'s error passes through unchanged."""
     out: Future = Future()
 
     def done(f: Future) -> None:
         if f.cancelled():
             out.cancel()
-            return
-        error = f.exception()
-        if error is not None:
+        elif (error := f.exception()) is not None:
             settle(out, error=error)
-            return
-        try:
-            value = fn(f.result())
-        except Exception as e:
-            settle(out, error=e)
-            return
-        settle(out, value)
+        else:
+            try:
+                settle(out, fn(f.result()))
+            except Exception as e:
+                settle(out, error=e)
 
     fut.add_done_callback(done)
     return out
@@ -83,9 +74,8 @@ class IOThread:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if server_key:
-            public, secret = client_keys or zmq.curve_keypair()
             self.sock.curve_serverkey = server_key
-            self.sock.curve_publickey, self.sock.curve_secretkey = public, secret
+            self.sock.curve_publickey, self.sock.curve_secretkey = client_keys or zmq.curve_keypair()
         self.sock.connect(address)
         self.outbox: deque[bytes] = deque()
         self.replies: dict[Any, Future] = {}
@@ -121,16 +111,17 @@ class IOThread:
             mid = next(self.mids)
             self.replies[mid] = fut
             self.outbox.append(P.encode(kind, mid=mid, **fields))
-        self._wake()
+        self.waker.wake()
         return fut
 
-    def track(self, req: PendingRequest) -> None:
+    def track(self, req: PendingRequest, again: bool = False) -> None:
         """Start tracking a request before its submit leaves, so no token can slip by. A request id this
-        client already tracks is refused here, leaving the original untouched."""
+        client already tracks is refused here, leaving the original untouched, unless `again`: the resume
+        tracks its request again (it may have been tracked by an I/O thread that ended)."""
         with self.lock:
             if self.closed:
                 raise self._ended()
-            if req.request_id in self.requests:
+            if not again and req.request_id in self.requests:
                 raise ClientError(Code.DUPLICATE_REQUEST_ID, f"request id {req.request_id!r} is already "
                                   "outstanding on this client", req.request_id)
             if not self._busy():
@@ -141,33 +132,20 @@ class IOThread:
     def finish(self, req: PendingRequest, output: GenerationOutput | None = None,
                error: BaseException | None = None) -> None:
         """The request's end: its final output or its error, to its future and its stream."""
-        with self.lock:
-            if self.requests.get(req.request_id) is req:
-                self.open.discard(req.request_id)
-        if req.final.done():
-            return
-        req.put(output if error is None else error)
-        settle(req.final, output, error)
-
-    def retrack(self, req: PendingRequest) -> None:
-        """Track a request again for its resume (it may have been tracked by an I/O thread that ended)."""
-        with self.lock:
-            if self.closed:
-                raise self._ended()
-            if not self._busy():
-                self.busy_since = time.monotonic()
-            self.requests[req.request_id] = req
-            self.open.add(req.request_id)
+        self.set_waiting(req)
+        if not req.final.done():
+            req.put(output if error is None else error)
+            settle(req.final, output, error)
 
     def set_waiting(self, req: PendingRequest) -> None:
-        """The request waits for a resume: still tracked (its caller collects it), not outstanding here."""
+        """Not outstanding here any more (ended, or waiting for a resume), still tracked: its caller collects it."""
         with self.lock:
             if self.requests.get(req.request_id) is req:
                 self.open.discard(req.request_id)
 
     def lose(self, req: PendingRequest, error: ClientError) -> None:
         """The server lost the request: to `on_lost` (it resumes it), or ended with RequestLost. Only a request
-        outstanding here is lost (a second report of the same loss is ignored)."""
+        outstanding here is lost (a second report is ignored)."""
         with self.lock:
             if self.requests.get(req.request_id) is not req or req.request_id not in self.open:
                 return
@@ -176,7 +154,7 @@ class IOThread:
             self.on_lost(req, error)
             return
         reason = RequestLost.RESUME_OFF if error.code in RESUMABLE else RequestLost.CLIENT_CLOSED
-        self.finish(req, error=lost(req, error, reason) if req.resumable or error.code in RESUMABLE else error)
+        self.finish(req, error=lost_error(req, error, reason) if req.resumable or error.code in RESUMABLE else error)
 
     def forget(self, req: PendingRequest) -> None:
         """The caller collected the request (or gave up on it): stop tracking it."""
@@ -190,26 +168,22 @@ class IOThread:
         with old.lock:
             taken = dict(old.requests)
         with self.lock:
-            for rid, req in taken.items():
-                self.requests.setdefault(rid, req)
+            self.requests = taken | self.requests
 
     def set_pause_held(self, held: bool) -> None:
         with self.lock:
             self.pause_held = held
 
-    def _wake(self) -> None:
-        self.waker.wake()
-
     def close(self) -> None:
-        """Say goodbye and end the thread, which fails what is still outstanding (`client_closed`) and
-        closes the socket (delivering the `bye`), the context and the wake pipe itself, so that close may
-        also run on the I/O thread (e.g. from a finalizer the garbage collector calls)."""
+        """Say goodbye and end the thread; it fails what is outstanding (`client_closed`) and closes the socket
+        (delivering the `bye`), the context and the wake pipe itself, so close may also run on the I/O thread
+        (from a finalizer the garbage collector calls)."""
         with self.lock:
             if self.closed:
                 return
             self.outbox.append(P.encode(P.BYE))
             self.closed = True
-        self._wake()
+        self.waker.wake()
         if threading.current_thread() is not self.thread:
             self.thread.join(5)
 
@@ -325,8 +299,7 @@ class IOThread:
                 self.finish(req, error=error)
 
     def _check_server(self, server: Any) -> None:
-        """A pong names the server answering at the address; the requests another one accepted are lost (the
-        group restarted there faster than the silence check would notice)."""
+        """A pong names the server answering; requests another one accepted are lost (restarted in between)."""
         if not isinstance(server, str):
             return
         with self.lock:
@@ -337,8 +310,7 @@ class IOThread:
                                       f"{server}); it no longer holds this request", req.request_id))
 
     def _end(self, failure: ClientError | None) -> None:
-        """Fail everything outstanding, say goodbye (delivered on close, best effort on a failure) and
-        release the socket, the context and the wake pipe."""
+        """Fail everything outstanding, say goodbye (best effort after a failure), release the socket."""
         with self.lock:
             self.closed = True
             self.failure = failure

@@ -1,16 +1,13 @@
 """The client's side of crash recovery: it resubmits the requests the server lost, token-exactly.
 
-When a request ends with `rank_failed` or `driver_failed`, or the connection to the server is lost, the I/O
-thread hands it here (cluster/client/io_thread.py `lose`) instead of failing it. One thread per client waits until
-the server at the same address answers `health` with ok (a restarted group comes back there), then resubmits
-each request with the same id and parameters plus the tokens it already delivered (`resume_tokens`, their
-weight versions, the resume count). The server continues from the next token index, so greedy and seeded
-sampling give the uninterrupted answer, and streams go on without a repeated or a missing token.
-
-The wait is bounded: a request not resumed within `resume_timeout_s` of its loss, one lost again after
-`max_resumes` resumes, one whose resume the server refuses for good, or one still waiting when the client
-closes ends with RequestLost, which says why and how many tokens were delivered. docs/recovery.md.
-Torch-free: clients import it.
+A request that ends with `rank_failed` or `driver_failed`, or whose connection is lost, comes here from the
+I/O thread (`IOThread.lose`). One thread per client waits until the server at the same address answers
+`health` with ok (a restarted group comes back there), then resubmits each request with the same id and
+parameters plus the tokens already delivered (`resume_tokens`, their weight versions, the resume count). The
+server continues from the next token index, so greedy and seeded sampling give the uninterrupted answer and
+streams go on without a repeated or a missing token. A request not resumed within `resume_timeout_s`, lost
+again after `max_resumes` resumes, refused for good, or still waiting when the client closes ends with
+RequestLost, which says why and how many tokens were delivered (docs/recovery.md). Torch-free.
 """
 
 from __future__ import annotations
@@ -178,11 +175,11 @@ class Resumer:
         """Send the resuming submit through the client's current I/O thread; the future resolves on `accepted`."""
         io = self.client.io
         try:
-            io.retrack(req)
+            io.track(req, again=True)
         except ClientError as e:
-            fut: Future = Future()
-            fut.set_exception(e)
-            return fut
+            sent: Future = Future()
+            sent.set_exception(e)
+            return sent
         sent = io.call(P.SUBMIT, **req.resume_fields())
 
         def on_reply(f: Future) -> None:  # on the I/O thread, before any token of the resumed request
