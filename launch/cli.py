@@ -22,20 +22,21 @@ def run_main_job(args: argparse.Namespace) -> int:
     if not (model / "config.json").exists():
         make_model.make_model(model, arch="llama", size="tiny", seed=0)
         print(f"made tiny llama checkpoint at {model}")
-    extra = ["--model", str(model), "--num-prompts", str(args.num_prompts), "--new-tokens", str(args.new_tokens)]
-    if args.config:
-        extra += ["--config", args.config]
+    extra = ["--model", str(model), "--num-prompts", str(args.num_prompts), "--new-tokens", str(args.new_tokens),
+             *flags(config=args.config)]
     if args.tp == 1:
-        cmd = [sys.executable, "-m", "launch.demo", *extra]
-    else:
-        cmd = torchrun_command(args.tp, "launch.demo", extra)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads_per_rank(args.tp))))
-    return subprocess.call(cmd, env=env if args.tp > 1 else None)
+        return subprocess.call([sys.executable, "-m", "launch.demo", *extra])
+    return subprocess.call(torchrun_command(args.tp, "launch.demo", extra), env=ranks_env(args.tp))
 
 
-def threads_per_rank(tp: int) -> int:
+def flags(**values: str | None) -> list[str]:
+    """`--name value` for each value given (None or empty: left out)."""
+    return [x for k, v in values.items() if v for x in (f"--{k.replace('_', '-')}", v)]
+
+
+def ranks_env(tp: int) -> dict[str, str]:
     """The machine's cores shared among this node's ranks (torchrun's own default is 1 thread per rank)."""
-    return max(1, (os.cpu_count() or 1) // tp)
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp))))
 
 
 def run_ranks(args: argparse.Namespace, module: str, extra: list[str]) -> int:
@@ -47,8 +48,7 @@ def run_ranks(args: argparse.Namespace, module: str, extra: list[str]) -> int:
                           "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
     if getattr(args, "max_restarts", 0):
         cmd[3:3] = ["--max-restarts", str(args.max_restarts)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads_per_rank(args.tp))))
-    os.execve(cmd[0], cmd, env)  # signals go straight to the launcher
+    os.execve(cmd[0], cmd, ranks_env(args.tp))  # signals go straight to the launcher
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -63,23 +63,14 @@ def serve(args: argparse.Namespace) -> int:
         from launch.ray_launcher import run_cli
 
         return run_cli(args)  # --http: the gateway runs in this process, in front of rank 0's address
-    extra = ["--model", args.model, "--state-file", args.state_file]
-    if args.config:
-        extra += ["--config", args.config]
-    if args.address:
-        extra += ["--address", args.address]
-    if args.http:
-        extra += ["--http", args.http]
-    return run_ranks(args, "launch.serve", extra)
-
+    return run_ranks(args, "launch.serve", ["--model", args.model, "--state-file", args.state_file,
+                                            *flags(config=args.config, address=args.address, http=args.http)])
 
 
 def generate(args: argparse.Namespace) -> int:
-    extra = ["--model", args.model, "--input", args.input, "--output", args.output,
-             "--max-new-tokens", str(args.max_new_tokens)]
-    if args.config:
-        extra += ["--config", args.config]
-    return run_ranks(args, "launch.generate", extra)
+    return run_ranks(args, "launch.generate", ["--model", args.model, "--input", args.input, "--output", args.output,
+                                               "--max-new-tokens", str(args.max_new_tokens),
+                                               *flags(config=args.config)])
 
 
 def main(argv: list[str] | None = None) -> int:

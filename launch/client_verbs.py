@@ -1,78 +1,59 @@
 """CLI verbs that talk to a running cluster: `submit`, `stats`, `health`, `update-weights`.
 
 A refused call prints `{"error": code, "message": ...}` on stderr and exits 2; a refused weight update
-(WeightUpdateError) prints the cluster's result on stdout, adds its `rank` and `reason` and exits 1. A server that stops answering ends the call
-with `server_gone` after `--server-timeout` seconds of silence."""
+(WeightUpdateError) prints the cluster's result on stdout, adds its `rank` and `reason` and exits 1. A server
+that stops answering ends the call with `server_gone` after `--server-timeout` seconds of silence."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any, Callable
 
 from cluster.protocol import DEFAULT_ADDRESS
 
 
-def _client(args: argparse.Namespace):
+def _call(args: argparse.Namespace, verb: Callable[[Any], None]) -> int:
+    """Run `verb(client)` on a client of args.address; a refusal is printed on stderr (exit 1 or 2, above)."""
     from cluster.client import Client
+    from cluster.errors import ClientError, WeightUpdateError
 
-    return Client(args.address, timeout=args.timeout, server_timeout_s=args.server_timeout)
-
-
-def _refused(e: Exception, **extra: object) -> None:
-    print(json.dumps({"error": e.code, "message": e.message, **extra}), file=sys.stderr)
+    with Client(args.address, timeout=args.timeout, server_timeout_s=args.server_timeout) as c:
+        try:
+            verb(c)
+        except ClientError as e:
+            extra = {"rank": e.rank, "reason": e.reason} if isinstance(e, WeightUpdateError) else {}
+            if extra:  # the cluster's result still goes to stdout, as for an accepted one
+                print(json.dumps(e.result, indent=2))
+            print(json.dumps({"error": e.code, "message": e.message, **extra}), file=sys.stderr)
+            return 1 if extra else 2
+    return 0
 
 
 def submit(args: argparse.Namespace) -> int:
-    from cluster.client.client import ClientError
-
-    params = {"max_new_tokens": args.max_new_tokens}
+    params = {"max_new_tokens": args.max_new_tokens, "text": args.text}
     if args.temperature is not None:
         params.update(do_sample=True, temperature=args.temperature)
-    source = {"text": args.text} if args.text is not None else {
-        "input_ids": [int(t) for t in args.input_ids.split(",")]}
-    with _client(args) as c:
-        try:
-            if args.stream:
-                for out in c.stream(source.get("input_ids"), text=source.get("text"), **params):
-                    print(json.dumps({"request_id": out.request_id, "generated_tokens": out.generated_tokens,
-                                      "status": out.status.name}), flush=True)
-            else:
-                out = c.generate(source.get("input_ids"), text=source.get("text"), **params)
-                print(json.dumps(out.to_dict()))
-        except ClientError as e:
-            _refused(e)
-            return 2
-    return 0
+    input_ids = [int(t) for t in args.input_ids.split(",")] if args.text is None else None
+
+    def verb(c: Any) -> None:
+        if not args.stream:
+            print(json.dumps(c.generate(input_ids, **params).to_dict()))
+            return
+        for out in c.stream(input_ids, **params):
+            print(json.dumps({"request_id": out.request_id, "generated_tokens": out.generated_tokens,
+                              "status": out.status.name}), flush=True)
+
+    return _call(args, verb)
 
 
 def stats(args: argparse.Namespace) -> int:
-    from cluster.client.client import ClientError
-
-    with _client(args) as c:
-        try:
-            print(json.dumps(c.stats() if args.verb == "stats" else c.health(), indent=2))
-        except ClientError as e:
-            _refused(e)
-            return 2
-    return 0
+    return _call(args, lambda c: print(json.dumps(c.stats() if args.verb == "stats" else c.health(), indent=2)))
 
 
 def update_weights(args: argparse.Namespace) -> int:
-    from cluster.client.client import ClientError, WeightUpdateError
-
-    with _client(args) as c:
-        try:
-            result = c.update_weights(args.path, kv_policy=args.kv_policy)
-        except WeightUpdateError as e:  # the cluster's result still goes to stdout, as for an accepted one
-            print(json.dumps(e.result, indent=2))
-            _refused(e, rank=e.rank, reason=e.reason)
-            return 1
-        except ClientError as e:
-            _refused(e)
-            return 2
-    print(json.dumps(result, indent=2))
-    return 0
+    return _call(args, lambda c: print(json.dumps(c.update_weights(args.path, kv_policy=args.kv_policy), indent=2)))
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

@@ -1,20 +1,15 @@
 """Start the ranks of `lockstep serve` as Ray actors instead of torchrun.
 
-Why: on a Ray cluster the resources belong to Ray, so the ranks should be Ray actors that Ray places,
-accounts for and cleans up. A placement group reserves one bundle per rank (`{"CPU": 1}`, or
-`{"GPU": 1, "CPU": 1}` with gpu=True) with strategy PACK, so the ranks share as few nodes as possible and
-the gloo/NCCL traffic stays local where it can. Each actor sets the environment torchrun would have set
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR = rank 0's node IP, MASTER_PORT = a port rank
-0's actor found free) and runs `launch.serve.serve_rank`, the same per-rank code as `lockstep serve`, in
-a thread of its own: a Ray actor must not install signal handlers or `os._exit`, so stopping is an event
-and ending the process is `ray.kill`.
-
-After a rank fails, `lockstep serve --launcher ray` restarts the group (`--max-restarts`, default 3): the
-actors are killed and new ones take the same bundles of the same placement group, on the same address, with
-the same weights record (docs/recovery.md), and clients resume their requests.
-
-Nothing crosses between ranks through Ray except these few strings and integers; the ranks talk over
-their own process groups, and clients over ZeroMQ, as under torchrun.
+On a Ray cluster the resources belong to Ray, so the ranks are Ray actors that Ray places, accounts for and cleans
+up. A placement group reserves one bundle per rank (`{"CPU": 1}`, or `{"GPU": 1, "CPU": 1}` with gpu=True) with
+strategy PACK, so the ranks share as few nodes as possible and the gloo/NCCL traffic stays local where it can.
+Each actor sets the environment torchrun would have set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR = rank 0's node IP, MASTER_PORT = a port rank 0's actor found free) and runs `launch.serve.serve_rank`
+in a thread of its own: a Ray actor must not install signal handlers or `os._exit`, so stopping is an event and
+ending the process is `ray.kill`. After a rank fails, `lockstep serve --launcher ray` restarts the group
+(`--max-restarts`): new actors take the same bundles, on the same address, with the same weights record
+(docs/recovery.md), and clients resume their requests. Nothing crosses between ranks through Ray except these
+few strings and integers; the ranks talk over their own process groups, and clients over ZeroMQ.
 
     handle = start_ray_cluster("models/tiny-llama", tp=2)
     print(handle.client().generate([1, 2, 3], max_new_tokens=8).generated_tokens)
@@ -26,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -38,6 +32,7 @@ from cluster.client import Client
 from launch.gateway.server import start_beside
 from cluster.config import read_preset
 from launch.serve import RANK_FAILED_EXIT
+from launch.torchrun import free_port
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])  # where `cluster`, `driver`, `worker`, `launch` live
 
@@ -66,17 +61,15 @@ class RankActor:
 
     def free_port(self) -> int:
         """A port free on this node right now (asked of rank 0's actor: the port must be free on its node)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port("")
 
     def start(self, env: dict[str, str], model_dir: str, preset: dict, address: str | None,
               state_file: str | None = None) -> None:
         """Set torchrun's environment and start serving in a thread. Every rank's actor must be started:
         serve_rank joins the process groups and runs collectives on every rank."""
         os.environ.update(env)
-        logging.basicConfig(level=logging.INFO,
-                            format=f"%(asctime)s %(name)s rank{self.rank} %(levelname)s %(message)s")
+        fmt = f"%(asctime)s %(name)s rank{self.rank} %(levelname)s %(message)s"
+        logging.basicConfig(level=logging.INFO, format=fmt)
         self.thread = threading.Thread(target=self._serve, args=(model_dir, preset, address, state_file),
                                        name=f"lockstep-rank{self.rank}", daemon=True)
         self.thread.start()
@@ -84,12 +77,9 @@ class RankActor:
     def _serve(self, model_dir: str, preset: dict, address: str | None, state_file: str | None) -> None:
         from launch.serve import serve_rank
 
-        def on_ready(addr: str) -> None:
-            self.address = addr
-
         try:
-            self.code = serve_rank(model_dir, preset, address, self.stop_event, on_ready=on_ready,
-                                   state_file=state_file)
+            self.code = serve_rank(model_dir, preset, address, self.stop_event,
+                                   on_ready=lambda addr: setattr(self, "address", addr), state_file=state_file)
         except BaseException:
             self.error = traceback.format_exc()
             self.code = 1
@@ -115,7 +105,6 @@ class RayCluster:
     actors: list[Any]
     placement_group: Any
     pids: list[int] = field(default_factory=list)  # of the actor processes, rank order
-    nodes: list[str] = field(default_factory=list)  # node IP of each rank
     owns_ray: bool = False  # ray.init was called by start_ray_cluster: shutdown ends Ray too
     closed: bool = False
     start_args: dict = field(default_factory=dict)  # how the ranks were started (a restart starts them again so)
@@ -138,10 +127,9 @@ class RayCluster:
         return codes[0] if codes else None
 
     def restart(self, timeout: float = 30.0) -> None:
-        """After a rank failed: end every rank's actor and start new ones in the same placement group, the
-        same bundles (so the same nodes), on the same address, with the same weights record (the torchrun
-        launcher's --max-restarts, under Ray). Returns once rank 0 serves again; RuntimeError when the new
-        group does not come up."""
+        """After a rank failed: new actors in the same bundles (so the same nodes), on the same address, with the
+        same weights record (torchrun's --max-restarts, under Ray). Returns once rank 0 serves again; RuntimeError
+        when the new group does not come up."""
         old, self.actors = list(self.actors), []
         kill_actors(old, time.monotonic() + timeout)
         self.restart_count += 1
@@ -197,48 +185,37 @@ class RayCluster:
 def kill_actors(actors: list[Any], deadline: float) -> None:
     """`ray.kill` every actor; returns once Ray reports each dead, or at `deadline` (time.monotonic())."""
     import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
 
     for a in actors:
         try:
             ray.kill(a, no_restart=True)
         except Exception:
             pass
-    for a in actors:
-        wait_dead(a, deadline)
-
-
-def wait_dead(actor: Any, deadline: float) -> bool:
-    """True once Ray reports the actor dead (a call on it raises RayActorError), False at the deadline."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.status.remote(), timeout=max(0.1, min(2.0, deadline - time.monotonic())))
-        except RayActorError:
-            return True
-        except GetTimeoutError:
-            continue
-        time.sleep(0.1)
-    return False
+    for a in actors:  # dead once a call on it raises RayActorError
+        while time.monotonic() < deadline:
+            try:
+                ray.get(a.status.remote(), timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            except RayActorError:
+                break
+            except GetTimeoutError:
+                continue
+            time.sleep(0.1)
 
 
 def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | str | os.PathLike | None = None,
                       address: str | None = None, gpu: bool = False, ready_timeout: float = 300.0,
                       ray_init: dict | None = None, state_file: str | None = None,
                       bundle_extra: dict[str, float] | None = None, name: str | None = None) -> RayCluster:
-    """Start `tp` ranks of `lockstep serve` as Ray actors in a PACK placement group; returns once rank 0
-    serves (the address it bound is `.address`).
-
-    config is a preset (a dict, or a TOML path read here and shipped as a dict, so it need not exist on the
-    actors' nodes); address is rank 0's ZeroMQ bind address (default tcp://127.0.0.1:5555 on rank 0's node;
-    bind tcp://0.0.0.0:PORT for clients on other nodes). Ray is initialised with `ray_init` if it is not
-    yet (RAY_ADDRESS, if set, joins a running Ray cluster). On any failure before ready, everything started
-    is torn down and RuntimeError names the rank and its traceback. `state_file`: the record of the weights
-    served (driver/frontdoor/served_weights.py), on rank 0's node; `restart()` serves them again. `bundle_extra`: more
-    resources each bundle asks for (launch/router/replicas.py pins a group to a node with `{"node:<ip>": 0.001}`);
-    `name`: the placement group's name (default lockstep-<pid>).
-    """
+    """Start `tp` ranks of `lockstep serve` as Ray actors in a PACK placement group; returns once rank 0 serves
+    (the address it bound is `.address`). config is a preset (a dict, or a TOML path read here and shipped as a
+    dict, so it need not exist on the actors' nodes); address is rank 0's ZeroMQ bind address (default
+    tcp://127.0.0.1:5555 on rank 0's node; tcp://0.0.0.0:PORT for clients on other nodes). Ray is initialised
+    with `ray_init` if it is not yet (RAY_ADDRESS, if set, joins a running Ray cluster). On any failure before
+    ready, everything started is torn down and RuntimeError names the rank and its traceback. `state_file`: the
+    record of the weights served (driver/frontdoor/served_weights.py), on rank 0's node; `restart()` serves them
+    again. `bundle_extra`: more resources each bundle asks for (launch/router/replicas.py pins a group to a node
+    with `{"node:<ip>": 0.001}`); `name`: the placement group's name (default lockstep-<pid>)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -282,13 +259,10 @@ def start_ranks(handle: RayCluster, model_dir: str, preset: dict, address: str |
     for rank in range(tp):
         actors.append(remote.options(
             num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0, name=None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                                 placement_group_bundle_index=rank),
-            runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
-        ).remote(rank, tp))
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank),
+            runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}).remote(rank, tp))
     places = ray.get([a.where.remote() for a in actors], timeout=ready_timeout)
     handle.pids = [p["pid"] for p in places]
-    handle.nodes = [p["ip"] for p in places]
     master_addr = places[0]["ip"]
     master_port = ray.get(actors[0].free_port.remote(), timeout=60)
     starts = []
@@ -329,28 +303,35 @@ def reachable(address: str, node_ip: str) -> str:
     return address
 
 
-def run_cli(args: Any) -> int:
-    """`lockstep serve --launcher ray`: start the actors, print `ready <address>`, serve until SIGINT or
-    SIGTERM (or until a rank ends), then shut everything down. Returns the exit code like torchrun's
-    (0 clean, RANK_FAILED_EXIT when a rank failed)."""
-    if getattr(args, "nnodes", 1) > 1:
-        raise SystemExit("lockstep serve --launcher ray: --nnodes is torchrun's; Ray places the ranks on its own "
-                         "nodes")
+def serve_until_stopped(address: str, args: Any, run: Callable[[threading.Event], Any],
+                        shutdown: Callable[[], Any]) -> tuple[Any, Any]:
+    """The launcher process of `lockstep serve --launcher ray` (one group or replicas): print `ready <address>`,
+    start the --http gateway in front of `address`, `run(stop)` until SIGINT or SIGTERM sets `stop`, then stop the
+    gateway and `shutdown()`. Returns what `run` and `shutdown` returned."""
     stop = threading.Event()
-    handle = start_ray_cluster(args.model, tp=args.tp, config=args.config, address=args.address,
-                               gpu=getattr(args, "gpu", False), state_file=getattr(args, "state_file", None))
     for sig in (signal.SIGINT, signal.SIGTERM):  # installed after ray.init, which sets its own SIGTERM handler
         signal.signal(sig, lambda *_: stop.set())
-    print(f"ready {handle.address}", flush=True)
-    code: int | None = None
-    gateway = None
+    print(f"ready {address}", flush=True)
+    gateway = result = None
     try:
-        gateway = start_beside(handle.address, args)  # --http: the OpenAI gateway in front of rank 0's address
-        code = handle.supervise(stop, getattr(args, "max_restarts", 0))
+        gateway = start_beside(address, args)
+        result = run(stop)
     finally:
         if gateway is not None:
             gateway.stop()
-        codes = handle.shutdown()
-    if code is None:
-        code = max((c for c in codes if c is not None), default=0)
-    return code
+        ended = shutdown()
+    return result, ended
+
+
+def run_cli(args: Any) -> int:
+    """`lockstep serve --launcher ray`: start the actors and serve until SIGINT or SIGTERM or until a rank ends for
+    good (`RayCluster.supervise`), then shut everything down. Returns the exit code like torchrun's (0 clean,
+    RANK_FAILED_EXIT when a rank failed)."""
+    if args.nnodes > 1:
+        raise SystemExit("lockstep serve --launcher ray: --nnodes is torchrun's; Ray places the ranks on its own "
+                         "nodes")
+    handle = start_ray_cluster(args.model, tp=args.tp, config=args.config, address=args.address, gpu=args.gpu,
+                               state_file=args.state_file)
+    code, codes = serve_until_stopped(handle.address, args, lambda stop: handle.supervise(stop, args.max_restarts),
+                                      handle.shutdown)
+    return code if code is not None else max((c for c in codes if c is not None), default=0)

@@ -26,15 +26,10 @@ def frontend_config(preset: dict, address: str | None):
     from driver.frontdoor.frontend import FrontendConfig
 
     table = {k: v for k, v in preset.get("serve", {}).items() if k not in HTTP_SERVE_KEYS}
-    known = {f for f in FrontendConfig.__dataclass_fields__}
-    unknown = set(table) - known
-    if unknown:
-        raise ValueError(f"[serve] table: unknown key(s) {sorted(unknown)} (known: {sorted(known)})")
-    cfg = FrontendConfig(**table)
-    if address:
-        cfg.address = address
-    return cfg
-
+    if unknown := set(table) - set(FrontendConfig.__dataclass_fields__):
+        raise ValueError(f"[serve] table: unknown key(s) {sorted(unknown)} "
+                         f"(known: {sorted(FrontendConfig.__dataclass_fields__)})")
+    return FrontendConfig(**table | ({"address": address} if address else {}))
 
 
 def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, address: str | None = None,
@@ -42,28 +37,22 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
                on_ready: Callable[[str], None] | None = None, state_file: str | None = None,
                http: str | None = None) -> int:
     """Serve as this rank until `stop_event` is set or the step loop ends; returns the exit code (0 clean,
-    RANK_FAILED_EXIT when a rank failed).
-
-    Every rank of the group calls it, with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT in the
-    environment: it joins the process groups (`cluster.load`) and runs the step loop's collectives. It is
-    shared by the torchrun entry (`main`) and the Ray launcher's actors, so it neither installs signal
-    handlers nor exits the process: `main` does both, a Ray actor can do neither from its thread.
-    `on_started` runs on every rank once the loop runs (main installs its signal handlers there, so a
-    signal during loading still interrupts the load); `on_ready(address)` runs on rank 0 once it serves,
-    right after it prints `ready <address>`. `state_file`: the record of the weights served
-    (driver/frontdoor/served_weights.py); a restarted group serves what it says again. `http`: HOST:PORT of the
-    OpenAI-compatible gateway rank 0 runs as a child process (launch/gateway/child.py), a client of the front door.
-    """
+    RANK_FAILED_EXIT when a rank failed). Every rank of the group calls it, with RANK/WORLD_SIZE/LOCAL_RANK/
+    MASTER_ADDR/MASTER_PORT in the environment: it joins the process groups and runs the step loop's collectives.
+    It neither installs signal handlers nor exits the process (a Ray actor's thread can do neither; `main` does
+    both). `on_started` runs on every rank once the loop runs (main installs its signal handlers there, so a signal
+    during loading still interrupts the load); `on_ready(address)` on rank 0 once it printed `ready <address>`.
+    `state_file`: the record of the weights served (driver/frontdoor/served_weights.py), served again after a
+    restart. `http`: HOST:PORT of the OpenAI gateway rank 0 runs as a child process (launch/gateway/child.py)."""
     import cluster
     from cluster.config import ContinuousBatchingConfig, read_preset
     from driver.frontdoor.served_weights import WeightsRecord, restore
 
     preset = read_preset(preset)
     stop = stop_event if stop_event is not None else threading.Event()
-    cb_table = dict(preset.get("continuous_batching", {}))
     # a serving API honours per-request sampling unless the preset says otherwise (docs/protocol.md)
-    cb_table.setdefault("per_request_processors", True)
-    cb = ContinuousBatchingConfig.from_any(cb_table)
+    cb = ContinuousBatchingConfig.from_any({"per_request_processors": True}
+                                           | dict(preset.get("continuous_batching", {})))
     fe_cfg = frontend_config(preset, address)
     join_attempt_group(cb.cpu_group_timeout)
     model = cluster.load(model_dir, cpu_group_timeout=cb.cpu_group_timeout)
@@ -81,8 +70,7 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
         from driver.frontdoor.frontend import Frontend
         from driver.frontdoor.text_output import load_tokenizer
 
-        tokenizer = load_tokenizer(model_dir)
-        frontend = Frontend(manager, fe_cfg, tokenizer, record, model_path=model_dir).start()
+        frontend = Frontend(manager, fe_cfg, load_tokenizer(model_dir), record, model_path=model_dir).start()
         if http:
             from cluster.config import http_admin_token
             from launch.gateway.child import GatewayProcess
@@ -107,10 +95,9 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
         gateway.stop()
     if frontend is not None:
         frontend.stop()
-    code = RANK_FAILED_EXIT if manager.loop_error is not None else 0
     if manager.failure:
         print(f"lockstep: {manager.failure}", file=sys.stderr, flush=True)
-    return code
+    return RANK_FAILED_EXIT if manager.loop_error is not None else 0
 
 
 def loopback_of(address: str) -> str:

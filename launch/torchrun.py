@@ -6,14 +6,14 @@ import socket
 import sys
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def torchrun_command(nproc: int, module: str, args: list[str], master_port: int | None = None) -> list[str]:
+def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
     """The command line that runs `python -m module args` on `nproc` local ranks."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(master_port or free_port()),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             "-m", module, *args]

@@ -87,7 +87,7 @@ def make_app(client: AsyncClient, model: Model, admin_token: str | None) -> Fast
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def answer(request: Request, body: Any, chat: bool) -> Response:
-        choices, params = serving.chat_parts(body) if chat else serving.completions_parts(body)
+        choices, params = serving.parts(body, chat)
         if body.stream:
             events = serving.stream_events(body, chat, choices, params)
             try:  # the first chunk comes once every choice was accepted: a refusal is still an HTTP status

@@ -57,24 +57,13 @@ class _Common(BaseModel):
         """The Lockstep submit keywords (cluster.client.client `submit`) this request asks for, the prompt aside.
         `text`: ask for text outputs (the checkpoint has a tokenizer; without one, answers carry no text)."""
         self.check_supported()
-        params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
-        if text:
-            params["return_text"] = True
-        if self.temperature is not None:  # 0 is greedy, as in OpenAI; unset: the checkpoint's generation config
-            params["do_sample"] = self.temperature > 0
-            if self.temperature > 0:
-                params["temperature"] = self.temperature
-        if self.top_p is not None:
-            params["top_p"] = self.top_p
-        if self.seed is not None:
-            params["seed"] = self.seed
-        if self.ignore_eos:
-            params["eos_token_id"] = -1
-        if stops := self.stops():
-            params["stop"] = stops
-        if logprobs:
-            params["logprobs"] = True
-        return params
+        # temperature 0 is greedy, as in OpenAI; unset: the checkpoint's generation config
+        params = {"max_new_tokens": max_new_tokens, "return_text": text or None,
+                  "do_sample": None if self.temperature is None else self.temperature > 0,
+                  "temperature": self.temperature or None, "top_p": self.top_p, "seed": self.seed,
+                  "eos_token_id": -1 if self.ignore_eos else None, "stop": self.stops() or None,
+                  "logprobs": logprobs or None}
+        return {k: v for k, v in params.items() if v is not None}
 
 
 class CompletionRequest(_Common):

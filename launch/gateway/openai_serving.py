@@ -19,10 +19,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from cluster.client import AsyncClient
 from cluster.errors import ClientError, Code
-from launch.gateway.errors import HttpError
+from launch.gateway.errors import MODEL_NOT_FOUND, HttpError
 from launch.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from cluster.outputs import GenerationOutput
-
 
 
 @dataclass
@@ -111,16 +110,20 @@ class OpenAIServing:
         self.client, self.model = client, model
 
     # ------------------------------------------------------------------ requests -> choices
-    def _check_model(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+    def parts(self, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> tuple[list[Choice], dict[str, Any]]:
+        """The call's choices, n per prompt, each with its own request id (and seed: `choice_seed`), and the
+        submit keywords they share."""
         if not self.model.matches(body.model):
-            raise HttpError("model_not_found", f"the model {body.model!r} does not exist; this server serves "
-                                               f"{self.model.name!r}", "model")
-
-    def _choices(self, body: Any, prefix: str, sources: list[dict[str, Any]]) -> list[Choice]:
-        """n choices per prompt, each with its own request id (and seed: `choice_seed`)."""
-        base = f"{prefix}-{uuid.uuid4().hex}"
+            raise HttpError(MODEL_NOT_FOUND, f"the model {body.model!r} does not exist; this server serves "
+                                             f"{self.model.name!r}", "model")
+        params = body.params(self.model.tokenizer is not None)
+        if chat:
+            sources = [{"input_ids": self.chat_prompt(body)}]
+        else:
+            sources = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in body.prompts()]
+        base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return [Choice(p * body.n + i, src, f"{base}-{p * body.n + i}", choice_seed(body.seed, p * body.n + i))
-                for p, src in enumerate(sources) for i in range(body.n)]
+                for p, src in enumerate(sources) for i in range(body.n)], params
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tok = self.model.tokenizer
@@ -164,8 +167,9 @@ class OpenAIServing:
             raise HttpError.of(e) from None
 
     async def _stream(self, choices: list[Choice], params: dict[str, Any]
-                      ) -> AsyncIterator[tuple[Choice, GenerationOutput]]:
-        """Every output of every choice as it comes; leaving early cancels what still runs."""
+                      ) -> AsyncIterator[tuple[Choice, GenerationOutput] | None]:
+        """None once every choice was accepted (a refusal raises first), then every output of every choice as it
+        comes; leaving early cancels what still runs."""
         opened = await asyncio.gather(*(self._open_stream(c, params) for c in choices), return_exceptions=True)
         failed = [o for o in opened if isinstance(o, BaseException)]
         if failed:
@@ -188,6 +192,7 @@ class OpenAIServing:
 
         tasks = [asyncio.ensure_future(pump(c, *o)) for c, o in zip(choices, opened)]
         try:
+            yield None
             left = len(choices)
             while left:
                 c, item = await queue.get()
@@ -199,41 +204,33 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    # ------------------------------------------------------------------ completions
-    def completions_parts(self, body: CompletionRequest) -> tuple[list[Choice], dict[str, Any]]:
-        self._check_model(body)
-        params = body.params(self.model.tokenizer is not None)
-        sources = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in body.prompts()]
-        return self._choices(body, "cmpl", sources), params
-
-    def chat_parts(self, body: ChatCompletionRequest) -> tuple[list[Choice], dict[str, Any]]:
-        self._check_model(body)
-        params = body.params(self.model.tokenizer is not None)
-        return self._choices(body, "chatcmpl", [{"input_ids": self.chat_prompt(body)}]), params
-
+    # ------------------------------------------------------------------ answers
     def _usage(self, choices: list[Choice]) -> dict[str, int]:
         prompts = {id(c.source): len(c.last.prompt_ids) for c in choices if c.last is not None}
         done = sum(c.tokens for c in choices)
         return {"prompt_tokens": sum(prompts.values()), "completion_tokens": done,
                 "total_tokens": sum(prompts.values()) + done}
 
-    def _logprobs(self, chat: bool, tokens: list[int], logprobs: list[float], top: bool, offset: int = 0) -> Any:
+    def _logprobs(self, body: Any, chat: bool, tokens: list[int], logprobs: list[float], offset: int) -> Any:
+        """OpenAI's logprobs of these tokens (the text before them `offset` long), None when the call asked none."""
+        if (not body.logprobs) if chat else body.logprobs is None:
+            return None
         texts = [self.model.token_text(t) for t in tokens]
         if chat:
             return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
-                                 "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode())}] if top
-                                 else []} for s, lp in zip(texts, logprobs)]}
+                                 "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode())}]
+                                 if body.top_logprobs else []} for s, lp in zip(texts, logprobs)]}
         offsets, at = [], offset
         for s in texts:
             offsets.append(at)
             at += len(s)
         return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets,
-                "top_logprobs": [{s: lp} for s, lp in zip(texts, logprobs)] if top else None}
+                "top_logprobs": [{s: lp} for s, lp in zip(texts, logprobs)] if body.logprobs >= 1 else None}
 
-    def _choice_logprobs(self, body: Any, chat: bool, tokens: list[int], logprobs: list[float], offset: int) -> Any:
-        if chat:
-            return self._logprobs(True, tokens, logprobs, bool(body.top_logprobs)) if body.logprobs else None
-        return None if body.logprobs is None else self._logprobs(False, tokens, logprobs, body.logprobs >= 1, offset)
+    def _head(self, choices: list[Choice], chat: bool, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion" + ".chunk" * chunk) if chat else "text_completion"
+        return {"id": choices[0].request_id.rsplit("-", 1)[0], "created": int(time.time()), "model": self.model.name,
+                "object": kind, "system_fingerprint": None}
 
     async def respond(self, body: Any, chat: bool, choices: list[Choice], params: dict[str, Any]) -> dict:
         """The whole answer of a non-streaming call."""
@@ -241,13 +238,11 @@ class OpenAIServing:
         limit = params.get("max_new_tokens")
         out_choices = []
         for c in choices:
-            lp = self._choice_logprobs(body, chat, c.last.generated_tokens, c.last.logprobs, 0)
+            lp = self._logprobs(body, chat, c.last.generated_tokens, c.last.logprobs, 0)
             d: dict[str, Any] = {"index": c.index, "logprobs": lp, "finish_reason": finish_reason(c.last, limit)}
             d |= {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
             out_choices.append(d)
-        return {"id": choices[0].request_id.rsplit("-", 1)[0], "created": int(time.time()), "model": self.model.name,
-                "object": "chat.completion" if chat else "text_completion", "choices": out_choices,
-                "usage": self._usage(choices), "system_fingerprint": None}
+        return self._head(choices, chat, False) | {"choices": out_choices, "usage": self._usage(choices)}
 
     async def stream_events(self, body: Any, chat: bool, choices: list[Choice], params: dict[str, Any]
                             ) -> AsyncIterator[str]:
@@ -255,24 +250,22 @@ class OpenAIServing:
         then [DONE])."""
         limit = params.get("max_new_tokens")
         usage_on = body.include_usage()
-        head = {"id": choices[0].request_id.rsplit("-", 1)[0], "created": int(time.time()),
-                "model": self.model.name, "object": "chat.completion.chunk" if chat else "text_completion",
-                "system_fingerprint": None}
+        head = self._head(choices, chat, True)
         extra = {"usage": None} if usage_on else {}
         outputs = self._stream(choices, params)
-        pending = [await outputs.__anext__()]  # every choice accepted (a refusal raises here, before any chunk)
+        await outputs.__anext__()  # every choice accepted (a refusal raises here, before any chunk)
         if chat:
             for c in choices:
                 yield sse(head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]} | extra)
         try:
-            async for c, out in _chain(pending, outputs):
+            async for c, out in outputs:
                 offset = len(c.text)
                 delta, new, logprobs = c.advance(out)
                 reason = finish_reason(out, limit) if out.is_finished() else None
                 if not (delta or new or reason):
                     continue
-                lp = self._choice_logprobs(body, chat, new, logprobs, offset) if new else None
+                lp = self._logprobs(body, chat, new, logprobs, offset) if new else None
                 d: dict[str, Any] = {"index": c.index, "logprobs": lp, "finish_reason": reason}
                 d |= {"delta": {"content": delta} if delta or not reason else {}} if chat else {"text": delta}
                 yield sse(head | {"choices": [d]} | extra)
@@ -283,10 +276,3 @@ class OpenAIServing:
         finally:
             await outputs.aclose()
         yield sse("[DONE]")
-
-
-async def _chain(first: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    for item in first:
-        yield item
-    async for item in rest:
-        yield item

@@ -1,12 +1,11 @@
 """The router's failover: a request a replica lost is resumed on another replica, token-exactly.
 
-A replica's client hands a lost request here (`lost`, on that client's I/O thread; launch/router/replica_pool.py
-`LostHook`): its replica failed (rank_failed, driver_failed, weights_diverged) or went silent. One thread
-resubmits it, with the same request id and parameters plus the tokens already delivered (`resume_tokens`, their
-weight versions, the resume count: docs/recovery.md), to a healthy replica, another one than the one that lost
-it when there is one. Replicas serve the same weights, so greedy and seeded sampling give the uninterrupted
-answer. A request not resumed within `resume_timeout_s`, or lost more than `max_resumes` times, ends with
-RequestLost. Torch-free.
+A replica's client hands a lost request here (`lost`: its `on_lost`, on that client's I/O thread): the replica
+failed (rank_failed, driver_failed, weights_diverged) or went silent. One thread resubmits it, with the same
+request id and parameters plus the tokens already delivered (`resume_tokens`, their weight versions, the resume
+count: docs/recovery.md), to a healthy replica, another one than the one that lost it when there is one. Replicas
+serve the same weights, so greedy and seeded sampling give the uninterrupted answer. A request not resumed within
+`resume_timeout_s`, or lost more than `max_resumes` times, ends with RequestLost. Torch-free.
 """
 
 from __future__ import annotations

@@ -10,28 +10,10 @@ change, which empties its prefix cache), so stale entries are ignored. Torch-fre
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from driver.engine.block_manager import chain_hash
 
 DEFAULT_CAPACITY = 65536  # hashes remembered (16 bytes each, plus the dict's overhead)
-
-
-def prefix_hashes(prompt: list[int], page_size: int) -> list[bytes]:
-    """The chained hashes of the prompt's full pages that a block manager could reuse: the last token is
-    always computed, so a page ending at the prompt's last token is not counted (as in `match_prefix`)."""
-    out: list[bytes] = []
-    h = b""
-    for i in range((len(prompt) - 1) // page_size):
-        h = chain_hash(h, prompt[i * page_size:(i + 1) * page_size])
-        out.append(h)
-    return out
-
-
-@dataclass(frozen=True)
-class Holder:
-    replica: int
-    epoch: int
 
 
 class PrefixAffinity:
@@ -41,10 +23,17 @@ class PrefixAffinity:
         if page_size < 1 or capacity < 1:
             raise ValueError(f"page_size and capacity must be >= 1, got {page_size} and {capacity}")
         self.page_size, self.capacity = page_size, capacity
-        self.entries: OrderedDict[bytes, Holder] = OrderedDict()
+        self.entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # hash -> (replica, its epoch then)
 
     def hashes(self, prompt: list[int]) -> list[bytes]:
-        return prefix_hashes(prompt, self.page_size)
+        """The chained hashes of the prompt's full pages that a block manager could reuse: the last token is
+        always computed, so a page ending at the prompt's last token is not counted (as in `match_prefix`)."""
+        out: list[bytes] = []
+        h = b""
+        for i in range((len(prompt) - 1) // self.page_size):
+            h = chain_hash(h, prompt[i * self.page_size:(i + 1) * self.page_size])
+            out.append(h)
+        return out
 
     def holders(self, hashes: list[bytes], epochs: dict[int, int]) -> dict[int, int]:
         """Replica -> how many leading pages of the prompt it holds (a hash chains the whole prefix before it,
@@ -52,16 +41,15 @@ class PrefixAffinity:
         `epochs` are stale and skipped."""
         depth: dict[int, int] = {}
         for i, h in enumerate(hashes):
-            holder = self.entries.get(h)
-            if holder is not None and epochs.get(holder.replica) == holder.epoch:
-                depth[holder.replica] = i + 1
+            replica, epoch = self.entries.get(h, (None, None))
+            if replica is not None and epochs.get(replica) == epoch:
+                depth[replica] = i + 1
         return depth
 
     def learn(self, hashes: list[bytes], replica: int, epoch: int) -> None:
         """The prompt with these page hashes went to `replica` (now in `epoch`)."""
-        holder = Holder(replica, epoch)
         for h in hashes:
-            self.entries[h] = holder
+            self.entries[h] = (replica, epoch)
             self.entries.move_to_end(h)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)

@@ -1,9 +1,9 @@
 """The router's view of its replicas: one upstream client each, their health, and where a request goes.
 
-Each replica is a whole Lockstep group with its own front door. The router talks to it through a
-`ReplicaClient`: the reference client (cluster/client/client.py: I/O thread, pings, the journal of delivered tokens
-that a resume needs), except that a request the replica loses is handed to the router's failover
-(launch/router/failover.py) instead of waiting for the same address to come back. A second client per replica
+Each replica is a whole Lockstep group with its own front door. The router talks to it through the reference
+client (cluster/client/client.py: I/O thread, pings, the journal of delivered tokens that a resume needs), whose
+`on_lost` hands a request the replica loses to the router's failover (launch/router/failover.py) instead of
+waiting for the same address to come back. A second client per replica
 probes `health` every `health_every_s`: a replica is taken in once it answers ok and out as soon as it loses
 a request or stops answering; each time it comes back its epoch goes up (its prefix cache is empty again).
 
@@ -33,20 +33,11 @@ log = logging.getLogger("lockstep")
 POLICIES = ("affinity", "least", "round_robin")
 
 
-class ReplicaClient(Client):
-    """The reference client of one replica whose lost requests go to the router's failover."""
-
-    def __init__(self, address: str, index: int, on_lost: Callable[[int, PendingRequest, ClientError], None],
-                 server_timeout_s: float):
-        super().__init__(address, server_timeout_s=server_timeout_s, resume=True, timeout=None,
-                         on_lost=functools.partial(on_lost, index))
-
-
 @dataclass
 class Replica:
     index: int
     address: str
-    client: ReplicaClient
+    client: Client  # its lost requests go to the router's failover
     probe: Client  # health checks, apart from the requests' connection
     healthy: bool = False
     epoch: int = 0  # bumped each time it is taken back in (a restart or new weights empty its prefix cache)
@@ -73,7 +64,8 @@ class ReplicaPool:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.policy, self.affinity_slack, self.health_every_s = policy, affinity_slack, health_every_s
-        self.replicas = [Replica(i, a, ReplicaClient(a, i, on_lost, server_timeout_s),
+        self.replicas = [Replica(i, a, Client(a, server_timeout_s=server_timeout_s, resume=True, timeout=None,
+                                              on_lost=functools.partial(on_lost, i)),
                                  Client(a, resume=False, server_timeout_s=server_timeout_s))
                          for i, a in enumerate(addresses)]
         self.affinity = PrefixAffinity(page_size)
@@ -93,16 +85,13 @@ class ReplicaPool:
         hashes = self.affinity.hashes(prompt) if prompt and self.policy == "affinity" else []
         with self.lock:
             pool = [r for r in self.replicas if r.healthy] or self.replicas  # none healthy: it waits in failover
-            if self.policy == "round_robin":
-                chosen, by_prefix = pool[next(self.turn) % len(pool)], False
-            else:
-                chosen, by_prefix = self._least(pool), False
-                depth = self.affinity.holders(hashes, {r.index: r.epoch for r in pool}) if hashes else {}
-                if depth:
-                    best = max(depth, key=lambda i: (depth[i], -self.replicas[i].outstanding))
-                    holder = self.replicas[best]
-                    if holder.outstanding <= chosen.outstanding + self.affinity_slack:
-                        chosen, by_prefix = holder, True
+            chosen = pool[next(self.turn) % len(pool)] if self.policy == "round_robin" else self._least(pool)
+            by_prefix = False
+            depth = self.affinity.holders(hashes, {r.index: r.epoch for r in pool}) if hashes else {}
+            if depth:
+                holder = self.replicas[max(depth, key=lambda i: (depth[i], -self.replicas[i].outstanding))]
+                if holder.outstanding <= chosen.outstanding + self.affinity_slack:
+                    chosen, by_prefix = holder, True
             chosen.outstanding += 1
             chosen.routed += 1
             chosen.prefix_routed += by_prefix

@@ -18,7 +18,6 @@ The router (launch/router/router.py) binds the one address clients use, in this 
 from __future__ import annotations
 
 import os
-import signal
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -29,8 +28,7 @@ from cluster.client import Client
 from cluster.config import ContinuousBatchingConfig, read_preset
 from driver.frontdoor.served_weights import weights_record_path
 from launch.router.router import Router, RouterConfig
-from launch.gateway.server import start_beside
-from launch.ray_launcher import RayCluster, start_ray_cluster
+from launch.ray_launcher import RayCluster, serve_until_stopped, start_ray_cluster
 
 NODE_SLIVER = 0.001  # of a node's `node:<ip>` resource, per bundle: pins a group to that node
 SERVICE_NAMESPACE = "lockstep"  # where the ServiceHandle actor is named
@@ -172,20 +170,8 @@ def start_replicas(model_dir: str | os.PathLike, tp: int | list[int] = 1, replic
 def run_cli(args: Any) -> int:
     """`lockstep serve --replicas R --launcher ray [--spread]`: start the replicas and the router, print
     `ready <address>`, serve until SIGINT or SIGTERM, then shut everything down."""
-    fleet = start_replicas(args.model, tp=args.tp, replicas=args.replicas, config=args.config,
-                           address=args.address, spread=args.spread, gpu=getattr(args, "gpu", False),
-                           max_restarts=getattr(args, "max_restarts", 3), run_dir=getattr(args, "run_dir", None),
+    fleet = start_replicas(args.model, tp=args.tp, replicas=args.replicas, config=args.config, address=args.address,
+                           spread=args.spread, gpu=args.gpu, max_restarts=args.max_restarts, run_dir=args.run_dir,
                            service_name=args.service_name)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own SIGTERM handler
-        signal.signal(sig, lambda *_: stop.set())
-    print(f"ready {fleet.address}", flush=True)
-    gateway = None
-    try:
-        gateway = start_beside(fleet.address, args)  # --http: the OpenAI gateway in front of the router
-        stop.wait()
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        fleet.shutdown()
+    serve_until_stopped(fleet.address, args, lambda stop: stop.wait(), fleet.shutdown)
     return 0

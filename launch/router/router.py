@@ -1,17 +1,15 @@
 """One front door for several replicas: a ZeroMQ ROUTER socket speaking the driver's protocol (docs/protocol.md).
 
 Clients connect to the router exactly as to one group's front door. Each submit is checked (cluster/protocol.py
-`parse_submit`) and sent to one replica (launch/router/replica_pool.py `choose`: least outstanding work, preferring the
-replica that holds the prompt's prefix) through that replica's client, always streaming, so the router holds the
-tokens a resume needs; `accepted`, `rejected`, `tokens`, `final` and `error` go back to the client under its own
-request id. A request whose replica dies is resumed on another one (launch/router/failover.py) and the client sees one
-uninterrupted answer. `health` and `stats` are answered here, for all replicas together and each one
+`parse_submit`) and sent to one replica (launch/router/replica_pool.py `choose`) through that replica's client,
+always streaming, so the router holds the tokens a resume needs; `accepted`, `rejected`, `tokens`, `final` and
+`error` go back under the client's own request id. A request whose replica dies is resumed on another one
+(launch/router/failover.py): the client sees one uninterrupted answer. `health` and `stats` are answered here
 (launch/router/stats.py); `update_weights` updates every replica, all or none (launch/router/fleet_update.py);
-`pause` and `resume` are refused with `unsupported`. Sends never block (driver/frontdoor/client_outbox.py). A client that
-says `bye`, goes quiet for `client_timeout_s` or disconnects has its requests cancelled on their replicas.
+`pause` and `resume` are refused with `unsupported`. Sends never block (driver/frontdoor/client_outbox.py). A
+client that says `bye`, goes quiet for `client_timeout_s` or disconnects has its requests cancelled.
 
-One thread owns the socket; the replicas' I/O threads and the helpers hand it events through a queue.
-Torch-free: it runs in the `lockstep serve --replicas` process.
+One thread owns the socket; the replicas' I/O threads and the helpers hand it events through a queue. Torch-free.
 """
 
 from __future__ import annotations
@@ -85,17 +83,17 @@ class Counters:
 
 
 class Router:
-    def __init__(self, addresses: list[str], config: RouterConfig,
-                 fallback_paths: list[str | None] | None = None):
+    def __init__(self, addresses: list[str], config: RouterConfig, fallback_paths: list[str | None] | None = None):
         """`addresses`: each replica's front door. `fallback_paths`: each replica's model directory, the
         weights a fleet update rolls back to when a replica still serves its initial weights."""
         from launch.router.stats import RouterStats
 
         self.config = config
         self.server = uuid.uuid4().hex
-        self.pool = ReplicaPool(addresses, config.page_size, self._on_lost, config.policy, config.affinity_slack,
-                                config.health_every_s, config.server_timeout_s)
-        self.failover = Failover(self.pool, self._on_moved, self._on_failed, config.max_resumes,
+        self.pool = ReplicaPool(addresses, config.page_size, lambda *lost: self.failover.lost(*lost), config.policy,
+                                config.affinity_slack, config.health_every_s, config.server_timeout_s)
+        self.failover = Failover(self.pool, lambda rid, new, target: self.later(lambda: self._moved(rid, new, target)),
+                                 lambda rid, error: self.later(lambda: self._ended(rid, error)), config.max_resumes,
                                  config.resume_timeout_s)
         self.stats = RouterStats(self, fallback_paths or [None] * len(addresses))
         self.counters = Counters()
@@ -127,7 +125,7 @@ class Router:
 
     def close(self) -> None:
         self.stop_event.set()
-        self._wake()
+        self.waker.wake()
         if self.thread.is_alive():
             self.thread.join(10)
         self.failover.close()
@@ -140,19 +138,7 @@ class Router:
     def later(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the router thread (any thread may call this)."""
         self.events.append(fn)
-        self._wake()
-
-    def _wake(self) -> None:
         self.waker.wake()
-
-    def _on_lost(self, index: int, req: PendingRequest, cause: ClientError) -> None:
-        self.failover.lost(index, req, cause)
-
-    def _on_moved(self, request_id: str, new: PendingRequest, target: Replica) -> None:
-        self.later(lambda: self._moved(request_id, new, target))
-
-    def _on_failed(self, request_id: str, error: BaseException) -> None:
-        self.later(lambda: self._ended(request_id, error))
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -294,19 +280,16 @@ class Router:
         self._watch(r)
 
     def _tokens(self, r: Routed, out: GenerationOutput) -> None:
-        if not r.streaming:  # its caller waits for the final output only
-            return
         new = out.generated_tokens[r.sent:]
-        if not new:
+        if not r.streaming or not new:  # a non-streaming caller waits for the final output only
             return
-        start = r.sent
-        versions = [list(p) for p in versions_between(out.weight_versions, start, len(out.generated_tokens))]
+        versions = [list(p) for p in versions_between(out.weight_versions, r.sent, len(out.generated_tokens))]
         extra: dict[str, Any] = {}
         if out.text is not None:
             extra["text"], r.text_sent = out.text[r.text_sent:], len(out.text)
         if r.up.fields.get("logprobs"):
             extra["logprobs"], r.logprobs_sent = out.logprobs[r.logprobs_sent:], len(out.logprobs)
-        self._send(r.ident, P.TOKENS, request_id=r.request_id, tokens=new, index=start, versions=versions, **extra)
+        self._send(r.ident, P.TOKENS, request_id=r.request_id, tokens=new, index=r.sent, versions=versions, **extra)
         r.sent = len(out.generated_tokens)
 
     def _final(self, r: Routed, out: GenerationOutput) -> None:
