@@ -114,7 +114,9 @@ def test_rope_and_masks_are_computed_once_a_step(make_checkpoint, monkeypatch):
     the rotation equals the rotate-half formula."""
     import cluster
     from worker import model as model_module
-    from worker.rope import RotaryTable, rotate_half
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from worker.rope import RotaryTable
 
     model = cluster.load(make_checkpoint("mistral"))  # sliding-window layers: a mask per window size
     runner, _, _ = model.build_runner(ContinuousBatchingConfig(page_size=16, num_blocks=64))

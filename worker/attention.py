@@ -85,12 +85,10 @@ def chunk_shape(b: int, nq: int, length: int, hq: int, hkv: int, d: int, budget:
 
 def attention_workspace_bytes(rc: ResolvedConfig, num_heads: int, num_kv_heads: int, head_dim: int,
                               dtype: torch.dtype) -> int:
-    """Upper bound of the extra memory one layer's attention allocates in a step (this rank's heads).
-
-    One chunk at the longest context the config allows (chunks shrink to one sequence and one query, so a
-    chunk costs at most max(budget, one row and one query)), at 8 bytes an element (covers int64 slots,
-    float32 scores and any model dtype), plus the step's attention output and its scatter buffer.
-    Zero-cost on the flash-attn path, which reads pages in place; counted anyway as the safe bound.
+    """Upper bound of the extra memory one layer's attention allocates in a step (this rank's heads): one chunk
+    at the longest context the config allows (at most max(budget, one row and one query): chunks shrink to one
+    of each), at 8 bytes an element (int64 slots, float32 scores, any model dtype), plus the step's attention
+    output and its scatter buffer. Counted on the flash-attn path too (which reads pages in place): the safe bound.
     """
     length = rc.max_kv_padded
     one = _row_cost(length, num_kv_heads, head_dim) + _query_cost(length, num_heads, num_kv_heads, head_dim)
@@ -98,12 +96,9 @@ def attention_workspace_bytes(rc: ResolvedConfig, num_heads: int, num_kv_heads: 
     return max(rc.attn_chunk_elements, one) * 8 + outputs
 
 
-@dataclass
-class StepMasks:
-    """Per-step attention metadata shared by every layer: the decode group's additive masks, one per
-    sliding-window size the model uses (None: full attention), [Bd, 1, 1, Ld] in the model's dtype."""
-
-    dec_bias: dict[int | None, torch.Tensor]
+# a step's decode masks, shared by every layer: window size (None: full attention) -> additive mask
+# [Bd, 1, 1, Ld] in the model's dtype
+StepMasks = dict[int | None, torch.Tensor]
 
 
 def _visible(length: int, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -124,10 +119,9 @@ def step_masks(meta: AttnMeta, windows: list[int | None], dtype: torch.dtype) ->
     """The step's decode masks, computed once for all layers (empty on the flash-attn and row-view paths, which
     need none)."""
     if not meta.num_decode or meta.dec_block_table is not None or meta.dec_rows is not None:
-        return StepMasks(dec_bias={})
+        return {}
     length = meta.dec_kv_slots.shape[1]
-    return StepMasks(dec_bias={w: _bias(_visible(length, meta.dec_q_pos, w), dtype)[:, None, None, :]
-                               for w in dict.fromkeys(windows)})
+    return {w: _bias(_visible(length, meta.dec_q_pos, w), dtype)[:, None, None, :] for w in dict.fromkeys(windows)}
 
 
 def _gather(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
@@ -165,10 +159,9 @@ def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                  window: int | None, scale: float) -> torch.Tensor:
     """q: [Bd, Hq, D], one query a sequence, at its last position. Each row attends to its own keys only, read
-    in place from its page (a view; a row of several pages copies just its own) and never padded: on the CPU
-    the padded gather of every row's keys costs more than the attention itself. A decode query sees every
-    earlier key, so there is no mask; a sliding window keeps the last `window` keys. Rows past the real ones
-    (padding) return zeros. Returns [Bd, Hq, D]."""
+    in place from its page (a row of several pages copies just its own), never padded: on the CPU the padded
+    gather costs more than the attention itself. No mask (a decode query sees every earlier key; a window
+    keeps the last `window`). Padding rows return zeros. Returns [Bd, Hq, D]."""
     bd, hq, d = q.shape
     hkv = k_cache.shape[1]
     page = meta.page_size
@@ -190,9 +183,8 @@ def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                   window: int | None, scale: float) -> torch.Tensor:
-    """q: [Tp, Hq, D], the prefill group's tokens back to back. Chunks of sequences x queries; each chunk's
-    queries are gathered from q and its outputs scattered back, so nothing of the padded [Bp, Qp] size
-    is ever materialised whole. Returns [Tp, Hq, D]."""
+    """q: [Tp, Hq, D], the prefill group's tokens back to back. In chunks of sequences x queries, gathered from
+    q and scattered back, so nothing of the padded [Bp, Qp] size is materialised whole. Returns [Tp, Hq, D]."""
     bp, qp = meta.pre_q_pos.shape
     length = meta.pre_kv_slots.shape[1]
     hq, d = q.shape[1], q.shape[2]
@@ -222,8 +214,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     elif bd and meta.dec_rows is not None:
         outs.append(_decode_rows(q[:bd], k_cache, v_cache, meta, window, scale))
     elif bd:
-        masks = masks if masks is not None and window in masks.dec_bias else step_masks(meta, [window], q.dtype)
-        outs.append(_decode_sdpa(q[:bd], k_cache, v_cache, meta, masks.dec_bias[window], scale))
+        masks = masks if masks is not None and window in masks else step_masks(meta, [window], q.dtype)
+        outs.append(_decode_sdpa(q[:bd], k_cache, v_cache, meta, masks[window], scale))
     if meta.pre_flash is not None:
         outs.append(flash.prefill(q[bd:], k_cache, v_cache, meta.pre_flash, meta.page_size, window, scale))
     elif meta.pre_q_pos.shape[0]:

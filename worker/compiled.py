@@ -1,25 +1,21 @@
 """The compiled forwards: the seed's `decode_compile_config` and `varlen_compile_config`, applied.
 
-`ForwardFn` is what the runner calls instead of the model: a decode-only step (every sequence one query token,
-no prefill group) goes to the decode forward, any other step (prefill, mixed) to the varlen forward, each
-`torch.compile`d with its resolved settings (cluster/compile_settings.py) or, when it has none, the eager
-model. Which forward runs follows from the step's shapes, which follow from the plan: every rank takes the
-same one, and dynamo's guards (shapes again) make every rank compile the same graphs in the same order.
+`ForwardFn` is what the runner calls instead of the model: a decode-only step goes to the decode forward, any
+other (prefill, mixed) to the varlen forward, each `torch.compile`d with its resolved settings
+(cluster/compile_settings.py) or, with none, the eager model. The choice follows from the step's shapes, so
+every rank takes the same one, and dynamo's guards (shapes again) make every rank compile the same graphs in
+the same order.
 
-The forward specialises on its shapes (the attention's chunking is computed from them in Python), so each
-padded shape is one compiled graph, whatever `dynamic` says: a decode batch bucket at one KV width, a
-varlen step's (tokens, decode rows, prefill rows x query width, KV width, logit rows). Dynamo's recompile
-limit (8) would silently run every further shape eagerly; it is raised to `RECOMPILE_LIMIT`, process-wide.
+The forward specialises on its shapes (attention's chunking is computed from them in Python), so each padded
+shape is one compiled graph, whatever `dynamic` says. Dynamo's recompile limit (8) would silently run every
+further shape eagerly; it is raised to `RECOMPILE_LIMIT`, process-wide.
 
-Warm-up (`warm_up`, run by the runner's first `execute`, the manager's warm-up step, on every rank alike):
-every decode bucket (graphs.decode_buckets) at the eager layout's shortest KV width, unless decode graphs
-are on, in which case capturing them compiles each bucket at its fixed graph shapes; then the varlen forward
-at the smallest prefill step and the smallest mixed step. Varlen shapes are too many to enumerate (and on
-CPU the decode KV width grows with the context): a shape not warmed up compiles the first time a step has it,
-on every rank at once, logged like the warm-up. A compile that fails raises `CompileFailed` naming the config;
-nothing falls back to eager (transformers does not either: its warm-up logs the failure and the first real
-step raises it).
-
+Warm-up (`warm_up`, the runner's first `execute`, on every rank alike): every decode bucket at the eager
+layout's shortest KV width (unless decode graphs are on: capturing them compiles each bucket), then the
+smallest prefill and mixed steps. Other shapes (too many to enumerate; on the CPU the decode KV width grows
+with the context) compile the first time a step has them, on every rank at once, logged like the warm-up. A
+failed compile raises `CompileFailed` naming the config; nothing falls back to eager (nor does transformers:
+its warm-up logs the failure and the first real step raises it).
 With a mode whose inductor options turn on CUDA graphs ("reduce-overhead", "max-autotune") the resolution
 turns the runner's own decode graphs off, so the compiled decode forward is never captured twice.
 """
@@ -83,12 +79,6 @@ def raise_recompile_limit() -> None:
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)
 
 
-def shape_of_step(ids: torch.Tensor, meta: AttnMeta) -> str:
-    """The shapes a compiled graph is specialised on, in words."""
-    return (f"tokens={ids.shape[0]} decode={tuple(meta.dec_kv_slots.shape)} "
-            f"prefill={tuple(meta.pre_q_pos.shape)}x{meta.pre_kv_slots.shape[-1]} logits={meta.logits_idx.shape[0]}")
-
-
 class CompiledForward:
     """One forward compiled with its settings. Logs each shape it meets first (that call compiles) with the
     time it took, and turns a compile error into `CompileFailed`. Every rank of the device group calls it."""
@@ -106,7 +96,10 @@ class CompiledForward:
 
     @staticmethod
     def shape_key(ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor]) -> str:
-        return f"{shape_of_step(ids, meta)} cache_slots={k[0].shape[0] if k else 0}"
+        """The shapes a compiled graph is specialised on, in words."""
+        return (f"tokens={ids.shape[0]} decode={tuple(meta.dec_kv_slots.shape)} "
+                f"prefill={tuple(meta.pre_q_pos.shape)}x{meta.pre_kv_slots.shape[-1]} "
+                f"logits={meta.logits_idx.shape[0]} cache_slots={k[0].shape[0] if k else 0}")
 
     def __call__(self, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
         shape = self.shape_key(ids, meta, k)
@@ -129,8 +122,7 @@ def compiled_forward(name: str, model: torch.nn.Module, settings: CompileSetting
     (made once per model and settings)."""
     if settings is None:
         return model
-    kept = _COMPILED.setdefault(model, {})
-    key = (name, repr(settings))
+    kept, key = _COMPILED.setdefault(model, {}), (name, repr(settings))
     if key not in kept:
         kept[key] = CompiledForward(name, model, settings)
     return kept[key]
@@ -140,11 +132,9 @@ class ForwardFn:
     """The runner's forward: decode-only steps to the decode forward, others to the varlen forward."""
 
     def __init__(self, model: torch.nn.Module, rc: ResolvedConfig):
-        self.model = model
         self.decode = compiled_forward("decode", model, rc.decode_compile)
         self.varlen = compiled_forward("varlen", model, rc.varlen_compile)
-        self.warmed = False
-        self.warm_up_s = 0.0
+        self.warmed, self.warm_up_s = False, 0.0
 
     @property
     def compiled(self) -> dict[str, CompiledForward]:

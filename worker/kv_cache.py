@@ -23,10 +23,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0):
         """`num_host_blocks`: pages of the host pool preempted requests' KV is swapped to (0: none)."""
-        self.page_size = page_size
-        self.num_blocks = num_blocks
-        self.scratch_block = num_blocks
-        self.scratch_slot = num_blocks * page_size
+        self.page_size, self.scratch_block, self.scratch_slot = page_size, num_blocks, num_blocks * page_size
         shape = ((num_blocks + 1) * page_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

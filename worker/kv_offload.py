@@ -39,7 +39,6 @@ class HostKVPool:
     def __init__(self, num_layers: int, num_slots: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, pin: bool):
         shape = (num_slots, page_size, kv_heads, head_dim)
-        self.num_slots = num_slots
         self.k = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         self.pinned = pin
@@ -48,13 +47,12 @@ class HostKVPool:
              swap_out: np.ndarray, swap_in: np.ndarray) -> None:
         """Copy device pages -> host slots (`swap_out`: [n, 2] (page, slot)), then host slots -> device pages
         (`swap_in`: [m, 2] (slot, page)). `device_k`/`device_v`: each layer's cache, [slots, heads, dim] flat.
-        Every rank calls it with the same plan (no collective)."""
+        Every rank calls it with the same plan (no collective). Each layer's copies touch only that layer, so
+        its swap-outs and then its swap-ins run layer by layer."""
         out_runs, in_runs = runs(swap_out), runs(swap_in)
         for dev, host in zip(device_k + device_v, self.k + self.v):
             pages = dev.view(-1, page_size, *dev.shape[1:])
             for page, slot, n in out_runs:
                 host[slot:slot + n].copy_(pages[page:page + n], non_blocking=self.pinned)
-        for dev, host in zip(device_k + device_v, self.k + self.v):
-            pages = dev.view(-1, page_size, *dev.shape[1:])
             for slot, page, n in in_runs:
                 pages[page:page + n].copy_(host[slot:slot + n], non_blocking=self.pinned)

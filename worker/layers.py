@@ -8,6 +8,7 @@ the rows or columns this rank owns through a safetensors slice, and refusing a t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,14 +97,6 @@ def read_rows(src: Any, start: int, stop: int) -> torch.Tensor:
     return part
 
 
-def read_cols(src: Any, start: int, stop: int) -> torch.Tensor:
-    return src[:, start:stop]
-
-
-def full(src: Any) -> torch.Tensor:
-    return src[:]
-
-
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks; the output stays sharded.
 
@@ -113,13 +106,10 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, parts: dict[str, tuple[int, int, int]], bias: bool, dtype: torch.dtype):
         super().__init__()
-        self.parts = parts
-        self.in_features = in_features
-        self.offsets: dict[str, int] = {}
-        out = 0
-        for name, (rows, _, _) in parts.items():
-            self.offsets[name] = out
-            out += rows
+        self.parts, self.in_features = parts, in_features
+        rows = [r for r, _, _ in parts.values()]
+        self.offsets = dict(zip(parts, accumulate([0] + rows)))  # each part's first row in the fused weight
+        out = sum(rows)
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
 
@@ -154,10 +144,10 @@ class RowParallelLinear(nn.Module):
     def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if kind == "bias":
             expect_shape(src, tuple(self.bias.shape))
-            return self.bias.data, full(src)
+            return self.bias.data, src[:]
         expect_shape(src, (self.weight.shape[0], self.cols * self.shard.size))
         start = self.shard.rank * self.cols
-        return self.weight.data, read_cols(src, start, start + self.cols)
+        return self.weight.data, src[:, start:start + self.cols]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -219,11 +209,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
         expect_shape(src, tuple(self.weight.shape))
-        return self.weight.data, full(src)
+        return self.weight.data, src[:]

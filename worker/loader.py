@@ -66,10 +66,9 @@ def stage_named(model: CausalLM, tensors: Iterable[tuple[str, Any]], where: str)
     found: set[str] = set()
     for name, src in tensors:
         one = stage_one(model, name, src, where)
-        if one is None:
-            continue
-        staged.append(one)
-        found.add(name)
+        if one is not None:
+            staged.append(one)
+            found.add(name)
     missing = expected - found
     if missing:
         raise ValueError(f"{where} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
@@ -78,16 +77,12 @@ def stage_named(model: CausalLM, tensors: Iterable[tuple[str, Any]], where: str)
 
 def stage_checkpoint(model: CausalLM, model_dir: str | os.PathLike) -> Staged:
     """Read and check this rank's slices of a checkpoint directory; the model is not touched."""
-    staged: Staged = []
-    handles = []
+    handles = [safe_open(str(path), framework="pt") for path in checkpoint_files(model_dir)]
     try:
-        for path in checkpoint_files(model_dir):
-            handles.append(safe_open(str(path), framework="pt"))
         pairs = ((name, f.get_slice(name)) for f in handles for name in f.keys())
-        staged = stage_named(model, pairs, f"checkpoint {model_dir}")
+        return stage_named(model, pairs, f"checkpoint {model_dir}")
     finally:
         handles.clear()
-    return staged
 
 
 @torch.no_grad()

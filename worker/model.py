@@ -40,9 +40,7 @@ def layer_windows(config) -> list[int | None]:
     types = getattr(config, "layer_types", None)
     if types:
         return [window if t == "sliding_attention" else None for t in types]
-    if config.model_type == "mistral":
-        return [window] * n
-    if getattr(config, "use_sliding_window", False):
+    if config.model_type == "mistral" or getattr(config, "use_sliding_window", False):
         return [window] * n
     return [None] * n
 
@@ -69,9 +67,7 @@ class Attention(nn.Module):
         super().__init__()
         d = head_dim_of(config)
         heads = KVHeads(config, shard)
-        self.d, self.hq, self.hkv = d, heads.q_local, heads.kv_local
-        self.window = window
-        self.scale = d ** -0.5
+        self.d, self.hq, self.hkv, self.window, self.scale = d, heads.q_local, heads.kv_local, window, d ** -0.5
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         hkv_all = config.num_key_value_heads
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, {
@@ -107,9 +103,8 @@ class MLP(nn.Module):
         inter = config.intermediate_size
         if inter % shard.size:
             raise ValueError(f"intermediate_size={inter} does not split over tp={shard.size} ranks")
-        rows = inter // shard.size
+        self.rows = rows = inter // shard.size
         bias = bool(getattr(config, "mlp_bias", False))
-        self.rows = rows
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {
             "gate": (rows, shard.rank * rows, inter), "up": (rows, shard.rank * rows, inter)}, bias=bias, dtype=dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, shard, dtype)
@@ -139,21 +134,17 @@ class CausalLM(nn.Module):
     def __init__(self, config, shard: Shard, dtype: torch.dtype, device: torch.device):
         super().__init__()
         check_supported(config)
-        self.config = config
-        self.shard = shard
-        with torch.device(device):  # every parameter and buffer is made on `device`, whatever the caller's default
-            self._build(config, shard, dtype, device)
-
-    def _build(self, config, shard: Shard, dtype: torch.dtype, device: torch.device) -> None:
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard, dtype)
+        self.config, self.shard = config, shard
         self.windows = layer_windows(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, shard, w, dtype) for w in self.windows)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, shard, dtype)
-        if self.tied:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryTable(config, head_dim_of(config), config.max_position_embeddings, device)
+        with torch.device(device):  # every parameter and buffer is made on `device`, whatever the caller's default
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard, dtype)
+            self.layers = nn.ModuleList(DecoderLayer(config, shard, w, dtype) for w in self.windows)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, shard, dtype)
+            if self.tied:
+                self.lm_head.weight = self.embed_tokens.weight
+            self.rope = RotaryTable(config, head_dim_of(config), config.max_position_embeddings, device)
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor]) -> torch.Tensor:

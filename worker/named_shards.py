@@ -8,10 +8,10 @@ name the checkpoint has (`CausalLM.expected_tensors()`, plus `lm_head.weight` of
 
 | transformers name | this rank's view |
 |---|---|
-| `...self_attn.{q,k,v}_proj.weight` / `.bias` | its rows of the fused `qkv_proj`: the rows of this rank's heads (KV heads replicated when TP exceeds their count) |
-| `...mlp.{gate,up}_proj.weight` / `.bias` | its rows of the fused `gate_up_proj`: rows `[rank * n, (rank + 1) * n)` of `intermediate_size` |
-| `...self_attn.o_proj.weight`, `...mlp.down_proj.weight` | columns `[rank * c, (rank + 1) * c)` (row-parallel; their biases are whole) |
-| `model.embed_tokens.weight`, `lm_head.weight` | rows `[rank * r, rank * r + n)` of the vocabulary, n <= r (the zero padding is left out) |
+| `...self_attn.{q,k,v}_proj.*` | its heads' rows of the fused `qkv_proj` (KV heads replicated past their count) |
+| `...mlp.{gate,up}_proj.*` | rows `[rank * n, (rank + 1) * n)` of `intermediate_size` in the fused `gate_up_proj` |
+| `...self_attn.o_proj.weight`, `...mlp.down_proj.weight` | columns `[rank * c, (rank + 1) * c)` (their biases whole) |
+| `model.embed_tokens.weight`, `lm_head.weight` | vocabulary rows `[rank * r, rank * r + n)`, n <= r (no padding) |
 | norms (`*_layernorm.weight`, `model.norm.weight`, `q_norm`, `k_norm`) | the whole tensor (replicated on every rank) |
 
 `shard_of(model, name, full)` cuts exactly that view's values out of a full (unsharded) tensor. Assigning

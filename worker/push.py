@@ -3,18 +3,16 @@
 A push is a process group of the serving ranks (0..tp-1) and the trainer (rank tp), made for one push on the
 trainer's TCPStore and torn down after it on every member. In order:
 
-1. Backend. `push_backend(rank_device_type, trainer_device_type)` is NCCL when both ends are CUDA, gloo
-   otherwise; the trainer and every rank compute it. Every tensor sent over the group lives on that
-   backend's device (CUDA for NCCL, the CPU for gloo).
-2. Handshake, through the store, before any group exists: the trainer posts its device type; every rank
-   posts a verdict {device, backend, error} (error: the push's names, shapes or dtypes do not fit this rank's
-   model, checked on meta tensors). `agreed_backend` over all verdicts gives every member the same answer:
-   one backend, or a refusal that names the rank and why (a mismatch, ranks that disagree). A refused push
-   makes no group, so nobody waits on a peer that will not come.
+1. Backend: NCCL when the ranks and the trainer are all CUDA, gloo otherwise (`push_backend`, computed by
+   every member); every tensor sent lives on that backend's device.
+2. Handshake through the store, before any group exists: the trainer posts its device type; every rank posts
+   a verdict {device, backend, error} (error: the push's names, shapes or dtypes do not fit its model, checked
+   on meta tensors). `agreed_backend` gives every member the same answer: one backend, or a refusal naming the
+   rank and why. A refused push makes no group, so nobody waits on a peer that will not come.
 3. Buckets, one at a time, into one reusable receive buffer of the largest bucket's size; each rank keeps
-   only its own slices of each bucket. Staging memory on a rank is its shard of the model plus one bucket.
-4. A last agreement over the update group (an int tensor on the backend's device): every member received
-   or sent every bucket without error. Then the group is shut down and the store released, on every member.
+   only its own slices. Staging memory on a rank is its shard of the model plus one bucket.
+4. A last agreement over the update group: every member received or sent every bucket without error. Then the
+   group is shut down and the store released, on every member.
 """
 
 from __future__ import annotations
@@ -168,7 +166,6 @@ def receive_buckets(model: CausalLM, pg: Any, buckets: list[list[list[Any]]], ro
                     staged.append(one)
         except Exception as e:  # this rank's vote against, after the remaining broadcasts
             error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
-    del buf
     return staged, error
 
 

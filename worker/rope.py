@@ -77,7 +77,3 @@ class StepRotary:
         half = x.shape[-1] // 2
         return x * self.cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * self.signed_sin
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

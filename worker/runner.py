@@ -44,8 +44,8 @@ def static_inputs(ids: torch.Tensor, meta: AttnMeta) -> dict[str, torch.Tensor]:
 class ModelRunner:
     def __init__(self, model: CausalLM, rc: ResolvedConfig, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, graph_factory: GraphFactory | None = None):
-        """`graph_factory`: how decode graphs are captured. None: CUDA graphs where rc.use_cuda_graph asks
-        for decode graphs on a CUDA device, none otherwise. Tests pass `graphs.EagerStandIn()`."""
+        """`graph_factory`: how decode graphs are captured (tests pass `graphs.EagerStandIn()`); None: CUDA graphs
+        where rc.use_cuda_graph asks for decode graphs on a CUDA device, none otherwise."""
         self.model, self.rc, self.device = model, rc, device
         self.cache = KVCache(model.config.num_hidden_layers, rc.num_blocks, rc.page_size, kv_heads, head_dim,
                              dtype, device, rc.num_host_blocks)
@@ -57,8 +57,7 @@ class ModelRunner:
         if graph_factory is None and rc.use_cuda_graph[1] and device.type == "cuda":
             graph_factory = CudaGraphFactory(device)
         self.graphs = DecodeGraphs(decode_buckets(rc.max_requests_per_batch), graph_factory) if graph_factory else None
-        # the device queue the forwards (and, overlapped, sampling and the token broadcast) go through
-        self.stream: Stream = InlineStream(device)
+        self.stream: Stream = InlineStream(device)  # the forwards' queue (overlapped: sampling and broadcasts too)
         # overlapped scheduling: the last step's sampled tokens, broadcast from rank 0 (see `share_burst`)
         self.shared_tokens = torch.zeros(rc.max_requests_per_batch, dtype=torch.int64, device=device)
         self.graph_stats: dict[str, Any] = (self.graphs.stats if self.graphs is not None else
@@ -82,8 +81,7 @@ class ModelRunner:
 
     def compile_plans(self) -> list[tuple[str, StepPlan]]:
         """(name, plan) of each compile warm-up step (worker/compiled.py): every decode bucket the graphs do not
-        cover, then one prefill and one mixed step at the smallest padded query length, as far as the config's
-        batch limits allow."""
+        cover, then one prefill and one mixed step at the smallest padded query length the limits allow."""
         rc, compiled = self.rc, self.forwards.compiled
         plans: list[tuple[str, StepPlan]] = []
         if "decode" in compiled and self.graphs is None:
@@ -99,8 +97,7 @@ class ModelRunner:
     # ---------------------------------------------------------------- graphs
     def graph_reads(self) -> dict[str, int]:
         """Address of everything a captured graph reads: parameters, buffers, KV cache, static buffers."""
-        extra = {f"kv_cache.k.{i}": t for i, t in enumerate(self.cache.k)}
-        extra.update({f"kv_cache.v.{i}": t for i, t in enumerate(self.cache.v)})
+        extra = {f"kv_cache.{kv}.{i}": t for kv in "kv" for i, t in enumerate(getattr(self.cache, kv))}
         extra.update({f"static.{k}": t for k, t in self.buffers.buffers.items()})
         return tensor_addresses(self.model, extra)
 
@@ -119,8 +116,7 @@ class ModelRunner:
 
     def check_graph_addresses(self) -> list[str]:
         """Names of the tensors captured graphs read whose storage moved since capture (empty: all is well).
-        A weight update must copy into the existing storage; call this after one and refuse to serve on a
-        non-empty answer. Local to this rank."""
+        Called after a weight update (which must copy in place): refuse to serve on any. Local to this rank."""
         return [] if self.graphs is None else self.graphs.changed_addresses(self.graph_reads())
 
     # ---------------------------------------------------------------- steps
@@ -141,9 +137,8 @@ class ModelRunner:
         return self.stream.submit(lambda: run(True))
 
     def _prepared(self, plan: StepPlan) -> Callable[[bool], torch.Tensor | ShardArgmax | None]:
-        """Lay the plan out (at its graph bucket's shapes when it has one) and give the function that runs one
-        of its forwards on the device: the first (its KV page copies, the shared token ids) or, for a burst, a
-        later one (`_advance` first)."""
+        """Lay the plan out (at its graph bucket's shapes when it has one); returns the function that runs its
+        first forward (KV page copies and shared token ids first) or, for a burst, a later one (`_advance` first)."""
         bucket = None
         if self.graphs is not None:
             self.capture_graphs()
@@ -176,13 +171,11 @@ class ModelRunner:
         return run
 
     def _advance(self, ids: torch.Tensor, meta: AttnMeta, b: int) -> None:
-        """The next forward of a decode-only burst, in place in the static buffers on the device: each row's input
-        is the token just sampled for it (`shared_tokens`, row order), one position further, its cache slot
-        looked up in its block table (flash-attn) or taken from the burst's later slots (`dec_ahead`) and
-        written into its key-slot list (SDPA)."""
+        """The next forward of a decode-only burst, in place in the static buffers: each row's input is the token
+        just sampled for it (`shared_tokens`), one position further, its cache slot looked up in its block table
+        (flash-attn) or taken from the burst's later slots (`dec_ahead`) into its key-slot list (SDPA)."""
         ids[:b].copy_(self.shared_tokens[:b])
-        pos = meta.positions[:b]
-        pos += 1
+        pos = meta.positions[:b].add_(1)
         meta.dec_q_pos[:b] += 1
         if meta.dec_block_table is not None:
             meta.dec_kv_lens[:b] += 1
@@ -197,8 +190,8 @@ class ModelRunner:
             meta.slot_mapping[:b].copy_(slot)
 
     def forward_fn(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        """The forward (eager, or compiled as the compile configs ask): this rank's logits shard for meta's logit
-        rows. benchmarks/control_plane.py replaces it with a stand-in."""
+        """This rank's logits shard for meta's logit rows, eager or compiled (benchmarks/control_plane.py stands
+        in for it)."""
         return self.forwards(ids, meta, self.cache.k, self.cache.v)
 
     def _resolve_ids(self, ids: torch.Tensor) -> None:
@@ -209,13 +202,12 @@ class ModelRunner:
     @torch.inference_mode()
     def share_burst(self, logits: Handle[torch.Tensor | ShardArgmax | None],
                     sample: Callable[[int, Handle], Callable[[], torch.Tensor]] | None) -> None:
-        """Queue, for each forward of the plan last launched (`burst` of them), after it: on the driver its
-        sampling, then on every rank the broadcast of its sampled tokens from rank 0 into `shared_tokens` on the
-        device group (the next forward's inputs read them there, with no trip through the host; with
-        `argmax_on_shards` every rank wrote them there itself, so nothing is broadcast), then the burst's next
-        forward. `sample(i, handle)` (the driver's; None elsewhere) queues forward i's sampling and
-        gives a function that returns its tokens in logits row order (it runs in stream order). Every rank calls
-        it, right after `launch` (whose handle is `logits`), for a plan whose `share_tokens` is set."""
+        """Queue after each forward of the plan last launched (`burst` of them): on the driver its sampling; on
+        every rank the broadcast of its tokens from rank 0 into `shared_tokens` (device group), where the next
+        forward reads them with no trip through the host (none with `argmax_on_shards`: every rank wrote them
+        itself); then the burst's next forward. `sample(i, handle)` (the driver's; None elsewhere) queues forward
+        i's sampling and gives a function returning its tokens in logits row order, run in stream order. Every
+        rank calls it right after `launch` (whose handle is `logits`) for a plan with `share_tokens`."""
         plan, run = self._burst
         for i in range(plan.burst):
             tokens = None if sample is None else sample(i, logits)
@@ -229,12 +221,11 @@ class ModelRunner:
         same order, through `share_burst` only."""
         shard = self.model.lm_head.shard
 
-        def broadcast() -> None:
-            with torch.inference_mode():
-                if tokens is not None:
-                    got = tokens()
-                    self.shared_tokens[:got.numel()].copy_(got)
-                if shard.size > 1:
-                    dist.broadcast(self.shared_tokens, DRIVER, group=shard.group)
+        def broadcast() -> None:  # both streams run it under inference_mode (share_burst's, or their thread's)
+            if tokens is not None:
+                got = tokens()
+                self.shared_tokens[:got.numel()].copy_(got)
+            if shard.size > 1:
+                dist.broadcast(self.shared_tokens, DRIVER, group=shard.group)
 
         return self.stream.submit(broadcast)
