@@ -1,8 +1,5 @@
-"""Lockstep's public face: the names of shared/API.md.
-
-Light names are imported at once; the heavy ones (`load`, the manager) on first use, so that a client or a
-Ray task can `import cluster` without importing torch.
-"""
+"""Lockstep's public face: the names of shared/API.md. The heavy ones (`load`, the manager) are imported on
+first use, so a client or a Ray task can `import cluster` without importing torch."""
 
 from __future__ import annotations
 
@@ -20,7 +17,6 @@ _LAZY = {
     "AsyncClient": ("cluster.client", "AsyncClient"),
     "load": ("launch.load", "load"),
     "ContinuousBatchingManager": ("driver.api.manager", "ContinuousBatchingManager"),
-    "ClusterModel": ("driver.api.model", "ClusterModel"),
 }
 
 

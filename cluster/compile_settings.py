@@ -1,10 +1,7 @@
-"""The seed's compile settings: `varlen_compile_config`, `decode_compile_config` and `default_compile_level`
-resolved to the torch.compile arguments of the two forwards (worker/compiled.py applies them).
-
-Mirrors transformers (generation/continuous_batching/initialization.py, `resolve_compile_configs`): an explicit
-config wins; otherwise `default_compile_level` picks a default; level 0 and no explicit config: eager. Torch-
-and transformers-free (the ground floor): a transformers CompileConfig is read through its attributes.
-"""
+"""The seed's `varlen_compile_config`, `decode_compile_config` and `default_compile_level` resolved to the
+torch.compile arguments of the two forwards (worker/compiled.py applies them), as transformers'
+`resolve_compile_configs` does: an explicit config wins, else the level's default; level 0: eager. Torch- and
+transformers-free: a transformers CompileConfig is read through its attributes."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 @dataclass
 class CompileSettings:
-    """The torch.compile arguments of one forward: the fields of transformers' CompileConfig (whose defaults
-    these are), plain values so the ground floor needs neither torch nor transformers."""
+    """The torch.compile arguments of one forward: transformers' CompileConfig's fields and defaults."""
 
     fullgraph: bool = False
     dynamic: bool | None = None
@@ -71,9 +67,8 @@ class CompileSettings:
 
 
 def default_compile_settings(level: int) -> CompileSettings | None:
-    """transformers' default CompileConfig of `default_compile_level` (continuous_batching/initialization.py):
-    0 none; 1 inductor mode "default", dynamic shapes; 2 mode "max-autotune-no-cudagraphs" (GEMM autotuning,
-    coordinate descent), dynamic shapes; 3 the same with static shapes. fullgraph=False at every level."""
+    """transformers' default CompileConfig of `default_compile_level`: 0 none; 1 inductor mode "default", dynamic
+    shapes; 2 mode "max-autotune-no-cudagraphs", dynamic; 3 the same, static. fullgraph=False at every level."""
     if level <= 0:
         return None
     return CompileSettings(fullgraph=False, dynamic=level <= 2, backend="inductor",

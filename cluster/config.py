@@ -1,10 +1,9 @@
-"""Configuration in one place: the seed's ContinuousBatchingConfig, its validation, and its resolution.
+"""Configuration in one place: the seed's ContinuousBatchingConfig (every field of transformers' class with the
+same name and default, plus Lockstep's own, `LOCKSTEP_FIELDS`), its validation, and its resolution.
 
-`ContinuousBatchingConfig` keeps every field of transformers' class with the same name and default, plus
-Lockstep's own (`LOCKSTEP_FIELDS`, defaults that change nothing).
-`resolve_config` turns it into `ResolvedConfig`: plain numbers that the driver, the workers and the static
-buffers are sized from. A field that cannot apply on this hardware resolves to its effective value, and the
-reasons are collected in `ResolvedConfig.notes` so the manager can report them in one log line.
+`resolve_config` turns it into `ResolvedConfig`: plain numbers that the driver, the workers and the static buffers
+are sized from. A field that cannot apply on this hardware resolves to its effective value, the reasons in
+`ResolvedConfig.notes` (the manager reports them in one log line).
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ class ContinuousBatchingConfig:
     max_cached_graphs: int | None = None
     block_size: int | None = None
     # Lockstep's own: multi-step decode. Overlapped, a decode-only batch whose rows need no token history on the
-    # host runs up to this many forwards from one plan (cluster/plan.py StepPlan.burst); 1: one step a plan
+    # host runs up to this many forwards from one plan (StepPlan.burst); 1: one step a plan
     decode_burst: int = 1
 
     def __post_init__(self) -> None:
@@ -137,10 +136,8 @@ class ContinuousBatchingConfig:
     @classmethod
     def from_any(cls, obj: Any) -> "ContinuousBatchingConfig":
         """Accept ours, transformers' own ContinuousBatchingConfig, a dict, or None."""
-        if obj is None:
-            return cls()
-        if isinstance(obj, cls):
-            return obj
+        if obj is None or isinstance(obj, cls):
+            return cls() if obj is None else obj
         if isinstance(obj, dict):
             data = dict(obj)
         else:  # transformers' class or anything with the same attributes
@@ -176,20 +173,16 @@ class ResolvedConfig:
     safety_margin: float
     cpu_group_timeout: float | None
     notes: list[str] = field(default_factory=list)
-    # torch.compile settings of the varlen (prefill and mixed steps) and decode (decode-only steps) forwards;
-    # None: that forward runs eagerly (see `compile_decision`)
+    # torch.compile settings of the varlen (prefill, mixed) and decode forwards; None: eager (`compile_decision`)
     varlen_compile: CompileSettings | None = None
     decode_compile: CompileSettings | None = None
-    # elements one chunk of the paged SDPA attention may gather (keys, values and scores together); the
-    # attention workspace bound (worker.attention.attention_workspace_bytes) follows from it
+    # elements one paged SDPA attention chunk may gather (keys, values, scores); bounds the attention workspace
     attn_chunk_elements: int = ATTN_CHUNK_ELEMENTS["cpu"]
     # pages of the pinned host pool preempted requests' KV is swapped to (cpu_offload_space); 0: recompute.
-    # resolve_config gives this rank's proposal; the group takes the minimum (cluster.dist.agree_min)
+    # This rank's proposal; the group takes the minimum (cluster.dist.agree_min)
     num_host_blocks: int = 0
-    # overlapped scheduling (use_async_batching): step N+1 is scheduled, broadcast and prepared while step N runs
-    overlap: bool = False
-    # multi-step decode (decode_burst): the most forwards one decode-only plan runs; 1 unless overlap is on
-    decode_burst: int = 1
+    overlap: bool = False  # use_async_batching: step N+1 is scheduled, broadcast and prepared while step N runs
+    decode_burst: int = 1  # the most forwards one decode-only plan runs; 1 unless overlap is on
 
     @property
     def max_tokens_padded(self) -> int:
@@ -212,12 +205,10 @@ def next_pow2(x: int) -> int:
 def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model_len: int,
                    kv_bytes_per_token: int, free_bytes: int | None, flash_available: bool,
                    dtype: Any = None, head_dim: int | None = None, system_ram: int | None = None) -> ResolvedConfig:
-    """Fill in what the user left to us. `kv_bytes_per_token` is this rank's K+V bytes per token, all layers.
-    `system_ram` (bytes; None: unknown) caps the host KV pool at cpu_offload_space_safety_threshold of it.
-
-    `dtype` (a torch dtype or its name) and `head_dim` decide whether flash-attn can run (see
-    `flash_decision`); left out, flash-attn stays off. `num_blocks` computed here is only this rank's
-    proposal: the group takes the minimum (see `cluster.dist.agree_min`).
+    """Fill in what the user left to us. `kv_bytes_per_token`: this rank's K+V bytes per token, all layers;
+    `system_ram` (bytes; None: unknown) caps the host KV pool at cpu_offload_space_safety_threshold of it;
+    `dtype` (a torch dtype or its name) and `head_dim` decide whether flash-attn can run (`flash_decision`; left
+    out, it stays off). A computed `num_blocks` is this rank's proposal: the group takes the minimum (`agree_min`).
     """
     notes: list[str] = []
     page = cfg.page_size
@@ -288,11 +279,8 @@ def host_pool_pages(cfg: ContinuousBatchingConfig, page_bytes: int, system_ram: 
 
 
 def graph_decision(asked: bool | tuple[bool, bool] | None, device_kind: str, notes: list[str]) -> tuple[bool, bool]:
-    """(varlen, decode) CUDA graphs that will run; why any asked for will not goes to `notes`.
-
-    None means "where it can": decode graphs on CUDA. Only the decode step (one token a sequence, batch
-    buckets of powers of two) is captured; varlen (prefill and mixed) steps always run eagerly.
-    """
+    """(varlen, decode) CUDA graphs that will run; why any asked for will not goes to `notes`. None: "where it
+    can", decode graphs on CUDA. Only the decode step is captured; prefill and mixed steps always run eagerly."""
     pair = (asked, asked) if isinstance(asked, bool) else tuple(asked) if asked is not None else None
     if device_kind != "cuda":
         if pair and any(pair):
@@ -313,11 +301,8 @@ FLASH_PAGE_MULTIPLE = 256
 
 def flash_decision(*, device_kind: str, flash_available: bool, wanted: bool, dtype: Any, head_dim: int | None,
                    page_size: int) -> tuple[bool, str | None]:
-    """Whether attention runs through flash-attn, and the note saying why not when it could be expected.
-
-    flash-attn runs only on CUDA, for float16/bfloat16 (it rejects float32), head_dim <= 256, and (for its
-    paged kernels) page_size % 256 == 0; otherwise the paged SDPA attention runs.
-    """
+    """Whether attention runs through flash-attn (CUDA, float16/bfloat16, head_dim <= 256, page_size % 256 == 0
+    for its paged kernels; otherwise the paged SDPA attention runs), and the note saying why not when it could."""
     if device_kind != "cuda" or not wanted:
         return False, None
     if not flash_available:
@@ -343,8 +328,7 @@ def read_preset(preset: dict | str | os.PathLike | None) -> dict[str, Any]:
 
 def load_preset(path: str | os.PathLike) -> ContinuousBatchingConfig:
     """Read a TOML preset from configs/: its [continuous_batching] table holds config fields."""
-    data = read_preset(path)
-    return ContinuousBatchingConfig.from_any(data.get("continuous_batching", {}))
+    return ContinuousBatchingConfig.from_any(read_preset(path).get("continuous_batching", {}))
 
 
 # ---------------------------------------------------------------- the HTTP gateway's settings ([serve] table)

@@ -1,5 +1,4 @@
-"""Host values (per-row parameters, row indices, token ids) as tensors on a device, without a host sync: the
-driver's sampler and the workers' runner use it."""
+"""Host values (per-row parameters, row indices, token ids) as device tensors without a host sync."""
 
 from __future__ import annotations
 

@@ -104,11 +104,10 @@ def init_groups(cpu_group_timeout: float | None = 300.0, device: str | torch.dev
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     timeout = timedelta(seconds=cpu_group_timeout) if cpu_group_timeout else NO_TIMEOUT
-    owns = False
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout,
                                 device_id=dev if dev.type == "cuda" else None)
-        owns = True
     device_group = dist.group.WORLD
     control_group = dist.new_group(backend="gloo", timeout=timeout)
     groups = Groups(rank=rank, world_size=world, local_rank=local_rank, device=dev, device_group=device_group,

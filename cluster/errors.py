@@ -1,7 +1,5 @@
-"""Typed errors with codes: one catalogue of codes for the engine, the wire and the clients.
-
-Every error that can reach a user carries a `code` from `Code`; callers branch on the type or the code,
-never on message text. Torch-free: clients import it.
+"""Typed errors with codes, one catalogue for the engine, the wire and the clients: every error that can reach
+a user carries a `code` from `Code`; callers branch on the type or the code, never on message text. Torch-free.
 """
 
 from __future__ import annotations
@@ -100,10 +98,9 @@ class WeightUpdateError(ClientError):
 
 
 class RequestLost(ClientError):
-    """The server lost a request (a rank or the driver failed, the server went silent) and the client did not
-    resume it. `code` is the failure's (rank_failed, driver_failed, server_gone ...); `reason` says why there
-    was no resume (one of the class's reason names); `tokens_delivered` how many of its generated tokens this
-    client received before; `resumes` how many resumes the server had accepted."""
+    """The server lost a request and the client did not resume it. `code` is the failure's (rank_failed,
+    driver_failed, server_gone ...); `reason` why there was no resume (one of the names below);
+    `tokens_delivered` the generated tokens this client received; `resumes` the resumes the server accepted."""
 
     RESUME_OFF = "resume_off"  # the client was made with resume=False
     MAX_RESUMES = "max_resumes"  # it was lost again after max_resumes resumes

@@ -1,9 +1,6 @@
-"""Rank-local pause bookkeeping shared by the driver's and the workers' loops.
-
-A loop parks at a step boundary (after a PAUSE plan), waits until this rank's `pause()` caller for that park
-has come and gone, and meets the other ranks at a barrier on each side of the park, so every rank's caller is
-inside while every loop is parked, and no loop moves on while any rank's caller is still inside.
-"""
+"""Rank-local pause bookkeeping of the driver's and the workers' loops: a loop parks at a step boundary (after
+a PAUSE plan) until this rank's `pause()` caller for that park has come and gone, with a barrier on each side,
+so every rank's caller is inside while every loop is parked and no loop moves on while any caller is inside."""
 
 from __future__ import annotations
 
@@ -39,8 +36,7 @@ class PauseGate:
 
     @contextmanager
     def hold(self, loop_alive: Callable[[], bool]) -> Iterator[None]:
-        """Enter once this rank's loop is parked for this entry (at once if no loop runs); that park ends when
-        this entry leaves."""
+        """Enter once this rank's loop is parked for this entry (at once if no loop runs), until it leaves."""
         with self.cond:
             self.holders += 1
             counted = loop_alive()  # with no loop there is no park to wait for, or to release later
@@ -61,9 +57,8 @@ class PauseGate:
 
     def park(self, barrier: Callable[[], None], still_alive: Callable[[], bool],
              lend: Callable[[], ContextManager] = nullcontext) -> None:
-        """Called by the loop thread after a PAUSE plan; returns when this park's entry has come and gone on
-        this rank, and every rank's has (the barriers). `lend()` is entered between the two barriers (the
-        groups' `lent`: the holders may run collectives)."""
+        """The loop thread, after a PAUSE plan: returns once this park's entry has come and gone on every rank
+        (the barriers; every rank calls it). `lend()` (the groups' `lent`) lets the holders run collectives."""
         barrier()
         with lend(), self.cond:
             self.parks += 1

@@ -72,15 +72,14 @@ class StepPlan:
     swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [m, 2] (host slot, page)
     data: bytes = b""
     # overlapped scheduling: every rank broadcasts this step's sampled tokens on the device group after its
-    # forward, and the NEXT step's input ids may read them: an id -(1 + j) is sampled row j of this step
+    # forward; the NEXT step's input id -(1 + j) reads sampled row j of this step
     share_tokens: bool = False
-    # multi-step decode: a decode-only, overlapped plan every rank runs `burst` times back to back, each forward
-    # reading the tokens the one before sampled and broadcast, with its positions, slots and KV lengths advanced
-    # on the device (worker/runner.py `share_burst`); the driver sends no plan in between
+    # multi-step decode: every rank runs this decode-only, overlapped plan `burst` times back to back, each forward
+    # reading the tokens the one before sampled, positions, slots and KV lengths advanced on the device
+    # (worker/runner.py `share_burst`); the driver sends no plan in between
     burst: int = 1
-    # every sampled row is plain greedy with no logprobs: each rank takes the argmax of its own vocab shard, rank 0
-    # gathers the (logit, token) pairs and broadcasts the chosen tokens, so every rank knows them; no logits are
-    # gathered and, overlapped, no separate token broadcast runs (worker/shard_argmax.py)
+    # every sampled row is plain greedy with no logprobs: each rank takes its vocab shard's argmax, rank 0 gathers
+    # the (logit, token) pairs and broadcasts the chosen tokens; no logits gathered (worker/shard_argmax.py)
     argmax_on_shards: bool = False
 
     @property

@@ -78,7 +78,7 @@ def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> dict
     msg = unpack_map(frame, max_frame_bytes)
     mid = msg.get("mid")
     if not isinstance(mid, (int, str, type(None))) or isinstance(mid, bool):
-        raise ProtocolError(Code.BAD_FIELD, "mid must be an integer or a string")
+        raise _bad("mid must be an integer or a string")
     if msg.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(Code.BAD_VERSION, f"protocol version {msg.get('v')!r}; this server speaks "
                                               f"{PROTOCOL_VERSION}", mid)
@@ -116,12 +116,12 @@ class Submit:
 def field(msg: dict, name: str, types: Any, default: Any = None, required: bool = False) -> Any:
     if name not in msg or msg[name] is None:
         if required:
-            raise ProtocolError(Code.BAD_FIELD, f"field {name!r} is required", msg.get("mid"))
+            raise _bad(f"field {name!r} is required", msg.get("mid"))
         return default
     value, allowed = msg[name], types if isinstance(types, tuple) else (types,)
     if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):  # a bool is an int
-        raise ProtocolError(Code.BAD_FIELD, f"field {name!r} must be {' or '.join(t.__name__ for t in allowed)}, "
-                                            f"got {type(value).__name__}", msg.get("mid"))
+        raise _bad(f"field {name!r} must be {' or '.join(t.__name__ for t in allowed)}, got {type(value).__name__}",
+                   msg.get("mid"))
     return value
 
 
@@ -129,36 +129,37 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _bad(message: str, mid: Any = None, request_id: str | None = None) -> ProtocolError:
+    return ProtocolError(Code.BAD_FIELD, message, mid, request_id)
+
+
 def parse_submit(msg: dict) -> Submit:
     mid = msg.get("mid")
     ids = field(msg, "input_ids", list)
     text = field(msg, "text", str)
     if (ids is None) == (text is None):
-        raise ProtocolError(Code.BAD_FIELD, "a submit carries exactly one of input_ids and text", mid)
+        raise _bad("a submit carries exactly one of input_ids and text", mid)
     if ids is not None and not all(_is_int(t) for t in ids):
-        raise ProtocolError(Code.BAD_FIELD, "input_ids must be a list of integers", mid)
+        raise _bad("input_ids must be a list of integers", mid)
     sampling = field(msg, "sampling", dict, default={})
     for k, v in sampling.items():
         if k not in SAMPLING_FIELDS:
-            raise ProtocolError(Code.BAD_FIELD, f"unknown sampling parameter {k!r}", mid)
+            raise _bad(f"unknown sampling parameter {k!r}", mid)
         field(sampling | {"mid": mid}, k, SAMPLING_FIELDS[k])
     eos = msg.get("eos_token_id")
     if isinstance(eos, list) and len(eos) > MAX_EOS_TOKEN_IDS:
-        raise ProtocolError(Code.BAD_FIELD, f"eos_token_id lists {len(eos)} ids; at most {MAX_EOS_TOKEN_IDS} are "
-                                            f"allowed", mid)
+        raise _bad(f"eos_token_id lists {len(eos)} ids; at most {MAX_EOS_TOKEN_IDS} are allowed", mid)
     if eos is not None and not (_is_int(eos) or (isinstance(eos, list) and all(_is_int(e) for e in eos))):
-        raise ProtocolError(Code.BAD_FIELD, "eos_token_id must be an integer or a list of integers", mid)
+        raise _bad("eos_token_id must be an integer or a list of integers", mid)
     rid = field(msg, "request_id", str)
     if rid is not None and len(rid) > MAX_REQUEST_ID_CHARS:
-        raise ProtocolError(Code.BAD_FIELD, f"request_id has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS} "
-                                            f"are allowed", mid)
+        raise _bad(f"request_id has {len(rid)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed", mid)
     resume_tokens = field(msg, "resume_tokens", list)
     if resume_tokens is not None and not all(_is_int(t) for t in resume_tokens):
-        raise ProtocolError(Code.BAD_FIELD, "resume_tokens must be a list of integers", mid, rid)
+        raise _bad("resume_tokens must be a list of integers", mid, rid)
     versions = field(msg, "resume_versions", list)
-    if versions is not None and not all(isinstance(p, list) and len(p) == 2 and all(_is_int(x) for x in p)
-                                        for p in versions):
-        raise ProtocolError(Code.BAD_FIELD, "resume_versions must be a list of [index, version] pairs", mid, rid)
+    if versions is not None and not all(isinstance(p, list) and len(p) == 2 and all(map(_is_int, p)) for p in versions):
+        raise _bad("resume_versions must be a list of [index, version] pairs", mid, rid)
     return Submit(mid=mid, request_id=rid, input_ids=ids, text=text,
                   max_new_tokens=field(msg, "max_new_tokens", int), streaming=field(msg, "streaming", bool, False),
                   sampling=sampling, eos_token_id=eos, resume_tokens=resume_tokens, resume_versions=versions,
@@ -171,11 +172,9 @@ def check_stop(value: Any, mid: Any = None, rid: str | None = None) -> list[str]
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) and 1 <= len(v) <= MAX_STOP_CHARS for v in value):
-        raise ProtocolError(Code.BAD_FIELD, f"stop must be a list of strings of 1 to {MAX_STOP_CHARS} characters",
-                            mid, rid)
+        raise _bad(f"stop must be a list of strings of 1 to {MAX_STOP_CHARS} characters", mid, rid)
     if len(value) > MAX_STOP_STRINGS:
-        raise ProtocolError(Code.BAD_FIELD, f"stop lists {len(value)} strings; at most {MAX_STOP_STRINGS} are "
-                                            f"allowed", mid, rid)
+        raise _bad(f"stop lists {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed", mid, rid)
     return value or None
 
 
@@ -198,12 +197,12 @@ def _is_host(host: str) -> bool:
 def check_store(value: Any, mid: Any = None) -> str:
     """`host:port` of a trainer's store, every rank dials it: a hostname or IP literal and a port in 1..65535."""
     if not isinstance(value, str) or value.count(":") < 1:
-        raise ProtocolError(Code.BAD_FIELD, "store must be 'host:port'", mid)
+        raise _bad("store must be 'host:port'", mid)
     host, port = value.rsplit(":", 1)
     if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535 and len(port) <= 5):
-        raise ProtocolError(Code.BAD_FIELD, "store: the port must be a number in 1..65535", mid)
+        raise _bad("store: the port must be a number in 1..65535", mid)
     if not _is_host(host):
-        raise ProtocolError(Code.BAD_FIELD, "store: the host must be a hostname or an IP literal", mid)
+        raise _bad("store: the host must be a hostname or an IP literal", mid)
     return value
 
 
@@ -211,17 +210,16 @@ def check_buckets(value: Any, mid: Any = None) -> list[list[list[Any]]]:
     """Buckets of a push: a list of non-empty lists of [name (str), shape (list of ints >= 0), dtype], one dtype a
     bucket, dtype one of PUSH_DTYPES."""
     if not isinstance(value, list) or not value:
-        raise ProtocolError(Code.BAD_FIELD, "buckets must be a non-empty list of buckets", mid)
+        raise _bad("buckets must be a non-empty list of buckets", mid)
     for b, bucket in enumerate(value):
         if not isinstance(bucket, list) or not bucket:
-            raise ProtocolError(Code.BAD_FIELD, f"bucket {b} must be a non-empty list of [name, shape, dtype]", mid)
+            raise _bad(f"bucket {b} must be a non-empty list of [name, shape, dtype]", mid)
         for entry in bucket:
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[0]
                     and isinstance(entry[1], list) and isinstance(entry[2], str)):
-                raise ProtocolError(Code.BAD_FIELD, f"bucket {b}: every entry is [name, shape, dtype]", mid)
+                raise _bad(f"bucket {b}: every entry is [name, shape, dtype]", mid)
             if not all(_is_int(d) and 0 <= d < 1 << 40 for d in entry[1]):
-                raise ProtocolError(Code.BAD_FIELD, f"bucket {b}: a shape is a list of non-negative integers", mid)
+                raise _bad(f"bucket {b}: a shape is a list of non-negative integers", mid)
             if entry[2] not in PUSH_DTYPES or entry[2] != bucket[0][2]:
-                raise ProtocolError(Code.BAD_FIELD, f"bucket {b}: dtype must be one of {PUSH_DTYPES}, one per "
-                                                    f"bucket", mid)
+                raise _bad(f"bucket {b}: dtype must be one of {PUSH_DTYPES}, one per bucket", mid)
     return value

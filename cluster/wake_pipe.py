@@ -1,9 +1,7 @@
-"""Waking a thread that sleeps in `zmq.Poller.poll` from any other thread: the front door, the client's I/O
-thread and the replicas' router each poll their socket and one of these.
+"""Waking a thread that sleeps in `zmq.Poller.poll` (the front door, the client's I/O thread, the router).
 
-Register `fd` for POLLIN; any thread calls `wake`; the polling thread calls `drain` when `fd` fired. `close`
-closes both ends once; a `wake` after it does nothing (it never writes to a closed descriptor's number, which
-another file may have reused). Torch-free.
+Register `fd` for POLLIN; any thread calls `wake`; the poller calls `drain` when `fd` fired. `close` closes both
+ends once; a later `wake` does nothing (never writing to a closed descriptor's number, maybe reused). Torch-free.
 """
 
 from __future__ import annotations

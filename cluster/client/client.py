@@ -110,12 +110,11 @@ class Client:
                       resume_versions: list[tuple[int, int]] | None = None, resumes: int = 0,
                       stop: list[str] | None = None, return_text: bool = False, logprobs: bool = False,
                       **sampling: Any) -> tuple[PendingRequest, Future]:
-        """Send a submit; the future resolves to the request id once the server accepts it. A request id
-        this client already has outstanding raises ClientError(`duplicate_request_id`) here. `resume_tokens`
-        (with `resume_versions` and `resumes`): resume a request by hand (the client does it by itself for
-        the requests it sent); its outputs then start with those tokens (docs/recovery.md). `stop`: stop
-        strings (the text is cut before the one that matched); outputs carry `text` when the submit is text,
-        has stop strings or `return_text`; `logprobs`: the chosen tokens' logprobs, streamed too."""
+        """Send a submit; the future resolves to the request id once the server accepts it (an id outstanding on
+        this client raises ClientError `duplicate_request_id` here). `resume_tokens` (with `resume_versions`,
+        `resumes`): resume a request by hand; its outputs start with those tokens (docs/recovery.md). `stop`:
+        stop strings (text cut before the match); outputs carry `text` when the submit is text, has stop strings
+        or `return_text`; `logprobs`: the chosen tokens' logprobs, streamed too."""
         rid = request_id or os.urandom(12).hex()
         fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "streaming": streaming, "sampling": sampling,
                                   "request_id": rid, "eos_token_id": eos_token_id}
@@ -131,8 +130,8 @@ class Client:
         if resume_tokens or resumes:
             fields |= {"resume_tokens": list(resume_tokens or []), "resumes": resumes,
                        "resume_versions": [list(p) for p in resume_versions or []]}
-            req.tokens, req.versions = list(resume_tokens or []), [tuple(p) for p in resume_versions or []]
-            req.resumes = resumes
+            req.tokens, req.resumes = list(resume_tokens or []), resumes
+            req.versions = [tuple(p) for p in resume_versions or []]
         io.track(req)  # before the submit leaves, so no token can slip by
 
         accepted: Future = Future()

@@ -259,11 +259,8 @@ class IOThread:
         if kind == P.PONG:
             self._check_server(msg.get("server"))
             return
-        if kind == P.ACCEPTED and isinstance(msg.get("request_id"), str):
-            with self.lock:  # before the reply resolves: the submit's callbacks may already read it
-                req = self.requests.get(msg["request_id"])
-            if req is not None:
-                req.server = msg.get("server")
+        if kind == P.ACCEPTED and (req := self._tracked(msg.get("request_id"))) is not None:
+            req.server = msg.get("server")  # before the reply resolves: the submit's callbacks may read it
         if kind in (P.ACCEPTED, P.REPLY, P.REJECTED, P.ERROR) and msg.get("mid") is not None:
             with self.lock:
                 fut = self.replies.pop(msg["mid"], None)
@@ -275,20 +272,17 @@ class IOThread:
                     settle(fut, msg)
                 return
         rid = msg.get("request_id") or (msg.get("output") or {}).get("request_id")
-        with self.lock:
-            req = self.requests.get(rid) if isinstance(rid, str) else None
-        if req is None or req.final.done():
+        if (req := self._tracked(rid)) is None or req.final.done():
             return
         if kind == P.TOKENS:
             index = msg.get("index")
             try:
                 out = req.delivered(index if isinstance(index, int) else len(req.tokens), msg["tokens"],
                                     msg.get("versions") or [], msg.get("text"), msg.get("logprobs"))
+                if out is not None:
+                    req.put(out)
             except ValueError as e:
                 self.finish(req, error=ClientError(Code.INTERNAL, str(e), rid))
-                return
-            if out is not None:
-                req.put(out)
         elif kind == P.FINAL:  # the request stays tracked until `result` or `stream` collects it
             self.finish(req, GenerationOutput.from_dict(msg["output"]))
         elif kind == P.ERROR:  # a request failed on the server side (e.g. a rank died)
@@ -297,6 +291,10 @@ class IOThread:
                 self.lose(req, error)
             else:
                 self.finish(req, error=error)
+
+    def _tracked(self, rid: Any) -> PendingRequest | None:
+        with self.lock:
+            return self.requests.get(rid) if isinstance(rid, str) else None
 
     def _check_server(self, server: Any) -> None:
         """A pong names the server answering; requests another one accepted are lost (restarted in between)."""
@@ -312,8 +310,7 @@ class IOThread:
     def _end(self, failure: ClientError | None) -> None:
         """Fail everything outstanding, say goodbye (best effort after a failure), release the socket."""
         with self.lock:
-            self.closed = True
-            self.failure = failure
+            self.closed, self.failure = True, failure
             error = self._ended()
             replies, self.replies = list(self.replies.values()), {}
             reqs = [self.requests[rid] for rid in self.open if rid in self.requests]

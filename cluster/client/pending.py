@@ -1,9 +1,6 @@
-"""A submitted request as its client sees it, and its journal for a resume.
-
-It holds a future for the final output, a queue of streamed outputs (cumulative tokens; the last one final, or
-the error that ended it), and what a resume needs: the submit's fields, the tokens delivered so far with their
-weight versions, and how many times it was resumed (docs/recovery.md). Torch-free: clients import it.
-"""
+"""A submitted request as its client sees it: a future for the final output, a queue of streamed outputs (the
+last one final, or the error that ended it), and what a resume needs: the submit's fields, the tokens delivered
+with their weight versions, the resume count (docs/recovery.md). Torch-free."""
 
 from __future__ import annotations
 
@@ -54,10 +51,9 @@ class PendingRequest:
 
     def delivered(self, index: int, tokens: list[int], versions: list[list[int]], text: str | None = None,
                   logprobs: list[float] | None = None) -> GenerationOutput | None:
-        """Streamed tokens starting at generated index `index` (with the text they completed and their logprobs,
-        when the submit asked for them): the new ones are kept and the cumulative output returned; a repeat of
-        tokens already held (a resume's overlap) returns None, so no token is delivered twice. A gap (index
-        beyond what is held) cannot be filled: ValueError."""
+        """Streamed tokens from generated index `index` (with their text and logprobs when asked for): the new
+        ones are kept and the cumulative output returned; a repeat of tokens held (a resume's overlap) returns
+        None, so no token is delivered twice. A gap (index beyond what is held): ValueError."""
         have = len(self.tokens)
         if index > have:
             raise ValueError(f"request {self.request_id}: tokens from index {index}, but only {have} arrived")
@@ -95,8 +91,8 @@ class PendingRequest:
         with self._arrivals_lock:
             if self.stream.empty():
                 self._arrivals.append(fut)
-                return fut
-        settle(fut)
+            else:
+                settle(fut)
         return fut
 
     @staticmethod

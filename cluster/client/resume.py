@@ -23,7 +23,7 @@ from typing import Any
 
 from cluster import protocol as P
 from cluster.errors import ClientError, Code, RequestLost
-from cluster.client.pending import PendingRequest
+from cluster.client.pending import PendingRequest, settle
 
 log = logging.getLogger("lockstep")
 
@@ -52,8 +52,8 @@ class Resumer:
     """Resubmits a client's lost requests (`client` is the Client whose I/O thread lost them)."""
 
     def __init__(self, client: Any, max_resumes: int, resume_timeout_s: float):
-        # weakly: the client's I/O thread holds `lost`, so a strong reference would keep a dropped client (and
-        # its I/O thread) alive for ever; its finalizer closes the I/O thread, and this then gives up
+        # weakly: the client's I/O thread holds `lost`, so a strong reference would keep a dropped client alive
+        # for ever; its finalizer closes the I/O thread, and this then gives up
         self._client = weakref.ref(client)
         self.address = client.address
         self.max_resumes, self.resume_timeout_s = max_resumes, resume_timeout_s
@@ -61,25 +61,22 @@ class Resumer:
         self.waiting: dict[PendingRequest, Lost] = {}  # every request waiting for its resume, once
         self.closed = False
         self.thread: threading.Thread | None = None
-        self.resumed = 0  # resumes the server accepted, over this client's life
 
     def lost(self, req: PendingRequest, cause: ClientError) -> None:
-        """The server lost `req` (any thread; the I/O thread calls it). It is resumed, or ended with
-        RequestLost at once when it already had max_resumes resumes or the client is closed."""
+        """The server lost `req` (any thread): it is resumed, or ended with RequestLost at once when it already
+        had max_resumes resumes or the client is closed."""
         with self.cond:
-            item = self.waiting.get(req)
-            if item is not None:  # a resubmit is on its way: the round sees this loss when it settles
+            if (item := self.waiting.get(req)) is not None:  # a resubmit is on its way: its round sees this loss
                 item.again = True
                 return
-            if req.resumes >= self.max_resumes or self.closed:
-                reason = RequestLost.CLIENT_CLOSED if self.closed else RequestLost.MAX_RESUMES
-            else:
+            if req.resumes < self.max_resumes and not self.closed:
                 self.waiting[req] = Lost(req, cause, time.monotonic() + self.resume_timeout_s)
                 if self.thread is None:
                     self.thread = threading.Thread(target=self._run, name="lockstep-resume", daemon=True)
                     self.thread.start()
                 self.cond.notify_all()
                 return
+            reason = RequestLost.CLIENT_CLOSED if self.closed else RequestLost.MAX_RESUMES
         self._give_up(Lost(req, cause, 0.0), reason)
 
     def close(self) -> None:
@@ -148,7 +145,6 @@ class Resumer:
                 if e.code not in RETRY_CODES:
                     self._give_up(item, RequestLost.REFUSED, f"the server refused the resume: {e}")
                 continue
-            self.resumed += 1
             with self.cond:
                 if not item.again:  # resumed; a loss from now on comes through `lost` again
                     self.waiting.pop(item.req, None)
@@ -177,8 +173,7 @@ class Resumer:
         try:
             io.track(req, again=True)
         except ClientError as e:
-            sent: Future = Future()
-            sent.set_exception(e)
+            settle(sent := Future(), error=e)
             return sent
         sent = io.call(P.SUBMIT, **req.resume_fields())
 
