@@ -82,8 +82,7 @@ class DriverLoop:
         return max(0.0, self.last_plan + IDLE_HEARTBEAT_S - time.monotonic())
 
     def _send(self, command: Command, **extra: Any) -> None:
-        """A plan that runs no forward, carrying the outbox (and `extra`) to every rank. The step in flight (if
-        any) is collected first: a pause, a call or a stop never meets a half-collected step."""
+        """A plan that runs no forward, carrying the outbox (and `extra`); the step in flight is collected first."""
         self._flush()
         self.engine.send(command, self._take_outbox(**extra))
         self.last_plan = time.monotonic()

@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+import msgpack
 import numpy as np
 
 from cluster.config import ContinuousBatchingConfig
@@ -29,7 +30,7 @@ from driver.api.results import ResultRouter
 from driver.api.serving_metrics import ServingMetrics
 from driver.api.update_calls import WeightUpdates
 from driver.api.validation import build_request, supported_generation_config
-from driver.api.worker_side import run_worker_side
+from worker.loop import worker_loop
 from worker.memory import use_device
 from worker.weights import UpdateCall
 
@@ -99,8 +100,7 @@ class ContinuousBatchingManager:
         return self.gate.parked or time.monotonic() - self.loop_beat < deadline_s
 
     def warmup(self) -> None:
-        """Run one padded step on the scratch block, so the first request pays no one-time costs.
-        Every rank calls it, before `start` (it is a no-op while the loop runs)."""
+        """One padded step on the scratch block (first-request costs paid now). Every rank calls it, before `start`."""
         if self.is_running():
             return
         plan = self.runner.warmup_plan()
@@ -216,8 +216,7 @@ class ContinuousBatchingManager:
 
     # ---------------------------------------------------------------- results
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """The next output (of `request_id` if given), or None after `timeout` seconds. On a worker rank,
-        results flow to it from its first call on (or from the start, after `wants_results = True`)."""
+        """The next output (of `request_id` if given), or None after `timeout`; a worker rank asks for results now."""
         self.wants_results = True
         return self.results.get(request_id, timeout)
 
@@ -255,8 +254,7 @@ class ContinuousBatchingManager:
 
     # ---------------------------------------------------------------- weight updates
     def update_weights(self, source: Any, kv_policy: str = "keep", timeout: float | None = None) -> dict[str, Any]:
-        """Swap the weights at one step boundary on every rank, all or none, and bump the weight version.
-        Every rank calls it. See driver/api/update_calls.py."""
+        """Swap the weights at one step boundary on every rank, all or none (update_calls.py). Every rank calls it."""
         return self.updates.update_weights(source, kv_policy, timeout)
 
     def update_weights_async(self, call: UpdateCall, done: Callable[[dict], None]) -> None:
@@ -275,8 +273,7 @@ class ContinuousBatchingManager:
 
     # ---------------------------------------------------------------- the loop thread
     def _run_loop(self) -> None:
-        """The loop thread: the driver's step loop, or a worker's plan loop. Whatever ends it, callers
-        waiting on it are woken and new requests are refused."""
+        """The loop thread; whatever ends it, waiting callers are woken and new requests are refused."""
         try:
             use_device(self.groups.device)  # the current CUDA device is per thread
             with self.groups.owned_by_this_thread():
@@ -288,3 +285,22 @@ class ContinuousBatchingManager:
             with self._lock:
                 self.closed = True
             self.updates.loop_ended()
+
+
+def run_worker_side(m: ContinuousBatchingManager) -> None:
+    """The loop thread of a non-driver rank: execute every plan (worker/loop.py) and act on what plans carry for
+    this rank's callers (outputs they read, weight-update calls); returns at STOP or when the loop fails. A loop that
+    dies stops stamping liveness at once, so the driver's failing collective names this rank."""
+    try:
+        for plan in worker_loop(m.runner, m.groups, m.gate, m.barrier, lambda: m.wants_results, m.liveness):
+            data = msgpack.unpackb(plan.data)
+            for d in data.get("outputs", []):
+                m.results.put(GenerationOutput.from_dict(d))
+            if "call" in data:
+                m.updates.worker_call(UpdateCall(**data["call"]), plan.weight_version)
+    except BaseException as e:  # never silently: the driver must be able to name this rank
+        m.loop_error = e
+        m.failure = f"rank {m.groups.rank}: worker loop failed: {type(e).__name__}: {str(e)[:300]}"
+        log.exception("lockstep worker loop failed")
+        if m.liveness is not None:
+            m.liveness.stop()

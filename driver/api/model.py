@@ -1,10 +1,7 @@
-"""The model users hold: transformers' continuous-batching entry points, made to work across ranks.
-
-`generate_batch`, `init_continuous_batching` and `continuous_batching_context_manager` keep the seed's
-signatures. Under torchrun every rank calls them with the same arguments; every rank gets the same results.
-The object also answers what transformers scripts touch on a model: `parameters()`, `named_parameters()`,
-`state_dict()` (this rank's shards under transformers' names, as views into the live weights: see
-worker/named_shards.py), `config`, `generation_config`, `device`, `dtype`, `eval()`.
+"""The model users hold: transformers' continuous-batching entry points (the seed's signatures), across ranks:
+under torchrun every rank calls them with the same arguments and gets the same results. It also answers what
+transformers scripts touch on a model: `parameters()`, `named_parameters()`, `state_dict()` (this rank's shards
+under transformers' names, views into the live weights: worker/named_shards.py), `config`, `device`, `dtype` ...
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from driver.api.manager import ContinuousBatchingManager
 from worker.attention import attention_workspace_bytes
 from worker.kv_cache import kv_bytes_per_token
 from worker.kv_offload import system_ram_bytes
-from worker.memory import CACHE_LEDGER, describe, propose_num_blocks, tensor_bytes, use_device
+from worker.memory import CACHE_LEDGER, describe, host_memory, propose_num_blocks, tensor_bytes, use_device
 from worker.model import CausalLM, KVHeads, head_dim_of
 from worker.named_shards import named_shards, shard_of
 from worker.runner import ModelRunner
@@ -37,18 +34,6 @@ def flash_attn_available() -> bool:
         return True
     except Exception:
         return False
-
-
-def available_host_memory() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class ClusterModel:
@@ -75,10 +60,9 @@ class ClusterModel:
     # ---------------------------------------------------------------- what transformers scripts touch
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """(transformers name, this rank's shard) for every tensor of the checkpoint. Each is a Parameter
-        sharing storage with the weights the forward reads (fused q/k/v and gate/up are views of their rows),
-        so in-place changes (inside `with manager.pause():` while a manager runs) are what the next requests
-        use. A tied lm_head appears once, as model.embed_tokens.weight (remove_duplicate=False adds it)."""
+        """(transformers name, this rank's shard) for every tensor of the checkpoint, as Parameters sharing storage
+        with the weights the forward reads, so in-place changes (inside `with manager.pause():` while a manager
+        runs) are what the next requests use. A tied lm_head appears once (remove_duplicate=False adds it)."""
         if self._params is None:  # views never move: the parameters' storage is fixed for the model's life
             self._params = {n: nn.Parameter(t, requires_grad=False)
                             for n, t in named_shards(self.model, with_tied=True).items()}
@@ -108,18 +92,15 @@ class ClusterModel:
 
     def build_runner(self, cb: ContinuousBatchingConfig) -> tuple[ModelRunner, ResolvedConfig, Groups]:
         """Size the KV cache (the group agrees on the smallest proposal) and make the runner. Every rank calls it.
-
-        On CUDA the proposal comes from worker/memory.py: free memory measured after the allocator let go of its
-        cached blocks, plus what this model's earlier caches hold (released before the new one is made, so a
-        second manager gets the same cache), less static buffers, graph pool, activations, attention workspace
-        and `safety_margin`."""
+        On CUDA the proposal comes from worker/memory.py; this model's earlier caches are released before the new
+        one is made, so a second manager gets the same cache."""
         use_device(self.device)
         heads = KVHeads(self.config, self.model.shard)
         d = head_dim_of(self.config)
         per_token = kv_bytes_per_token(self.config.num_hidden_layers, heads.kv_local, d, self.dtype)
         cuda = self.device.type == "cuda"
         rc = resolve_config(cb, device_kind=self.device.type, max_model_len=self.max_model_len,
-                            kv_bytes_per_token=per_token, free_bytes=None if cuda else available_host_memory(),
+                            kv_bytes_per_token=per_token, free_bytes=None if cuda else host_memory()[0] or None,
                             flash_available=flash_attn_available(), dtype=self.dtype, head_dim=d,
                             system_ram=system_ram_bytes())
         if cuda and cb.num_blocks is None:

@@ -127,8 +127,7 @@ def check_option(name: str, value: Any, vocab_size: int | None, where: str, requ
 
 def check_forced_not_suppressed(forced_bos: int | None, forced_eos: tuple[int, ...], suppressed: tuple[int, ...],
                                 where: str, request_id: str | None) -> None:
-    """RequestRejected (bad_field) when every forced token is also suppressed (no token could be chosen there;
-    transformers' GenerationConfig.validate refuses it too)."""
+    """RequestRejected when every forced token is also suppressed (as transformers' GenerationConfig.validate)."""
     for name, forced in (("forced_bos_token_id", () if forced_bos is None else (forced_bos,)),
                          ("forced_eos_token_id", forced_eos)):
         if suppressed and forced and set(forced) <= set(suppressed):

@@ -27,8 +27,7 @@ class ResultRouter:
         handler = (loop, callback)
         with self.cond:
             self.handlers[request_id] = handler
-            # anything that arrived before the handler goes to it, in order
-            early = [o for o in self.pending if o.request_id == request_id]
+            early = [o for o in self.pending if o.request_id == request_id]  # what came before it, in order
             for o in early:
                 self.pending.remove(o)
             if any(o.is_finished() for o in early):
@@ -43,7 +42,7 @@ class ResultRouter:
                 self.pending.append(out)
                 self.cond.notify_all()
                 return
-            if out.is_finished():  # looked up and removed under one lock: an unregister cannot race it
+            if out.is_finished():  # looked up and removed under one lock
                 del self.handlers[out.request_id]
         self._deliver(handler, out)
 
@@ -54,10 +53,6 @@ class ResultRouter:
             callback(out)
         elif not loop.is_closed():
             loop.call_soon_threadsafe(callback, out)
-
-    def unregister(self, request_id: str) -> None:
-        with self.cond:
-            self.handlers.pop(request_id, None)
 
     def get(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The oldest output (of `request_id`, if given); None after `timeout` seconds."""

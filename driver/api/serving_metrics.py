@@ -1,15 +1,15 @@
 """Serving metrics measured on the driver: request latencies, token counts and finish reasons.
 
-The loop thread feeds `observe(req)` with every request that got tokens or ended (driver/api/driver_loop.py `emit`),
-so every client counts, ZeroMQ and HTTP alike. Each call is a few additions and, per new token, one bisect into a
-histogram's bounds; nothing grows with the number of requests beyond one small record per live request. The
-front door reads `snapshot` for the `metrics` map of the `stats` reply (docs/protocol.md); the HTTP gateway turns
-that map into Prometheus text (cluster/metrics_export.py).
+The loop thread feeds `observe(req)` with every request that got tokens or ended (DriverLoop.emit), so every client
+counts; each call is a few additions and a bisect, and only live requests keep a record. The front door reads
+`snapshot` for the `metrics` map of the `stats` reply (docs/protocol.md), which the HTTP gateway turns into
+Prometheus text (cluster/metrics_export.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,10 +47,7 @@ class Histogram:
 
     def to_dict(self) -> dict[str, Any]:
         """`buckets`: [upper bound, cumulative count] pairs (the last bound is "+Inf"), `sum`, `count`."""
-        cumulative, running = [], 0
-        for bound, n in zip((*self.bounds, "+Inf"), self.counts):
-            running += n
-            cumulative.append([bound, running])
+        cumulative = [[bound, n] for bound, n in zip((*self.bounds, "+Inf"), itertools.accumulate(self.counts))]
         return {"buckets": cumulative, "sum": self.total, "count": self.count}
 
 
@@ -61,8 +58,7 @@ class _Seen:
 
 
 def finish_reason(req: Any) -> str:
-    """Why a finished request ended: the request's own `finish_reason` when it has one, else from its status and
-    its last token."""
+    """Why a finished request ended: its own `finish_reason`, else from its status and its last token."""
     own = getattr(req, "finish_reason", None)
     if own:
         return own
@@ -125,8 +121,7 @@ def metrics_map(manager: Any) -> dict[str, Any]:
     """The `metrics` map of the `stats` reply: the request metrics plus the engine's gauges and counters
     (driver only; read from the front door's thread, so every value is one plain read)."""
     engine = manager.engine
-    blocks, scheduler = engine.blocks, engine.scheduler
-    page = blocks.page_size
+    blocks, scheduler, page = engine.blocks, engine.scheduler, engine.blocks.page_size
     return manager.metrics.snapshot() | {
         "num_requests_running": len(scheduler.running), "num_requests_waiting": len(scheduler.waiting),
         "kv_cache_usage_perc": 1.0 - blocks.num_free / max(1, blocks.num_blocks),

@@ -1,14 +1,13 @@
 """Weight updates as the manager runs them, on every rank.
 
-The driver decides when: a user's `update_weights` (or the front door's) goes into the inbox, and the loop
-thread sends a CALL plan and runs its share. A worker rank's caller waits here for its share's result, which
-the worker loop computes when that CALL plan arrives (tensors handed in by the caller ride along). Inside a
-pause, or with no loop running, the calling thread itself may use the groups, and runs the update at once.
+The driver decides when: a user's `update_weights` (or the front door's) goes into the inbox, and the loop thread
+sends a CALL plan and runs its share. A worker rank's caller waits here for its share's result, which the worker
+loop computes when that CALL plan arrives (with the tensors the caller handed in). Inside a pause, or with no loop
+running, the calling thread itself may use the groups and runs the update at once.
 
-Every rank keeps the weight version it holds (`version`, bumped after each applied update on every rank) and
-checks it against the version the CALL plan carries (the driver's). A refused update raises
-`WeightUpdateError` on every rank alike; a rank that fails while copying makes every rank raise
-`WeightsDiverged`, which ends the loop (and every later update on this manager raises it again).
+Every rank keeps the weight version it holds (`version`) and checks it against the CALL plan's (the driver's). A
+refused update raises `WeightUpdateError` on every rank alike; a rank that fails while copying makes every rank
+raise `WeightsDiverged`, which ends the loop (and every later update on this manager raises it again).
 """
 
 from __future__ import annotations
@@ -207,8 +206,7 @@ class WeightUpdates:
                     self.cond.notify_all()
 
     def loop_ended(self) -> None:
-        """Wake every caller waiting for a CALL that will never come (the loop stopped or died), and answer
-        every update the driver's loop left unanswered."""
+        """Wake callers waiting for a CALL that will never come, and answer every update the loop left unanswered."""
         with self.cond:
             pending = list(self.pending)
             self.cond.notify_all()

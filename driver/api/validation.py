@@ -12,8 +12,7 @@ from cluster.config import DEFAULT_MAX_NEW_TOKENS
 from cluster.errors import Code, RequestRejected
 from cluster.protocol import MAX_EOS_TOKEN_IDS, MAX_REQUEST_ID_CHARS, SAMPLING_FIELDS
 from driver.api.option_checks import OPTION_CHECKS, check_forced_not_suppressed, check_option, integer, real, shown
-from driver.engine.request import Request, SamplingParams
-from driver.engine.resumed_request import ResumedRequest
+from driver.engine.request import Request, ResumedRequest, SamplingParams
 
 SAMPLING_KWARGS = tuple(SAMPLING_FIELDS)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -103,8 +102,7 @@ def check_combination(sampling: SamplingParams, request_id: str | None) -> None:
 
 
 def sampling_from(generation_config: Any, vocab_size: int | None = None) -> SamplingParams:
-    """The sampling defaults and generation options a GenerationConfig sets (unset fields take transformers'
-    meaning), checked (token ids against `vocab_size` when given)."""
+    """The sampling defaults and options a GenerationConfig sets, checked (ids against `vocab_size` when given)."""
     values = {name: getattr(generation_config, name, None) for name in SAMPLING_KWARGS if name != "seed"}
     sampling = SamplingParams(**{k: check_sampling_value(k, v, None, vocab_size) for k, v in values.items()
                                  if v is not None})
@@ -125,8 +123,7 @@ NO_EOS = -1  # transformers' placeholder for "no EOS token" (the benchmarks send
 
 
 def check_eos(eos: Any, request_id: str, vocab_size: int) -> frozenset[int]:
-    """A request's eos_token_id (an id or a list of at most MAX_EOS_TOKEN_IDS ids in the vocabulary, or NO_EOS)
-    as a set."""
+    """A request's eos_token_id (an id or a list of at most MAX_EOS_TOKEN_IDS, or NO_EOS) as a set."""
     ids = [eos] if integer(eos) is not None else eos
     if not isinstance(ids, (list, tuple)) or any(integer(e) is None for e in ids):
         raise RequestRejected(f"request {request_id}: eos_token_id must be a token id or a list of token ids",

@@ -1,8 +1,7 @@
 """Paged KV block bookkeeping: reference counts, prefix sharing by chained block hashes, free lists.
 
-A block's hash chains the previous block's hash with its own token ids (blake2b, so every process and every
-run agrees; Python's `hash` is salted per process). A block whose last user left keeps its hash and stays
-findable until it is handed out again, so a later request with the same prefix reuses its KV.
+A block's hash chains the previous block's hash with its own token ids (blake2b: every process and run agrees). A
+block whose last user left keeps its hash and stays findable until it is handed out again, for later prefixes.
 """
 
 from __future__ import annotations
@@ -106,8 +105,7 @@ class BlockManager:
             req.block_hashes = []
 
     def register_full_blocks(self, req: Request) -> None:
-        """Make the request's newly completed blocks findable by later requests with the same prefix: those whose
-        K/V are computed and whose tokens are all on the host."""
+        """Make the request's newly completed blocks (K/V computed, tokens all on the host) findable."""
         page = self.page_size
         full = min(req.num_computed, req.num_tokens) // page
         if not self.allow_sharing or not req.cacheable or len(req.block_hashes) >= full:
@@ -122,8 +120,8 @@ class BlockManager:
                 self.block_hash[b] = h
 
     def attach_cached(self, req: Request) -> int:
-        """Before a swap-in: attach the cached blocks that still hold the request's leading full blocks (by its
-        kept hashes), so only the rest is copied back. Returns the blocks attached."""
+        """Before a swap-in: attach the cached blocks that still hold the request's leading full blocks (by its kept
+        hashes), so only the rest is copied back. Returns how many."""
         if not self.allow_sharing or not req.cacheable or req.block_ids:
             return 0
         for h in req.block_hashes:
@@ -132,8 +130,7 @@ class BlockManager:
         return len(req.block_ids)
 
     def register_swapped_in(self, req: Request) -> None:
-        """After a swap-in: the request's full blocks (its kept hashes) are findable again in its new pages,
-        where no other block holds the same prefix."""
+        """After a swap-in: the request's full blocks are findable again in its new pages (where no other is)."""
         if not self.allow_sharing or not req.cacheable:
             return
         for h, b in zip(req.block_hashes, req.block_ids):
@@ -141,9 +138,7 @@ class BlockManager:
                 self.hash_to_block[h] = b
                 self.block_hash[b] = h
 
-    def forget_cached_prefixes(self) -> int:
-        """Forget every hash (after a weight change the cached KV is stale). Returns blocks forgotten."""
-        n = len(self.hash_to_block)
+    def forget_cached_prefixes(self) -> None:
+        """Forget every hash (after a weight change the cached KV is stale)."""
         self.hash_to_block.clear()
         self.block_hash = [None] * self.num_blocks
-        return n

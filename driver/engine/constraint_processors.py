@@ -1,15 +1,12 @@
 """transformers' generation options as three batch-wise edits of the logits: a sparse bias, a forced row, banned
 tokens.
 
-transformers applies, in `_get_logits_processor`'s order: sequence bias, repetition penalty, no-repeat n-gram,
-bad words, min length, min new tokens, forced BOS, forced EOS, suppressed tokens, tokens suppressed at the
-beginning. Setting a token to -inf is idempotent and commutes with the others, and forcing replaces the whole
-row, so the same result comes from: the bias (before the penalty, driver/engine/logits_processing.py), then the forced
-row, then one ban of the union of the masks that come after forcing, with those that come before it when the
-row is not forced.
-
-The host decides each row's edit from the request (its parameters and its tokens, all on the host when the
-sampler builds its rows: docs/architecture.md) and sends ids to the device; nothing waits on the device.
+transformers applies, in `_get_logits_processor`'s order: sequence bias, repetition penalty, no-repeat n-gram, bad
+words, min length, min new tokens, forced BOS, forced EOS, suppressed tokens, tokens suppressed at the beginning.
+Setting a token to -inf is idempotent and commutes with the others, and forcing replaces the whole row, so the same
+result comes from: the bias (before the penalty, logits_processing.py), then the forced row, then one ban of the
+union of the masks after forcing, with those before it when the row is not forced. The host decides each row's
+edit from the request (all its tokens are on the host then) and sends ids to the device; nothing waits on it.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import torch
 
 from driver.engine.block_manager import token_slice
 from cluster.device_lists import on_device
-from driver.engine.request import Request, SamplingParams
+from driver.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -99,8 +96,7 @@ class History:
         return [t[tuple(tail[len(tail) - k:])] for k, t in tables if k <= total and tuple(tail[len(tail) - k:]) in t]
 
     def bias(self, req: Request) -> tuple[tuple[int, float], ...]:
-        """SequenceBiasLogitsProcessor's bias row, summed in float32 in its order: single tokens, then the
-        completable sequences by prefix length."""
+        """SequenceBiasLogitsProcessor's row, summed in float32 in its order: single tokens, then sequences."""
         total: dict[int, np.float32] = {t: np.float32(0) + np.float32(b) for t, b in self.bias_single.items()}
         for found in self.matches(self.bias_tables, req):
             for tok, b in found:
@@ -113,20 +109,6 @@ class History:
         for found in self.matches(self.bad_tables, req):
             out.update(tok for tok, _ in found)
         return out
-
-
-def eos_blocked(p: SamplingParams, req: Request) -> bool:
-    """MinLength/MinNewTokensLength: the EOS tokens are -inf while the sequence is shorter than min_length (prompt
-    included) or, when min_new_tokens is set (it overrides min_length), while fewer new tokens exist."""
-    if p.min_new_tokens is not None:
-        return req.token_index < p.min_new_tokens
-    return req.num_tokens < p.min_length
-
-
-def begins(p: SamplingParams, req: Request) -> bool:
-    """SuppressTokensAtBegin's step: the first new token, or the second when a one-token prompt has a forced BOS."""
-    prompt = len(req.prompt_ids) - req.resumed_tokens
-    return req.token_index == (1 if prompt <= 1 and p.forced_bos_token_id is not None else 0)
 
 
 def constraints(req: Request) -> Constraints:
@@ -147,10 +129,15 @@ def constraints(req: Request) -> Constraints:
         if hist.ngrams is not None:
             banned |= hist.ngrams.bans(req)
         banned |= hist.bad(req)
-        if req.eos_token_ids and eos_blocked(p, req):
+        # MinLength/MinNewTokensLength: no EOS while the sequence (prompt included) is shorter than min_length or,
+        # when min_new_tokens is set (it overrides min_length), while fewer new tokens exist
+        short = req.num_tokens < p.min_length if p.min_new_tokens is None else req.token_index < p.min_new_tokens
+        if req.eos_token_ids and short:
             banned |= req.eos_token_ids
     banned.update(p.suppress_tokens)
-    if p.begin_suppress_tokens and begins(p, req):
+    # SuppressTokensAtBegin's step: the first new token, or the second when a one-token prompt has a forced BOS
+    one_token_prompt = len(req.prompt_ids) - req.resumed_tokens <= 1
+    if p.begin_suppress_tokens and req.token_index == int(one_token_prompt and p.forced_bos_token_id is not None):
         banned.update(p.begin_suppress_tokens)
     return Constraints(hist.bias(req), forced, tuple(sorted(banned)))
 

@@ -86,8 +86,7 @@ class Engine:
         return s is not None and bool(s[1:, S.WANTS_RESULTS].any())
 
     def flush(self) -> list[Request]:
-        """Collect the step in flight, if any (a burst's tokens in order); returns the requests that got a token
-        or ended, each once."""
+        """Collect the step in flight, if any; returns the requests that got a token or ended, each once."""
         f, self.in_flight = self.in_flight, None
         if f is None:
             return []
@@ -152,8 +151,7 @@ class Engine:
         return events
 
     def _queue_sampling(self, logits: Handle, host_rows: tuple) -> list[Handle[Launched]]:
-        """Queue each forward's sampling and token broadcast behind the plan just launched (ModelRunner.share_burst);
-        one handle per forward."""
+        """Queue each forward's sampling and token broadcast behind the plan (ModelRunner.share_burst)."""
         launched: list[Handle[Launched]] = []
 
         def sample(i: int, forward: Handle) -> Callable[[], torch.Tensor]:
@@ -230,8 +228,7 @@ class Engine:
         self.num_tokens_generated += n
 
     def _plan(self, batch: list[Scheduled]) -> StepPlan:
-        """The STEP plan of a batch. A token still in flight is the input id -(1 + j): sampled row j of the
-        step in flight, which the ranks read on the device."""
+        """The STEP plan of a batch; a token still in flight is input id -(1 + its row in the step in flight)."""
         ids: list[int] = []
         row_of = self.in_flight.row_of if self.in_flight is not None else {}
         n = len(batch)

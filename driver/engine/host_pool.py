@@ -1,20 +1,17 @@
 """The driver's accounting of the host KV pool (`cpu_offload_space`): which host slots are free, which request
 holds which, and the page copies the next plan must carry.
 
-A preempted request whose pages fit the pool is swapped out (device page -> host slot) instead of being
-dropped; when it is admitted again it is swapped in (host slot -> its fresh device pages) and computes nothing
-twice. Every rank holds the pool (worker/kv_offload.py) but only the driver decides: the copies reach the
-ranks in the plan (cluster.plan.StepPlan.swap_out / swap_in), so every rank does the same copies in the same
-order. A rank runs a plan's swap-outs first, then its swap-ins, then the forward.
-
-Slots a swap-in read are not handed out again until the plan carrying that swap-in was taken, so a later
-swap-out in the same plan never overwrites what a swap-in still has to read.
+A preempted request whose pages fit the pool is swapped out (device page -> host slot) instead of dropped, and
+swapped back in (host slot -> its fresh device pages) when it is admitted again. Every rank holds the pool
+(worker/kv_offload.py) but only the driver decides: the copies reach the ranks in the plan (StepPlan.swap_out /
+swap_in), and a rank runs a plan's swap-outs, then its swap-ins, then the forward. Slots a swap-in read are not
+handed out again until that plan was taken, so a later swap-out in the same plan never overwrites them.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,21 +26,6 @@ class OffloadStats:
     swapped_in_pages: int = 0
     recomputed_tokens: int = 0  # tokens whose KV was dropped at a preemption and computed again
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class PendingSwaps:
-    """Copies decided since the last plan that ran a forward, in the order the ranks must do them."""
-
-    out: list[tuple[int, int]] = field(default_factory=list)  # (device page, host slot)
-    into: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device page)
-
-
-def pairs(rows: list[tuple[int, int]]) -> np.ndarray:
-    return np.asarray(rows, np.int32).reshape(-1, 2)
-
 
 class HostPool:
     def __init__(self, num_slots: int):
@@ -51,7 +33,9 @@ class HostPool:
         self.free: deque[int] = deque(range(num_slots))
         self.held: dict[Request, list[int]] = {}  # swapped-out request -> its host slots, page order
         self.read_this_plan: list[int] = []  # slots swap-ins of the pending plan still read
-        self.pending = PendingSwaps()
+        # copies decided since the last plan that ran a forward, in the order the ranks must do them
+        self.outs: list[tuple[int, int]] = []  # (device page, host slot)
+        self.ins: list[tuple[int, int]] = []  # (host slot, device page)
         self.stats = OffloadStats()
 
     @property
@@ -67,7 +51,7 @@ class HostPool:
             return False
         slots = [self.free.popleft() for _ in pages]
         self.held[req] = slots
-        self.pending.out.extend(zip(pages, slots))
+        self.outs.extend(zip(pages, slots))
         self.stats.swapped_out_requests += 1
         self.stats.swapped_out_pages += len(pages)
         return True
@@ -76,7 +60,7 @@ class HostPool:
         """Copy the request's host slots into `pages` (its device pages, same order) and let the slots go. The
         first `cached` pages are prefix-cache blocks that still hold the same KV: they are not copied."""
         slots = self.held.pop(req)
-        self.pending.into.extend(zip(slots[cached:], pages[cached:]))
+        self.ins.extend(zip(slots[cached:], pages[cached:]))
         self.read_this_plan.extend(slots)
         self.stats.swapped_in_requests += 1
         self.stats.swapped_in_pages += len(slots) - cached
@@ -87,7 +71,7 @@ class HostPool:
 
     def take(self) -> tuple[np.ndarray, np.ndarray]:
         """The copies a plan that runs a forward carries: ([n, 2] swap-outs, [m, 2] swap-ins)."""
-        p, self.pending = self.pending, PendingSwaps()
+        outs, ins, self.outs, self.ins = self.outs, self.ins, [], []
         self.free.extend(self.read_this_plan)
         self.read_this_plan = []
-        return pairs(p.out), pairs(p.into)
+        return np.asarray(outs, np.int32).reshape(-1, 2), np.asarray(ins, np.int32).reshape(-1, 2)

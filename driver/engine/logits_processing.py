@@ -1,11 +1,9 @@
 """The logits processors of a sampling step, for a whole batch at once, on the logits' device.
 
-Each row of the batch is one request's next token (a `SampleRow`, all on the host). transformers' order: the
-sequence bias, repetition penalty, then the other generation options (forced rows, banned tokens:
-driver/engine/constraint_processors.py) apply to every row that asks for them; temperature, top-k and top-p only to
-sampling rows, in that order. Per-row parameters go to the device as tensors; which rows need a processor is known on the
-host from the parameters alone, so no step waits on the device to decide, and a row that needs nothing is left
-exactly as it came (greedy rows give exactly the argmax of their logits).
+Each row is one request's next token (a `SampleRow`, on the host). transformers' order: sequence bias, repetition
+penalty, then the other generation options (constraint_processors.py) for every row that asks; temperature, top-k
+and top-p for sampling rows only. Which rows need a processor is known on the host from the parameters, so no step
+waits on the device to decide, and a row that needs nothing is left exactly as it came (greedy: the argmax).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from driver.engine.constraint_processors import NONE, Constraints, add_bias, ban, force
+from driver.engine.constraint_processors import NONE, Constraints, add_bias, ban, force, padded
 from cluster.device_lists import on_device
 from driver.engine.request import SamplingParams
 
@@ -73,10 +71,8 @@ def column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 def penalise(x: torch.Tensor, seen: list[tuple[int, ...]], penalty: list[float]) -> torch.Tensor:
-    """transformers' repetition penalty: each row's seen tokens' logits divided by its penalty (multiplied when
-    negative)."""
-    width = max(len(s) for s in seen)  # shorter rows repeat their first token: the same value written again
-    ids = on_device([list(s) + [s[0]] * (width - len(s)) for s in seen], torch.long, x.device)
+    """transformers' repetition penalty: seen tokens' logits divided by the penalty (multiplied when negative)."""
+    ids = on_device(padded(seen), torch.long, x.device)  # shorter rows repeat their first token: written again
     p = column(penalty, x.dtype, x.device)
     score = x.gather(1, ids)
     return x.scatter(1, ids, torch.where(score < 0, score * p, score / p))

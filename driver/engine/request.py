@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from cluster.outputs import GenerationOutput, RequestStatus
+from cluster.outputs import GenerationOutput, RequestStatus, join_versions
 
 
 @dataclass
@@ -124,3 +124,31 @@ class Request:
             timestamps=list(self.timestamps) if self.record_timestamps else None,
             weight_version=self.weight_versions[0][1] if self.weight_versions else 0,
             weight_versions=list(self.weight_versions), error_code=self.error_code, finish_reason=self.finish_reason)
+
+
+@dataclass(eq=False)
+class ResumedRequest(Request):
+    """A request resumed after a failure (docs/recovery.md): its prompt carries the tokens delivered before
+    (`resume_tokens`) and it samples on from the next token index (`token_index`, which the counter-based sampler
+    keys on), so greedy and seeded sampling continue exactly. Its outputs are the uninterrupted request's:
+    `generated_tokens`, `weight_versions` and streamed indices continue the resumed tokens; `resumes` counts."""
+
+    # versions of the resumed tokens (compact: (index into them, version) per change), as the client got them
+    resume_versions: list[tuple[int, int]] = field(default_factory=list)
+    resumes: int = 0  # how many times this request was resumed, this one included
+
+    def output(self) -> GenerationOutput:
+        out = super().output()
+        n = self.resumed_tokens
+        if n:
+            resumed = out.prompt_ids[-n:]
+            out.prompt_ids = out.prompt_ids[:-n]
+            out.generated_tokens = resumed + out.generated_tokens
+            if out.logprobs:  # the resumed tokens' logprobs were not sent back: NaN keeps the lists aligned
+                out.logprobs = [float("nan")] * n + out.logprobs
+            if out.timestamps is not None:
+                out.timestamps = [float("nan")] * n + out.timestamps
+        out.weight_versions = join_versions(self.resume_versions, [(i + n, v) for i, v in out.weight_versions])
+        out.weight_version = out.weight_versions[0][1] if out.weight_versions else out.weight_version
+        out.resumes = self.resumes
+        return out

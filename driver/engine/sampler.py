@@ -48,8 +48,7 @@ class Picks(NamedTuple):
 
 
 def with_noise(processed: torch.Tensor, rows: list[SampleRow], offset: int = 0) -> torch.Tensor:
-    """Sampling rows' processed logits plus their Gumbel noise (for token index row.index + offset); other rows
-    unchanged."""
+    """Sampling rows' processed logits plus their Gumbel noise (token index row.index + offset)."""
     def noisy(x: torch.Tensor, ix: list[int]) -> torch.Tensor:
         keys = on_device([signed64(rows[i].key) for i in ix], torch.int64, x.device)
         index = on_device([rows[i].index + offset for i in ix], torch.int64, x.device)

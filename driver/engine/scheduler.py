@@ -14,7 +14,7 @@ limits (it ends when the step in flight is collected), and is not readmitted unt
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -172,7 +172,7 @@ class Scheduler:
         return self.host.take()
 
     def offload_stats(self) -> dict[str, int]:
-        return self.host.stats.as_dict()
+        return asdict(self.host.stats)
 
     def finish(self, req: Request) -> None:
         """Take a request out of the schedule (finished, failed or cancelled) and free its pages."""

@@ -2,14 +2,12 @@
 pause.
 
 - `[serve] admin = false`: nobody (`admin_disabled`).
-- With CURVE: clients whose public certificates lie in `curve_admin_clients_dir` (the authenticator admits them
-  as well as those of `curve_allowed_clients_dir`); ZeroMQ tags each of their messages with the client's key
-  as the "User-Id" property.
-- Without CURVE: every client, but only when the server binds loopback (127.0.0.0/8, localhost, [::1]) or
-  ipc:// (whoever reaches it is on this machine); otherwise nobody (`admin_required`).
+- With CURVE: clients whose certificates lie in `curve_admin_clients_dir` (ZeroMQ tags their messages with the
+  key as "User-Id").
+- Without CURVE: every client, but only on a loopback or ipc:// bind; otherwise nobody (`admin_required`).
 
-A pause belongs to the client that took it: only that client may resume it (or pause again); it is released
-when its owner says bye, goes silent or disconnects.
+A pause belongs to the client that took it: only it may resume (or pause again); it is released when its owner
+says bye, goes silent or disconnects.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Fair admission at the front door: accepted submits wait in one queue per client and are handed to the manager
-one client at a time, round-robin, while the manager's own queue is short. One client's 100,000 submits
-therefore delay a client that sent one by at most one request of each other client.
+"""Fair admission at the front door: accepted submits wait in one queue per client and go to the manager
+round-robin while its own queue is short, so one client's 100,000 submits delay another's by at most one each.
 """
 
 from __future__ import annotations
@@ -47,10 +46,8 @@ class Admission:
         q.appendleft(ticket)
         self.size += 1
 
-    def next(self) -> Ticket | None:
-        """The head of the next client's queue, round-robin."""
-        if not self.queues:
-            return None
+    def next(self) -> Ticket:
+        """The head of the next client's queue, round-robin (call it only when some ticket is queued)."""
         ident, q = next(iter(self.queues.items()))
         ticket = q.popleft()
         self.size -= 1
@@ -63,12 +60,9 @@ class Admission:
     def remove(self, ticket: Ticket) -> bool:
         """Take a queued ticket out (a cancel); False if it is not queued."""
         q = self.queues.get(ticket.ident)
-        if q is None:
+        if q is None or ticket not in q:
             return False
-        try:
-            q.remove(ticket)
-        except ValueError:
-            return False
+        q.remove(ticket)
         self.size -= 1
         if not q:
             del self.queues[ticket.ident]
@@ -80,9 +74,7 @@ class Admission:
         self.size -= len(q)
         return list(q)
 
-    def drain(self) -> list[Ticket]:
-        """Every queued ticket (the loop is not answering: the front door fails them)."""
-        out = [t for q in self.queues.values() for t in q]
+    def drain(self) -> None:
+        """Forget every queued ticket (the loop is not answering: the front door fails them)."""
         self.queues.clear()
         self.size = 0
-        return out

@@ -1,9 +1,8 @@
 """Sends from the front door that never block: one client that stops reading cannot stall the others.
 
-Every send is non-blocking. When ZeroMQ's pipe to a client is full the message waits in that client's backlog
-(in order; later messages queue behind it) and goes out as the client drains; `flush` retries. A backlog that
-reaches `max_backlog` messages is dropped and `on_overflow(ident)` runs (the front door cancels that client's
-requests). ROUTER_MANDATORY stays on, so a send to a client that is gone raises at once: `on_gone(ident)`.
+When ZeroMQ's pipe to a client is full the message waits, in order, in that client's backlog, and `flush` retries.
+A backlog reaching `max_backlog` is dropped and `on_overflow(ident)` runs (the front door cancels that client's
+requests). With ROUTER_MANDATORY a send to a client that is gone raises at once: `on_gone(ident)`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""The front door on the driver: a ZeroMQ ROUTER socket in front of the manager.
+"""The front door on the driver: a ZeroMQ ROUTER socket in front of the manager, owned by one thread.
 
-One thread owns the socket. Client messages are decoded strictly (cluster/protocol.py); every bad one gets a
-`rejected` reply with a specific code, and nothing a client sends reaches the step loop unchecked. Requests
-are the desk's (driver/frontdoor/request_desk.py: tickets, round-robin admission, deliveries, a loop that stops
-answering). Sends never block (driver/frontdoor/client_outbox.py): a client that stops reading has its requests
-cancelled (`slow_client`). A client that goes quiet (no message or ping within `client_timeout_s`), says `bye`
-or disconnects has its requests cancelled and its pause released. Who may run admin operations:
-driver/frontdoor/admin.py.
+Client messages are decoded strictly (cluster/protocol.py): every bad one gets a `rejected` reply with a specific
+code. Requests are the desk's (driver/frontdoor/request_desk.py). Sends never block (client_outbox.py): a client
+that stops reading has its requests cancelled (`slow_client`), as has one that goes quiet (no message within
+`client_timeout_s`), says `bye` or disconnects, and its pause is released. Admin rights: driver/frontdoor/admin.py.
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ class Frontend:
         self.weights = weights if weights is not None else WeightsRecord(None)
         self.config = config
         self.tokenizer = tokenizer
-        self.replies: deque[_Reply] = deque()  # computed on other threads, sent from this one
+        self.replies: deque[tuple[bytes, Any, dict]] = deque()  # (ident, mid, data) from other threads, sent here
         self.waker = WakePipe()
         self.stop_event = threading.Event()
         self.counters = {"received": 0, "rejected": 0, "accepted": 0, "finished": 0, "disconnect_cancels": 0,
@@ -76,9 +73,10 @@ class Frontend:
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.admin = AdminPolicy(config.admin, self.address, curve_keys)
         self.pause = PauseOwner(manager.hold_scheduling)
-        self.outbox = ClientOutbox(self.sock, config.max_client_backlog, self._on_overflow, self._on_gone)
+        self.outbox = ClientOutbox(self.sock, config.max_client_backlog, self._on_overflow,
+                                   lambda ident: self._drop_client(ident, "disconnect_cancels"))
         self.desk = RequestDesk(manager, config.max_inflight_per_client, self._send, self.outbox.send_if_possible,
-                                self._wake, self.counters, tokenizer)
+                                self.waker.wake, self.counters, tokenizer)
         self.thread = threading.Thread(target=self._run, name="lockstep-frontend", daemon=True)
 
     def _enable_curve(self) -> CurveKeys:
@@ -104,21 +102,12 @@ class Frontend:
 
     def stop(self) -> None:
         self.stop_event.set()
-        self._wake()
+        self.waker.wake()
         self.thread.join(10)
         if not self.thread.is_alive():  # a thread still polling keeps its pipe
             self.waker.close()
         if self.auth is not None:
             self.auth.stop()
-
-    # -------------------------------------------------------------- from other threads
-    def _reply_later(self, ident: bytes, mid: Any, result: dict) -> None:
-        """A reply computed on another thread (weight updates): sent from this thread."""
-        self.replies.append(_Reply(ident, mid, result))
-        self._wake()
-
-    def _wake(self) -> None:
-        self.waker.wake()
 
     # -------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -198,8 +187,10 @@ class Frontend:
             self.pause.resume(ident, mid)
             self._send(ident, P.REPLY, mid=mid, data={"paused": False})
         elif kind == P.STATS:
+            frontend = dict(self.counters, **self.desk.stats(), backlog=self.outbox.pending(),
+                            paused=self.pause.owner is not None)
             self._send(ident, P.REPLY, mid=mid, data=self.manager.stats() | {
-                "frontend": self._frontend_stats(), "restart_count": self.manager.restart_count,
+                "frontend": frontend, "restart_count": self.manager.restart_count,
                 "weights": self.weights.current.report(), "metrics": metrics_map(self.manager)})
         elif kind == P.HEALTH:
             self._send(ident, P.REPLY, mid=mid, data={
@@ -213,10 +204,6 @@ class Frontend:
             self._drop_client(ident, "disconnect_cancels")
         elif kind == P.PING:  # refreshes last_seen (above); the pong tells the client the server lives
             self._send(ident, P.PONG, mid=mid, server=self.desk.server_id)
-
-    def _frontend_stats(self) -> dict[str, Any]:
-        return dict(self.counters, **self.desk.stats(), backlog=self.outbox.pending(),
-                    paused=self.pause.owner is not None)
 
     def _update_weights(self, ident: bytes, msg: dict, mid: Any) -> None:
         from worker.weights import UpdateCall
@@ -236,7 +223,8 @@ class Frontend:
             if result.get("ok"):
                 self.weights.note_update(call.source, call.path if source == "checkpoint" else None,
                                          result["version"])
-            self._reply_later(ident, mid, result)
+            self.replies.append((ident, mid, result))  # sent from the front door's thread
+            self.waker.wake()
 
         self.manager.update_weights_async(call, done)
 
@@ -251,20 +239,16 @@ class Frontend:
 
     def _drain_outputs(self) -> None:
         while self.replies:
-            r = self.replies.popleft()
-            self._send(r.ident, P.REPLY, mid=r.mid, data=r.data)
+            ident, mid, data = self.replies.popleft()
+            self._send(ident, P.REPLY, mid=mid, data=data)
         self.desk.drain_outputs()
 
     # -------------------------------------------------------------- clients that leave
     def _drop_client(self, ident: bytes, counter: str, last_code: str | None = None) -> int:
-        """A client is gone (bye, silent, disconnected, or not reading): its requests are cancelled, what waits
-        for it is dropped and its pause released."""
+        """A client is gone: its requests are cancelled, what waits for it is dropped and its pause released."""
         self.outbox.drop(ident)
         self.pause.release(ident)
         return self.desk.drop_client(ident, counter, last_code)
-
-    def _on_gone(self, ident: bytes) -> None:
-        self._drop_client(ident, "disconnect_cancels")
 
     def _on_overflow(self, ident: bytes) -> None:
         self.counters["slow_client_overflows"] += 1
@@ -279,10 +263,3 @@ def _user_id(frame: zmq.Frame) -> str | None:
         return frame.get("User-Id")
     except zmq.ZMQError:
         return None
-
-
-@dataclass
-class _Reply:
-    ident: bytes
-    mid: Any
-    data: dict

@@ -1,12 +1,12 @@
 """The front door's requests: who owns which request id, from `accepted` to `final`.
 
-Every accepted submit becomes a ticket; its outputs come back from the manager's loop through the ticket's own
-sink, so a request id reused after its owner left can never be confused with the old one (a ticket is an
-identity), and outputs of a gone owner are dropped. An id stays taken until the loop has let its request go.
-Tickets wait in per-client queues (driver/frontdoor/admission.py) and reach the manager round-robin while its queue is
-short. If the step loop dies or stops coming round (cpu_group_timeout + LOOP_GRACE_S), the desk fails what it
-holds itself. A ticket whose text is on turns its outputs into text here (driver/frontdoor/text_output.py): a stop string
-ends it (the manager cancels the rest) and its owner gets the trimmed final. Only the front door's thread calls the desk, except `on_output` (the loop thread).
+Every accepted submit becomes a ticket (an identity: a request id reused after its owner left is another ticket);
+its outputs come back from the loop through the ticket's own sink, and those of a gone owner are dropped. An id
+stays taken until the loop has let its request go. Tickets wait in per-client queues (admission.py) and reach the
+manager round-robin while its queue is short. If the step loop dies or stops coming round (cpu_group_timeout +
+LOOP_GRACE_S), the desk fails what it holds itself. A ticket whose text is on turns its outputs into text here
+(text_output.py): a stop string ends it and its owner gets the trimmed final. Only the front door's thread calls
+the desk, except `on_output` (the loop thread).
 """
 
 from __future__ import annotations
@@ -57,9 +57,7 @@ class RequestDesk:
 
     def client(self, ident: bytes) -> ClientState:
         """The client's record, refreshed: it just sent something."""
-        c = self.clients.get(ident)
-        if c is None:
-            c = self.clients[ident] = ClientState(time.monotonic())
+        c = self.clients.setdefault(ident, ClientState(0.0))
         c.last_seen = time.monotonic()
         return c
 
@@ -70,7 +68,7 @@ class RequestDesk:
     # -------------------------------------------------------------- in
     def submit(self, ident: bytes, client: ClientState, s: P.Submit, input_ids: list[int]) -> None:
         """Validate and queue a submit (ProtocolError if refused), then say `accepted`."""
-        rid, mid = s.request_id, s.mid
+        rid, mid, max_queue = s.request_id, s.mid, self.manager.config.max_queue_size
         if not self.loop_answers():
             raise P.ProtocolError(self.failure_code(), "the step loop is not answering; no new requests", mid, rid)
         if rid in self.tickets:
@@ -78,7 +76,6 @@ class RequestDesk:
         if len(client.tickets) >= self.max_inflight_per_client:
             raise P.ProtocolError(Code.CLIENT_LIMIT, f"this client has {len(client.tickets)} requests in flight "
                                   f"(max_inflight_per_client={self.max_inflight_per_client})", mid, rid)
-        max_queue = self.manager.config.max_queue_size
         if max_queue and len(self.admission) >= max_queue:
             raise P.ProtocolError(Code.QUEUE_FULL, f"the queue is full (max_queue_size={max_queue})", mid, rid)
         try:
@@ -100,9 +97,8 @@ class RequestDesk:
 
     def admit(self) -> None:
         """Hand queued tickets to the manager, round-robin across clients, while its queue is short."""
-        batch = self.manager.effective_config.max_requests_per_batch
-        engine = self.manager.engine
-        while self.admission and self.in_manager < 2 * batch and len(engine.scheduler.waiting) < batch:
+        batch, waiting = self.manager.effective_config.max_requests_per_batch, self.manager.engine.scheduler.waiting
+        while self.admission and self.in_manager < 2 * batch and len(waiting) < batch:
             ticket = self.admission.next()
             try:
                 self.manager.submit(ticket.req, functools.partial(self.on_output, ticket))
@@ -148,8 +144,8 @@ class RequestDesk:
                 del self.tickets[ticket.rid]
         if ticket.answered or ticket.ident is None:
             return  # its owner is gone, or it was already answered: a stale output
-        if ticket.text is not None and out.status != RequestStatus.FAILED and ticket.text.update(out) \
-                and not finished:  # a stop string ended it: the loop's later outputs of it are dropped
+        if ticket.text is not None and out.status != RequestStatus.FAILED and ticket.text.update(out) and not finished:
+            # a stop string ended it: the loop's later outputs of it are dropped
             self.manager.cancel_request(ticket.rid, finish_reason="stop")  # the driver's metrics count a stop
             finished = True
         if not finished:
@@ -167,9 +163,7 @@ class RequestDesk:
     def _send_tokens(self, ticket: Ticket, out: GenerationOutput) -> None:
         """A streaming ticket's new tokens (with their text and logprobs when asked for)."""
         start, ticket.sent = ticket.sent, len(out.generated_tokens)
-        extra: dict[str, Any] = {}
-        if ticket.text is not None:
-            extra["text"] = ticket.text.take_delta()
+        extra: dict[str, Any] = {} if ticket.text is None else {"text": ticket.text.take_delta()}
         if ticket.logprobs:
             extra["logprobs"] = out.logprobs[start:ticket.sent]
         self.send(ticket.ident, P.TOKENS, request_id=ticket.rid, tokens=out.generated_tokens[start:], index=start,
@@ -214,14 +208,9 @@ class RequestDesk:
     def silent_clients(self, timeout_s: float, pause_owner: bytes | None) -> list[bytes]:
         """Clients silent for timeout_s that hold requests or the pause (the others are just forgotten)."""
         limit = time.monotonic() - timeout_s
-        silent = []
-        for ident, client in list(self.clients.items()):
-            if client.last_seen < limit:
-                if client.tickets or pause_owner == ident:
-                    silent.append(ident)
-                else:
-                    del self.clients[ident]
-        return silent
+        for ident in [i for i, c in self.clients.items() if c.last_seen < limit and not c.tickets and i != pause_owner]:
+            del self.clients[ident]
+        return [i for i, c in self.clients.items() if c.last_seen < limit]
 
     # -------------------------------------------------------------- a loop that does not answer
     def loop_answers(self) -> bool:

@@ -1,12 +1,10 @@
 """Which weights a serving group serves, kept in a small state file so a restarted group serves them again.
 
-`lockstep serve` passes every rank the file's path (`--state-file`, in the run directory). The driver's front
-door records each applied weight update there (atomically: a whole file or the previous one). When the
-launcher restarts the group, rank 0 reads the record and every rank restores from it before serving: an
-update from a checkpoint directory is loaded again from that path and served under its version; weights
-that were pushed (or handed over as tensors) cannot be loaded again, so the group serves the newest weights
-it can restore (the last checkpoint update, else the initial ones) under *their* version, and health and
-stats report the pushed version as lost. Never is a version number served with other weights than its own.
+`lockstep serve` passes every rank the file's path (`--state-file`). The driver's front door records each applied
+weight update there (atomically). At a restart rank 0 reads the record and every rank restores from it: an update
+from a checkpoint directory is loaded again and served under its version; pushed (or tensor) weights cannot be, so
+the group serves the newest weights it can restore under *their* version and reports the pushed version as lost.
+A version number is never served with other weights than its own.
 """
 
 from __future__ import annotations
@@ -82,8 +80,7 @@ class WeightsRecord:
 
 
 def restore(manager: Any, record: WeightsRecord) -> ServedWeights:
-    """Serve again what the record says, before the loop starts. Every rank calls it (rank 0's record
-    decides, sent to all; then a weight update from the recorded checkpoint runs on every rank, all or none)."""
+    """Serve again what rank 0's record says, before the loop starts. Every rank calls it (a collective)."""
     mine = record.read() if manager.groups.is_driver else None
     told = agree_messages(json.dumps(asdict(mine)) if mine else "", manager.groups, MAX_RECORD_BYTES)[0]
     if not told:

@@ -1,16 +1,13 @@
 """Text out of generated tokens, on the driver's front door: incremental detokenizing and stop strings.
 
-`Detokenizer` turns tokens into text one token at a time, as transformers' streamers and vLLM do: it decodes a
-short window of the last tokens and emits only what the window adds, and holds the text back while it ends in
-U+FFFD (a multi-byte character whose bytes have not all arrived), so no emitted text ever holds a broken
-character and the pieces join to the tokenizer's decode of all the tokens.
+`Detokenizer` decodes one token at a time, as transformers' streamers and vLLM do: a short window of the last
+tokens, emitting only what it adds and holding text back while it ends in U+FFFD (an incomplete multi-byte
+character), so the pieces join to the tokenizer's decode of all the tokens.
 
-`TextOutput` is one request's text: it feeds each new token of the request's outputs to its detokenizer and
-looks for the request's stop strings in the text. A match ends the request as OpenAI does: the text is cut
-before the stop string, `finish_reason` is "stop", `stop_string` names it, and `generated_tokens` keep the
-tokens up to and including the one that completed the match. While a request runs, the text that might still
-become the start of a stop string is held back from the stream, so what was streamed is never taken back.
-The request desk (driver/frontdoor/request_desk.py) owns one per ticket whose text is on.
+`TextOutput` is one request's text (the request desk owns one per ticket whose text is on). A stop string ends the
+request as OpenAI does: the text is cut before it, `finish_reason` is "stop", `stop_string` names it, and
+`generated_tokens` keep the tokens up to the one that completed the match. Text that might still become the start
+of a stop string is held back from the stream, so what was streamed is never taken back.
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ class Detokenizer:
         return self._advance(final=False)
 
     def flush(self) -> str:
-        """The end of the tokens: whatever is held back (an incomplete character decodes as U+FFFD, as the
-        tokenizer's own decode of the whole sequence does)."""
+        """The end of the tokens: whatever is held back (an incomplete character decodes as U+FFFD)."""
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
@@ -118,8 +114,7 @@ class TextOutput:
         return len(text)
 
     def _found(self, delta: str) -> bool:
-        """Look for the stop strings where `delta`, just appended to the text, could have completed one; the
-        earliest match in the text wins."""
+        """Look for a stop string `delta` (just appended) could have completed; the earliest match wins."""
         if not delta or not self.stops:
             return False
         text = self.detokenizer.text
