@@ -1,19 +1,12 @@
-"""Attention over the paged KV cache for mixed prefill and decode batches.
+"""Attention over the paged KV cache for mixed prefill and decode batches (docs/architecture.md, "Attention").
 
-The token batch is laid out as [decode group | prefill group]: one query token per decoding sequence (padded
-to a power of two), then the other sequences' query tokens back to back.
-
-Without flash-attn (the CPU, float32, or a page size its kernels refuse) attention gathers each sequence's
-keys and values through slot indices built on the host from the block tables (so the forward has static
-shapes and no host syncs), and masks by position: key j is visible to a query at position p when j <= p (and
-p - j < window, for sliding layers). GQA folds the query heads that share a KV head into the query axis
-instead of repeating keys. The gather runs in chunks of sequences and queries sized from the shapes alone
-(static per bucket) under an element budget, so its workspace is bounded by `attention_workspace_bytes`
-whatever the contexts. Eager float32 CPU steps of one forward (no graph, compile or burst) skip the decode
-gather: each row reads its own pages in place, at its own length (`_decode_rows`, from `AttnMeta.dec_rows`).
-
-With flash-attn (worker/flash.py) both groups read the pages in place: decode through
-`flash_attn_with_kvcache`, prefill and mixed steps through `flash_attn_varlen_func` with a block table.
+The token batch is [decode group | prefill group]: one query token per decoding sequence (padded to a power of
+two), then the other sequences' query tokens back to back. Without flash-attn (the CPU, float32, or a page
+size its kernels refuse) keys and values are gathered through slot indices built on the host (static shapes,
+no host syncs) and masked by position, GQA folded into the query axis, in chunks sized from the shapes alone
+under an element budget, so `attention_workspace_bytes` bounds the workspace whatever the contexts. Eager
+float32 CPU steps of one forward skip the decode gather: each row reads its own pages in place (`_decode_rows`).
+With flash-attn (worker/flash.py) both groups read the pages in place through the block tables.
 """
 
 from __future__ import annotations

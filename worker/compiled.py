@@ -1,23 +1,14 @@
-"""The compiled forwards: the seed's `decode_compile_config` and `varlen_compile_config`, applied.
+"""The compiled forwards: the seed's `decode_compile_config` and `varlen_compile_config`, applied
+(docs/architecture.md, "Compiled forwards").
 
-`ForwardFn` is what the runner calls instead of the model: a decode-only step goes to the decode forward, any
-other (prefill, mixed) to the varlen forward, each `torch.compile`d with its resolved settings
+`ForwardFn` is what the runner calls instead of the model: decode-only steps go to the decode forward, the
+others (prefill, mixed) to the varlen forward, each `torch.compile`d with its resolved settings
 (cluster/compile_settings.py) or, with none, the eager model. The choice follows from the step's shapes, so
 every rank takes the same one, and dynamo's guards (shapes again) make every rank compile the same graphs in
-the same order.
-
-The forward specialises on its shapes (attention's chunking is computed from them in Python), so each padded
-shape is one compiled graph, whatever `dynamic` says. Dynamo's recompile limit (8) would silently run every
-further shape eagerly; it is raised to `RECOMPILE_LIMIT`, process-wide.
-
-Warm-up (`warm_up`, the runner's first `execute`, on every rank alike): every decode bucket at the eager
-layout's shortest KV width (unless decode graphs are on: capturing them compiles each bucket), then the
-smallest prefill and mixed steps. Other shapes (too many to enumerate; on the CPU the decode KV width grows
-with the context) compile the first time a step has them, on every rank at once, logged like the warm-up. A
-failed compile raises `CompileFailed` naming the config; nothing falls back to eager (nor does transformers:
-its warm-up logs the failure and the first real step raises it).
-With a mode whose inductor options turn on CUDA graphs ("reduce-overhead", "max-autotune") the resolution
-turns the runner's own decode graphs off, so the compiled decode forward is never captured twice.
+the same order. Each padded shape is one graph whatever `dynamic` says (attention's chunking is computed from
+the shapes in Python), so dynamo's recompile limit (8), past which it would silently run eagerly, is raised to
+`RECOMPILE_LIMIT`. A failed compile raises `CompileFailed` naming the config; nothing falls back to eager
+(nor does transformers: its warm-up logs the failure and the first real step raises it).
 """
 
 from __future__ import annotations

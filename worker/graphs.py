@@ -1,18 +1,12 @@
-"""CUDA graphs for the decode step: batch buckets, capture, replay, and the address check.
+"""CUDA graphs for the decode step: batch buckets, capture, replay, and the address check
+(docs/architecture.md, "The runner").
 
-Only the decode step (every sequence a single query token) is captured: one graph per batch bucket (powers
-of two up to max_requests_per_batch), each at fixed shapes (the bucket's rows, the KV read width of the
-longest context the config allows, the block table at max_blocks_per_request), all sharing one memory pool.
-A decode step that fits a bucket is laid out at that bucket's shapes in the runner's static buffers and
-replayed; any other step runs eagerly. TP's all-reduces inside the captured forward are NCCL, captured with
-it, so every rank must capture the same buckets in the same order and replay in lockstep: the runner does
-both from the plans, which every rank runs identically.
-
-On CUDA the factory makes `torch.cuda.CUDAGraph` captures (`CudaGraphFactory`); the CPU tests use
-`EagerStandIn`, whose replay re-runs the eager function into the captured output. A captured graph reads
-fixed addresses (parameters and buffers, KV cache, static input buffers): `DecodeGraphs` records them at
-capture and `changed_addresses` names any that moved since (a weight update must copy into the existing
-storage, never rebind it).
+One graph per batch bucket (powers of two up to max_requests_per_batch), each at fixed shapes (the bucket's
+rows, the KV width of the longest context allowed, block tables at max_blocks_per_request), all sharing one
+memory pool. TP's NCCL all-reduces are captured with the forward, so every rank must capture the same buckets
+in the same order and replay in lockstep: the runner does both from the plans. `EagerStandIn` is the CPU
+tests' graph: its replay re-runs the eager function into the captured output. A graph reads fixed addresses;
+`changed_addresses` names any that moved since capture (a weight update must copy in place, never rebind).
 """
 
 from __future__ import annotations

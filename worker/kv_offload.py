@@ -1,10 +1,10 @@
-"""A rank's host KV pool (`cpu_offload_space`) and the page copies a plan asks for.
+"""A rank's host KV pool (`cpu_offload_space`) and the page copies a plan asks for (docs/architecture.md,
+"KV offload").
 
-The pool holds, per layer, K and V pages of this rank's shard: [slots, page, kv heads, head dim], in pinned
-memory on CUDA (so the copies are asynchronous) and plain memory on the CPU. The driver decides every copy
-(driver/engine/host_pool.py); a rank only does what the plan says, swap-outs first, then swap-ins, all on the
-current (compute) stream before the step's forward, so they are ordered after the previous step's forward
-and before this one's without any host sync. Runs of consecutive pages that land in consecutive slots are
+Per layer, K and V pages of this rank's shard, [slots, page, kv heads, head dim], pinned on CUDA (so the copies
+are asynchronous). The driver decides every copy (driver/engine/host_pool.py); a rank does what the plan says,
+swap-outs then swap-ins, on the compute stream before the step's forward, so they are ordered between the
+previous forward and this one without a host sync. Runs of consecutive pages into consecutive slots are
 copied as one slice.
 """
 

@@ -131,16 +131,12 @@ def measure_free_bytes(device: torch.device | str) -> tuple[int, int]:
 
 def host_memory() -> tuple[int, int]:
     """(MemAvailable, MemTotal) from /proc/meminfo, in bytes; (0, 0) where there is no such file."""
-    found = {"MemAvailable:": 0, "MemTotal:": 0}
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key = line.split(" ", 1)[0]
-                if key in found:
-                    found[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return found["MemAvailable:"], found["MemTotal:"]
+        with open("/proc/meminfo") as f:  # lines "Key:   value kB"
+            found = {key: int(rest.split()[0]) * 1024 for key, _, rest in (line.partition(":") for line in f)}
+    except (OSError, ValueError, IndexError):
+        found = {}
+    return found.get("MemAvailable", 0), found.get("MemTotal", 0)
 
 
 class ReleasedCache:

@@ -17,6 +17,8 @@ from worker.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowPar
                            VocabParallelEmbedding)
 from worker.rope import RotaryTable, StepRotary
 
+# the checkpoint tensors each fused layer loads
+UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -173,34 +175,19 @@ class CausalLM(nn.Module):
         block, proj = parts[3], parts[4]
         if block in ("input_layernorm", "post_attention_layernorm"):
             return getattr(layer, block), "", kind
-        if block == "self_attn":
-            if proj in ("q_proj", "k_proj", "v_proj"):
-                return layer.self_attn.qkv_proj, proj[0], kind
-            return getattr(layer.self_attn, proj), "", kind
-        if block == "mlp":
-            if proj in ("gate_proj", "up_proj"):
-                return layer.mlp.gate_up_proj, proj.split("_")[0], kind
-            return layer.mlp.down_proj, "", kind
+        if block in ("self_attn", "mlp"):
+            fused = next((f for f, unfused in UNFUSED.items() if proj in unfused), None)
+            if fused is not None:  # q_proj -> (qkv_proj, "q"), gate_proj -> (gate_up_proj, "gate") ...
+                return getattr(getattr(layer, block), fused), proj.split("_")[0], kind
+            return (getattr(layer.self_attn, proj) if block == "self_attn" else layer.mlp.down_proj), "", kind
         return None
 
     def expected_tensors(self) -> set[str]:
-        """The checkpoint names a complete load must find."""
-        c = self.config
-        names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not self.tied:
-            names.add("lm_head.weight")
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
-                      p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"}
-            names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
-            attn = self.layers[i].self_attn
-            if attn.qkv_proj.bias is not None:
-                names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
-            if attn.o_proj.bias is not None:
-                names.add(p + "self_attn.o_proj.bias")
-            if attn.qk_norm:
-                names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
-            if self.layers[i].mlp.gate_up_proj.bias is not None:
-                names |= {p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias", p + "mlp.down_proj.bias"}
+        """The checkpoint names a complete load must find: every parameter's (a tied head's is the embedding's),
+        the fused ones under their checkpoint names."""
+        names = set()
+        for name, _ in self.named_parameters():
+            *path, module, kind = name.split(".")
+            prefix = [] if name.startswith("lm_head.") else ["model"]
+            names |= {".".join(prefix + path + [part, kind]) for part in UNFUSED.get(module, (module,))}
         return names

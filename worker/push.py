@@ -61,8 +61,7 @@ def agreed_backend(verdicts: list[dict[str, str]], trainer_device_type: str) -> 
         if v["backend"] != expected:
             return "", (f"rank {r}: backend mismatch: it offered {v['backend']}, but a rank on {v['device']} and a "
                         f"trainer on {trainer_device_type} push over {expected}")
-    chosen = {v["backend"] for v in verdicts}
-    if len(chosen) > 1:
+    if len({v["backend"] for v in verdicts}) > 1:
         return "", "the ranks disagree on the push backend: " + ", ".join(
             f"rank {r} {v['backend']} ({v['device']})" for r, v in enumerate(verdicts))
     return verdicts[0]["backend"], ""
@@ -83,9 +82,8 @@ def open_store(addr: str, world: int, timeout_s: float, master: bool = False) ->
 def update_group(store: Any, rank: int, world: int, backend: str, device: torch.device,
                  timeout_s: float) -> Iterator[Any]:
     """The push's process group of the serving ranks (0..tp-1) and the trainer (rank tp), outside the default
-    group; shut down when the block ends (also after an error). Every member enters it once per push.
-    `device`: the backend's device on this member (made this thread's CUDA device for NCCL: a rank's update
-    may run in its loop thread)."""
+    group, shut down when the block ends (also after an error). Every member enters it once per push. `device`:
+    the backend's device here (for NCCL made this thread's CUDA device: a rank's update may run in its loop)."""
     prefixed = dist.PrefixStore("push/group", store)
     if backend == "nccl":  # as torch's own new_group builds one
         use_device(device)
@@ -145,9 +143,9 @@ def preflight(model: CausalLM, buckets: list[list[list[Any]]]) -> str:
 
 def receive_buckets(model: CausalLM, pg: Any, buckets: list[list[list[Any]]], root: int, device: torch.device,
                     rank: int = 0) -> tuple[Staged, str]:
-    """Receive every bucket from `root` into one buffer, keeping this rank's slices of each: (staged, error).
-    A rank that fails on a bucket still receives the rest, so every member runs the same broadcasts. Every
-    serving rank of the update group calls it while the trainer runs `send_buckets`."""
+    """(staged, error): every bucket from `root` into one buffer, keeping this rank's slices. A rank that fails
+    on a bucket still receives the rest, so every member runs the same broadcasts. Every serving rank of the
+    update group calls it while the trainer runs `send_buckets`."""
     buf = receive_buffer(max(bucket_bytes(b) for b in buckets), device)
     staged: Staged = []
     error = ""
@@ -171,9 +169,8 @@ def receive_buckets(model: CausalLM, pg: Any, buckets: list[list[list[Any]]], ro
 
 def stage_pushed(model: CausalLM, rank: int, tp: int, device: torch.device, call: Any) -> Staged:
     """This rank's shard of the trainer's push (`call`: an UpdateCall with source "push"); the model is not
-    touched. Every serving rank calls it while the trainer runs `launch.weight_push.push_weights`. Holds at
-    most this rank's shard plus one bucket; raises ValueError (the push refused, the rank named) on any
-    problem, after the update group, if one was made, is torn down on every member."""
+    touched. Every serving rank calls it while the trainer runs `launch.weight_push.push_weights`. Holds at most
+    its shard plus one bucket; on any problem raises ValueError (naming the rank) once any group is torn down."""
     world, trainer = tp + 1, tp
     store = open_store(call.store, world, call.timeout_s)
     try:
@@ -211,10 +208,10 @@ def wait_verdicts(store: Any, tp: int, deadline: float, gave_up: Callable[[], bo
 
 def send_buckets(store: Any, tp: int, tensors: dict[str, torch.Tensor], groups: list[list[str]],
                  device: torch.device, timeout_s: float, gave_up: Callable[[], bool] = lambda: False) -> bool:
-    """The trainer's side of one push (rank tp of the update group), after its device type is in the store
-    and the update call went out: wait for the verdicts, then, if the ranks agreed, broadcast each bucket
-    (one at a time, on the backend's device) and agree. True when every member took every bucket; False when
-    the push was refused or a rank failed (the cluster's answer says why). The group is torn down on return."""
+    """The trainer's side of one push (rank tp of the update group), once its device type is in the store and
+    the update call went out: wait for the verdicts, then, if the ranks agreed, broadcast each bucket on the
+    backend's device and agree. True when every member took every bucket; False when the push was refused or a
+    rank failed (the cluster's answer says why). The group is torn down on return."""
     verdicts = wait_verdicts(store, tp, time.monotonic() + timeout_s, gave_up)
     if verdicts is None:
         return False

@@ -1,13 +1,11 @@
-"""The model runner: StepPlan -> static input buffers -> sharded forward -> logits on the driver.
+"""The model runner: StepPlan -> static input buffers -> sharded forward -> logits on the driver
+(docs/architecture.md, "The runner").
 
-Capture safety, as DESIGN.md asks: every input of the forward is a view into one flat buffer allocated once,
-whose storage never moves; each step lays the plan out on the host, index arithmetic included, and copies it
-there once (worker/step_inputs.py). Shapes are padded to buckets (decode batches to powers of two, query
-tokens to `q_padding`, KV lengths to `kv_padding`), so the set of shapes is finite.
-
-With decode graphs on (worker/graphs.py) a decode-only step that fits a batch bucket is laid out at that
-bucket's fixed shapes and replayed; every other step runs eagerly. Every bucket is captured the first time
-the runner executes (the manager's warm-up step), on every rank alike.
+Capture safety: every input of the forward is a view into one flat buffer that never moves
+(worker/step_inputs.py), at shapes padded to a finite set of buckets, with the index arithmetic done on the
+host. With decode graphs on (worker/graphs.py) a decode-only step that fits a batch bucket is replayed, every
+bucket captured at the runner's first execute (the manager's warm-up step) on every rank alike; every other
+step runs eagerly.
 """
 
 from __future__ import annotations

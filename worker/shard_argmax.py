@@ -1,14 +1,12 @@
-"""Greedy tokens chosen where the logits are: on the vocab shards, with no logits gathered.
+"""Greedy tokens chosen where the logits are: on the vocab shards, with no logits gathered
+(docs/architecture.md, "Tensor parallelism").
 
-The LM head is vocab-sharded: rank r holds the logits of token ids [r * rows, (r + 1) * rows) (the last shard
-padded past the vocabulary). For a step whose every sampled row is plain greedy with no logprobs (the plan's
-`argmax_on_shards`), each rank takes its own shard's largest logit and token id per row, rank 0 gathers those
-pairs and picks the largest (the first of equal maxima, so the lowest token id, as torch.argmax over the gathered
-logits would), and broadcasts the tokens. The driver's sampler would get the same tokens from the gathered
-logits; this moves [2, rows] numbers a rank instead of [rows, vocab / tp] logits, skips the sampler's pass over
-them, and leaves every rank holding the tokens the next forward reads (no separate token broadcast).
-A gather and a broadcast rather than one all-gather: on gloo (the CPU's device group) all-gather and all-reduce
-of a few KB have latency tails ten times the gather's (measured here: p90 3.4 ms against 0.4 ms).
+For a step whose every sampled row is plain greedy with no logprobs (the plan's `argmax_on_shards`), each rank
+takes its shard's largest logit and token id per row, rank 0 gathers those pairs and picks the largest (the
+lowest token id among equals, as torch.argmax over the gathered logits), and broadcasts the tokens, which
+every rank then holds for the next forward. A gather and a broadcast rather than one all-gather: on gloo (the
+CPU's device group) all-gather and all-reduce of a few KB have latency tails ten times the gather's (measured
+here: p90 3.4 ms against 0.4 ms).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""A step's inputs: the plan laid out on the host in one staging buffer, then one copy to the device.
+"""A step's inputs: the plan laid out on the host in one staging buffer, then one copy to the device
+(docs/architecture.md, "The runner").
 
-Every integer input of a step (token ids, positions, cache slots, the attention index arithmetic, the logit
-rows, flash-attn's tables) is written with numpy, back to back, into a host staging buffer (pinned on CUDA),
-and reaches the device in ONE copy into one flat int64 device buffer whose views are the forward's inputs.
-An input's offset depends only on the shapes laid out before it, so a step of the same shapes (a CUDA graph
-bucket) always gets the same addresses, and the flat buffer never moves.
-
-Two staging buffers alternate, so the host can lay out step k+1 while step k's copy is still queued; each
-records a CUDA event after its copy and waits on it before it is refilled. On the CPU the copy is synchronous
-(prepare must not then run while a forward reads the device buffer). Under flash-attn the [B, L] key-slot
-lists and padded prefill query grids are zero-size views (the kernels read the block tables), so the host
-work does not grow with the longest context.
+Every integer input is written with numpy, back to back, into a host staging buffer (pinned on CUDA) and
+copied ONCE into one flat int64 device buffer whose views are the forward's inputs. An input's offset depends
+only on the shapes laid out before it, so a graph bucket always reads the same addresses. Two staging buffers
+alternate, each waiting on its last copy's CUDA event before it is refilled; on the CPU the copy is
+synchronous (prepare must not then run while a forward reads the device buffer). Under flash-attn the [B, L]
+key-slot lists and padded prefill grids are zero-size views (the kernels read the block tables).
 """
 
 from __future__ import annotations
@@ -82,12 +78,10 @@ class StaticBuffers:
         if start + size > self.flat.numel():
             raise RuntimeError(f"a step needs more than the {self.flat.numel()} entries of the static buffer")
         self._cursor += size
+        host, dev = self._host[start:start + size], self.flat[start:start + size]
         if int32:
-            host = self._host[start:start + size].view(np.int32)[:n].reshape(shape)
-            dev = self.flat[start:start + size].view(torch.int32)[:n].view(shape)
-        else:
-            host = self._host[start:start + n].reshape(shape)
-            dev = self.flat[start:start + n].view(shape)
+            host, dev = host.view(np.int32), dev.view(torch.int32)
+        host, dev = host[:n].reshape(shape), dev[:n].view(shape)
         if fill is not None:
             host.fill(fill)
         return host, dev
@@ -103,9 +97,8 @@ class StaticBuffers:
         n, src = self._cursor, self._staging[self.turn]
         self.flat[:n].copy_(src[:n], non_blocking=True)
         if self.device.type == "cuda":
-            event = torch.cuda.Event()
+            self._events[self.turn] = event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-            self._events[self.turn] = event
         self._host = None
 
 

@@ -1,10 +1,10 @@
-"""The device queue, as the host sees it: work is submitted in order and waited for only when its result is needed.
+"""The device queue as the host sees it: work is submitted in order and waited for only when its result is
+needed (docs/architecture.md, "Overlapped scheduling").
 
-`InlineStream` runs each submitted function at once: on CUDA it only enqueues device work (`result()` waits on
-an event recorded after it), on the CPU every op runs when called. `ThreadStream` simulates an asynchronous
-device on the CPU: one daemon thread runs the functions in order while the host goes on (benchmarks/control_plane.py,
-with a fixed-time stand-in forward). A real forward there would read the static input buffers while the host
-prepares the next step into them, so only stand-in forwards that read no buffers run on it.
+`InlineStream` runs each function at once (on CUDA that only enqueues device work; `result()` waits on an
+event recorded after it). `ThreadStream` simulates an asynchronous device on the CPU: one daemon thread runs
+the functions in order (benchmarks/control_plane.py); only stand-in forwards that read no static buffers run
+there, since the host prepares the next step's inputs meanwhile.
 """
 
 from __future__ import annotations

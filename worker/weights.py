@@ -1,10 +1,9 @@
 """Hot weight updates on every rank: stage the new shard, agree, then copy in place (all or none).
 
-Sources: a checkpoint directory (each rank reads its own slices), tensors in this process (inside a pause),
-or tensors pushed by a trainer process that joins a separate update group for one push (NCCL when both ends
-hold CUDA tensors, gloo otherwise) and broadcasts them in packed buckets (worker/push.py). Whatever the
-source, no rank copies a byte before every rank has staged its shard without error; one failure anywhere
-leaves every rank on the old weights, and the error names the rank and the problem.
+Sources: a checkpoint directory (each rank reads its own slices), tensors in this process (inside a pause), or
+a trainer's push over a separate update group (worker/push.py). Whatever the source, no rank copies a byte
+before every rank has staged its shard without error; one failure anywhere leaves every rank on the old
+weights, and the error names the rank and the problem.
 """
 
 from __future__ import annotations
@@ -51,12 +50,12 @@ class UpdateCall:
         return dict(self.__dict__)
 
 
-def agree_votes(ok: bool, message: str, groups: Groups) -> list[tuple[bool, str]]:
-    """Every rank's (ok, message): an explicit flag per rank, plus its text. Every rank of the control group
-    calls it (two collectives). A rank that votes against with no text still votes against."""
+def refusals(ok: bool, message: str, groups: Groups) -> list[tuple[int, str]]:
+    """(rank, message) of every rank that votes against: an explicit flag per rank, plus its text. Every rank of
+    the control group calls it (two collectives). A rank that votes against with no text still votes against."""
     flags = agree_all_ok(ok, groups)
     texts = agree_messages("" if ok else (message or "failed, saying nothing"), groups)
-    return list(zip(flags, texts))
+    return [(rank, text) for rank, (flag, text) in enumerate(zip(flags, texts)) if not flag]
 
 
 def driver_value(value: int, groups: Groups) -> int:
@@ -74,10 +73,6 @@ def described(e: BaseException) -> str:
     if isinstance(e, ValueError) and text:
         return text
     return f"{type(e).__name__}: {text}" if text else f"{type(e).__name__} (no message)"
-
-
-def refusals(votes: list[tuple[bool, str]]) -> list[tuple[int, str]]:
-    return [(rank, text) for rank, (ok, text) in enumerate(votes) if not ok]
 
 
 def stage(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, torch.Tensor] | None) -> Staged:
@@ -118,7 +113,7 @@ def run_update(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[st
             raise ValueError(f"this rank holds weight version {version}, the plan carries {expected}")
     except Exception as e:  # any failure becomes this rank's vote against
         ok, error = False, described(e)
-    refused = refusals(agree_votes(ok, error, groups))
+    refused = refusals(ok, error, groups)
     if refused:
         return {"ok": False, "error": "; ".join(f"rank {r}: {m}" for r, m in refused), "rank": refused[0][0],
                 "seconds": time.perf_counter() - start}
@@ -130,7 +125,7 @@ def run_update(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[st
         apply(staged[half:])
     except Exception as e:
         ok, error = False, described(e)
-    failed = refusals(agree_votes(ok, error, groups))
+    failed = refusals(ok, error, groups)
     if failed:
         raise WeightsDiverged("weights now differ across ranks (a rank failed while copying): "
                               + "; ".join(f"rank {r}: {m}" for r, m in failed), [r for r, _ in failed])
