@@ -52,7 +52,7 @@ def two_full_requests(host_pages: int) -> tuple[Scheduler, Request, Request]:
     s.add(a)
     s.add(b)
     assert run_step(s) == ["a", "b"] and s.blocks.num_free == 0
-    s.take_swaps()
+    s.host.take()
     return s, a, b
 
 
@@ -89,12 +89,12 @@ def test_preempted_request_swaps_out_and_comes_back_without_recompute():
     s, a, b = two_full_requests(host_pages=4)
     old_pages, old_hashes = list(b.block_ids), list(b.block_hashes)
     assert run_step(s) == ["a"]  # a needs a third page: b is preempted, its two pages go to the host
-    out, into = s.take_swaps()
+    out, into = s.host.take()
     assert out.tolist() == [[old_pages[0], 0], [old_pages[1], 1]] and into.size == 0
     assert b.num_computed == 8 and b.block_ids == [] and b.block_hashes == old_hashes and list(s.waiting) == [b]
     s.finish(a)
     assert run_step(s) == ["b"]  # b comes back: its first page is still cached, only the second is copied
-    out, into = s.take_swaps()
+    out, into = s.host.take()
     assert b.block_ids[0] == old_pages[0] and out.size == 0
     assert into.tolist() == [[1, b.block_ids[1]]]
     assert b.num_computed == 9 and b.block_hashes == old_hashes
@@ -107,7 +107,7 @@ def test_preempted_request_swaps_out_and_comes_back_without_recompute():
 def test_a_full_pool_falls_back_to_recompute():
     s, a, b = two_full_requests(host_pages=1)  # b's two pages do not fit
     assert run_step(s) == ["a"]
-    out, _ = s.take_swaps()
+    out, _ = s.host.take()
     assert out.size == 0 and b.num_computed == 0 and not s.host.holds(b)
     s.finish(a)
     run_step(s)
@@ -118,7 +118,7 @@ def test_a_full_pool_falls_back_to_recompute():
 def test_weight_change_with_recompute_drops_the_host_copy():
     s, a, b = two_full_requests(host_pages=4)
     run_step(s)
-    assert s.swapped_out() == [b]
+    assert list(s.host.held) == [b]
     s.preempt(b)  # what a weight update with kv_policy="recompute" does to every request holding KV
     assert b.num_computed == 0 and b.block_hashes == [] and not s.host.holds(b) and list(s.waiting) == [b]
 

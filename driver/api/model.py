@@ -78,8 +78,7 @@ class ClusterModel:
     def state_dict(self, *args: Any, prefix: str = "", keep_vars: bool = False, **kwargs: Any) -> dict[str, Any]:
         """This rank's shard of every tensor under transformers' names (lm_head.weight included when tied),
         as tensors that share storage with the live weights (detached, as transformers' state_dict)."""
-        return {prefix + n: (p if keep_vars else p.detach())
-                for n, p in self.named_parameters(remove_duplicate=False)}
+        return {prefix + n: (p if keep_vars else p.detach()) for n, p in self.named_parameters(remove_duplicate=False)}
 
     def shard_of(self, name: str, full: Any) -> torch.Tensor:
         """This rank's part of a full (unsharded) tensor `name`, shaped like its entry in state_dict(): e.g.

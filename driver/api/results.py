@@ -22,8 +22,7 @@ class ResultRouter:
         self.handlers: dict[str, tuple[asyncio.AbstractEventLoop | None, Callable]] = {}
 
     def register(self, request_id: str, callback: Callable, loop: asyncio.AbstractEventLoop | None) -> None:
-        """Send the request's outputs to `callback`: through `loop` (call_soon_threadsafe), or, with no loop,
-        directly from the manager's loop thread (the callback must be quick and thread-safe)."""
+        """Send the request's outputs to `callback` through `loop`, or, with none, from the loop thread (be quick)."""
         handler = (loop, callback)
         with self.cond:
             self.handlers[request_id] = handler

@@ -118,8 +118,7 @@ class ServingMetrics:
 
 
 def metrics_map(manager: Any) -> dict[str, Any]:
-    """The `metrics` map of the `stats` reply: the request metrics plus the engine's gauges and counters
-    (driver only; read from the front door's thread, so every value is one plain read)."""
+    """The `stats` reply's `metrics`: request metrics plus engine gauges (driver; plain reads from the front door)."""
     engine = manager.engine
     blocks, scheduler, page = engine.blocks, engine.scheduler, engine.blocks.page_size
     return manager.metrics.snapshot() | {

@@ -146,8 +146,7 @@ class WeightUpdates:
             pass  # answered already: the loop's answer and loop_ended (or a waiter) raced
 
     def update_weights_async(self, call: UpdateCall, done: Callable[[dict], None]) -> None:
-        """The front door's path (driver only): `done(result)` is called from the loop thread with a dict,
-        also when the update failed ({"ok": False, "error", "rank", "code"})."""
+        """The front door's path (driver only): `done(result dict)` from the loop thread, failures included."""
         def finished(f: Future) -> None:
             e = f.exception()
             if e is None:
@@ -176,7 +175,8 @@ class WeightUpdates:
         if result["ok"]:
             e.weight_version += 1
             e.blocks.forget_cached_prefixes()
-            holding = [r for r in e.scheduler.running if r.block_ids] + e.scheduler.swapped_out()  # KV on the host too
+            # every request holding KV: on the device, or swapped out to the host pool
+            holding = [r for r in e.scheduler.running if r.block_ids] + list(e.scheduler.host.held)
             if call.kv_policy == "recompute":
                 for req in reversed(holding):
                     e.scheduler.preempt(req)

@@ -259,8 +259,7 @@ def supported_generation_config(generation_config: Any, drop: bool) -> Any:
     if not drop:
         raise ValueError(f"generation_config sets {names}, which Lockstep does not support "
                          f"(drop_unsupported_processors=False)")
-    warnings.warn(f"dropping unsupported generation settings {names} (drop_unsupported_processors=True)",
-                  stacklevel=3)
+    warnings.warn(f"dropping unsupported generation settings {names} (drop_unsupported_processors=True)", stacklevel=3)
     cleaned = copy.deepcopy(generation_config)
     for name in names:
         setattr(cleaned, name, getattr(default, name, None))

@@ -92,8 +92,7 @@ class BlockManager:
         return True
 
     def release(self, req: Request, keep_hashes: bool = False) -> None:
-        """Drop the request's references; blocks nobody holds go back to the free list. `keep_hashes`: the
-        request keeps its blocks' hashes (its KV went to the host pool and comes back with them)."""
+        """Drop the request's references. `keep_hashes`: its KV went to the host pool and comes back with them."""
         for b in reversed(req.block_ids):
             self.ref[b] -= 1
             if self.ref[b] == 0:

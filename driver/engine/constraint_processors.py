@@ -44,8 +44,7 @@ def suffix_tables(sequences: list[tuple[tuple[int, ...], object]]) -> list[tuple
 
 
 class NgramIndex:
-    """The request's n-grams so far: (first n-1 tokens) -> the tokens that followed them. Extended as tokens
-    arrive, so a step costs the new tokens, not the whole sequence."""
+    """The request's n-grams so far: (first n-1 tokens) -> the tokens that followed them, extended as tokens come."""
 
     def __init__(self, n: int):
         self.n = n

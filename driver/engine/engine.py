@@ -117,7 +117,7 @@ class Engine:
         burst = self.scheduler.burst_length(batch) if self.rc.overlap else 1  # allocates its pages: before _plan
         plan = self._plan(batch)
         plan.data = data
-        plan.swap_out, plan.swap_in = self.scheduler.take_swaps()
+        plan.swap_out, plan.swap_in = self.scheduler.host.take()
         sampled = [s.req for s, m in zip(batch, plan.sample) if m]
         plan.share_tokens = self.rc.overlap and bool(sampled)
         plan.burst = burst  # > 1 only when every row samples (so share_tokens is set)
@@ -143,8 +143,7 @@ class Engine:
             events += self.flush()
         else:
             events += self.flush()  # the previous step: now every token this step ran is on the host
-            launched = self._queue_sampling(logits, self.sampler.rows([None if r.is_finished else r
-                                                                       for r in sampled]))
+            launched = self._queue_sampling(logits, self.sampler.rows([None if r.is_finished else r for r in sampled]))
         self._register(batch)
         self.in_flight = InFlight(sampled, launched, self.weight_version, {id(r): j for j, r in enumerate(sampled)})
         self.step_no += 1

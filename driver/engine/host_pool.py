@@ -57,8 +57,7 @@ class HostPool:
         return True
 
     def swap_in(self, req: Request, pages: list[int], cached: int = 0) -> None:
-        """Copy the request's host slots into `pages` (its device pages, same order) and let the slots go. The
-        first `cached` pages are prefix-cache blocks that still hold the same KV: they are not copied."""
+        """Copy the request's host slots into `pages`, freeing them; the first `cached` pages hold it already."""
         slots = self.held.pop(req)
         self.ins.extend(zip(slots[cached:], pages[cached:]))
         self.read_this_plan.extend(slots)

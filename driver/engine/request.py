@@ -10,8 +10,7 @@ from cluster.outputs import GenerationOutput, RequestStatus, join_versions
 
 @dataclass
 class SamplingParams:
-    """A request's sampling parameters and transformers' generation options (GenerationConfig's names and meaning;
-    driver/api/option_checks.py normalises the options to these immutable forms)."""
+    """A request's sampling parameters and generation options (GenerationConfig's names; option_checks.py)."""
 
     do_sample: bool = False
     temperature: float = 1.0

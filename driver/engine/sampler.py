@@ -79,8 +79,7 @@ def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0, plain: bo
 
 
 def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
-    """The request's row for this step, `ahead` tokens after those on the host (its tokens still in flight); its
-    noise key is made on first use and kept on the request."""
+    """The request's row, `ahead` tokens after those on the host; its noise key is made on first use."""
     p = req.sampling
     if req.sample_key is None:
         req.sample_key = request_key(p.seed, seed, req.request_id)

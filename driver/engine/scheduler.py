@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from cluster.config import ResolvedConfig
 from cluster.outputs import RequestStatus
 from driver.engine.block_manager import BlockManager
@@ -162,14 +160,6 @@ class Scheduler:
             self.running.remove(req)
             self.waiting.appendleft(req)
             self.num_preemptions += 1
-
-    def swapped_out(self) -> list[Request]:
-        """Waiting requests whose KV sits in the host pool."""
-        return list(self.host.held)
-
-    def take_swaps(self) -> tuple[np.ndarray, np.ndarray]:
-        """The page copies the next plan that runs a forward must carry: (swap_out [n, 2], swap_in [m, 2])."""
-        return self.host.take()
 
     def offload_stats(self) -> dict[str, int]:
         return asdict(self.host.stats)

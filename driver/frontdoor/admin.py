@@ -67,8 +67,7 @@ class AdminPolicy:
         if self.curve_keys is not None:
             if self.curve_keys.is_admin(user_id()):
                 return
-            raise P.ProtocolError(Code.ADMIN_REQUIRED, "admin operations need a key in curve_admin_clients_dir",
-                                  mid)
+            raise P.ProtocolError(Code.ADMIN_REQUIRED, "admin operations need a key in curve_admin_clients_dir", mid)
         if not self.local:
             raise P.ProtocolError(Code.ADMIN_REQUIRED, "admin operations need CURVE admin keys on a server that "
                                                        "does not bind loopback or ipc", mid)

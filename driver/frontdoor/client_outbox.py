@@ -28,11 +28,11 @@ class ClientOutbox:
         """Send now, or queue behind what this client has not taken yet."""
         backlog = self.backlogs.get(ident)
         if backlog is not None:
-            if len(backlog) >= self.max_backlog:
+            if len(backlog) < self.max_backlog:
+                backlog.append(frame)
+            else:
                 self.drop(ident)
                 self.on_overflow(ident)
-                return
-            backlog.append(frame)
             return
         result = self._try(ident, frame)
         if result == FULL:

@@ -180,12 +180,9 @@ class Frontend:
             self._submit(ident, client, P.parse_submit(msg))
         elif kind == P.CANCEL:
             self.desk.cancel(ident, client, P.field(msg, "request_id", str, required=True), mid)
-        elif kind == P.PAUSE:
-            self.pause.pause(ident, mid)
-            self._send(ident, P.REPLY, mid=mid, data={"paused": True})
-        elif kind == P.RESUME:
-            self.pause.resume(ident, mid)
-            self._send(ident, P.REPLY, mid=mid, data={"paused": False})
+        elif kind in (P.PAUSE, P.RESUME):
+            (self.pause.pause if kind == P.PAUSE else self.pause.resume)(ident, mid)
+            self._send(ident, P.REPLY, mid=mid, data={"paused": kind == P.PAUSE})
         elif kind == P.STATS:
             frontend = dict(self.counters, **self.desk.stats(), backlog=self.outbox.pending(),
                             paused=self.pause.owner is not None)
@@ -221,8 +218,7 @@ class Frontend:
             raise P.ProtocolError(Code.BAD_FIELD, f"unknown weight source {source!r}", mid)
         def done(result: dict) -> None:  # the loop thread: record what is served now, then answer
             if result.get("ok"):
-                self.weights.note_update(call.source, call.path if source == "checkpoint" else None,
-                                         result["version"])
+                self.weights.note_update(call.source, call.path if source == "checkpoint" else None, result["version"])
             self.replies.append((ident, mid, result))  # sent from the front door's thread
             self.waker.wake()
 

@@ -187,8 +187,7 @@ class RequestDesk:
 
     # -------------------------------------------------------------- clients that leave
     def drop_client(self, ident: bytes, counter: str, last_code: str | None = None) -> int:
-        """Cancel every request of a client that is gone (bye, silent, disconnected, or not reading);
-        `last_code`: try once to tell it why, per request. Returns how many were cancelled."""
+        """Cancel every request of a gone client; `last_code`: tell it why once, per request. Returns how many."""
         client = self.clients.pop(ident, None)
         if client is None:
             return 0

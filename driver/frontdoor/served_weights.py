@@ -37,8 +37,7 @@ class ServedWeights:
         """The record once an update from `source` (at `path`, for a checkpoint) applied as `version`."""
         if source == "checkpoint":
             return ServedWeights(version, source, path, version, path, self.lost_version)
-        return ServedWeights(version, source, None, self.restorable_version, self.restorable_path,
-                             self.lost_version)
+        return ServedWeights(version, source, None, self.restorable_version, self.restorable_path, self.lost_version)
 
     def report(self) -> dict[str, Any]:
         """What health and stats say about the weights."""

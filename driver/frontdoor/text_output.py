@@ -95,8 +95,7 @@ class TextOutput:
         return False
 
     def take_delta(self) -> str:
-        """The text the client may have now and has not had: all of it once a stop matched, else up to the
-        longest tail that could still grow into a stop string."""
+        """The text the client may have now and has not had (all once a stop matched, else `streamable`)."""
         end = len(self.text) if self.matched is not None else self.streamable()
         delta = self.text[self.streamed:end]
         self.streamed = max(self.streamed, end)
