@@ -19,10 +19,6 @@ from worker.model import CausalLM, check_supported
 log = logging.getLogger("lockstep")
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
 def load(model_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
          device: str | torch.device | None = None, cpu_group_timeout: float | None = 300.0) -> ClusterModel:
     """Every rank calls it under torchrun (WORLD_SIZE > 1); alone it runs TP=1 with no process group."""
@@ -36,9 +32,8 @@ def load(model_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
     check_supported(config)
     groups = init_groups(cpu_group_timeout, device)
     use_device(groups.device)  # this thread's current CUDA device (also at TP=1, and in a launcher's rank thread)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    dtype = dtype or default_dtype(groups.device)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = dtype or (torch.float32 if groups.device.type == "cpu" else torch.bfloat16)
     shard = Shard(groups.rank, groups.world_size, groups.device_group, HostAllReduce.join(groups))
     with torch.device(groups.device):
         model = CausalLM(config, shard, dtype, groups.device)

@@ -39,10 +39,8 @@ REPO_ROOT = str(Path(__file__).resolve().parents[1])  # where `cluster`, `driver
 
 class RankActor:
     """One rank in one Ray actor process. `start` returns at once; the rank serves in a thread until `stop`.
-
-    Methods stay short (status is a snapshot, stop joins with a timeout) so that the launcher can always
-    reach the actor, even while its rank is loading or stuck in a broken collective.
-    """
+    Methods stay short (status is a snapshot, stop joins with a timeout) so that the launcher can always reach the
+    actor, even while its rank is loading or stuck in a broken collective."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
@@ -166,8 +164,7 @@ class RayCluster:
             return []
         self.closed = True
         codes: list[int | None] = [None] * len(self.actors)
-        refs = [a.stop.remote(timeout) for a in self.actors]
-        for i, ref in enumerate(refs):
+        for i, ref in enumerate([a.stop.remote(timeout) for a in self.actors]):
             try:
                 codes[i] = ray.get(ref, timeout=timeout + 10)
             except Exception:  # dead or stuck: ray.kill below ends it either way

@@ -26,18 +26,14 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 def buckets_of(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
     """Names grouped into buckets of one dtype and at most bucket_bytes each (a larger tensor goes alone)."""
     out: list[list[str]] = []
-    current: list[str] = []
     size, dtype = 0, None
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        if current and (t.dtype != dtype or size + nbytes > bucket_bytes):
-            out.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-        dtype = t.dtype
-    if current:
-        out.append(current)
+        if not out or t.dtype != dtype or size + nbytes > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size, dtype = size + nbytes, t.dtype
     return out
 
 
@@ -56,13 +52,12 @@ def push_weights(client: Client, tensors: dict[str, torch.Tensor], kv_policy: st
             raise ValueError(f"tensor {name}: dtype {t.dtype} cannot be pushed")
     device = trainer_device(tensors)
     tp = client.health()["world_size"]
-    port = free_port()
-    store = open_store(f"{host}:{port}", tp + 1, timeout_s, master=True)
+    endpoint = f"{host}:{free_port()}"
+    store = open_store(endpoint, tp + 1, timeout_s, master=True)
     try:
         store.set(TRAINER_DEVICE_KEY, device.type)
         groups = buckets_of(tensors, bucket_bytes)
-        meta = bucket_meta(tensors, groups)
-        reply = client.io.call(P.UPDATE_WEIGHTS, source="push", store=f"{host}:{port}", buckets=meta,
+        reply = client.io.call(P.UPDATE_WEIGHTS, source="push", store=endpoint, buckets=bucket_meta(tensors, groups),
                                kv_policy=kv_policy)
         send_buckets(store, tp, tensors, groups, device, timeout_s, gave_up=reply.done)
         result = reply.result(timeout_s)["data"]

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP gateway (FastAPI): a client of the driver, through `AsyncClient` only.
 
-Routes: `/v1/completions`, `/v1/chat/completions` (launch/gateway/openai_serving.py), `/v1/models`, `/health`, `/metrics`
-(cluster/metrics_export.py) and the admin routes (launch/gateway/admin_routes.py). Every refusal is OpenAI's error body
-with the status of launch/gateway/errors.py. docs/http.md describes it all. Torch-free (the checkpoint's tokenizer
-is loaded with transformers when the checkpoint has one).
+Routes: `/v1/completions`, `/v1/chat/completions` (launch/gateway/openai_serving.py), `/v1/models`, `/health`,
+`/metrics` (cluster/metrics_export.py) and the admin routes (launch/gateway/admin_routes.py). Every refusal is
+OpenAI's error body with the status of launch/gateway/errors.py. docs/http.md describes it all. Torch-free (the
+checkpoint's tokenizer is loaded with transformers when it has one).
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ class GatewaySettings:
 
 async def resolve_model(client: AsyncClient, settings: GatewaySettings) -> Model:
     """The model served: from the settings, or from the server's `health` (its `model` path)."""
-    path = settings.model_dir
-    if path is None:
-        path = (await client.health()).get("model")
+    path = settings.model_dir if settings.model_dir is not None else (await client.health()).get("model")
     name = settings.model_name or (os.path.basename(os.path.normpath(path)) if path else "lockstep")
     return Model(name, os.path.abspath(path) if path else None, load_tokenizer(path))
 
@@ -54,7 +52,6 @@ def make_app(client: AsyncClient, model: Model, admin_token: str | None) -> Fast
     """The gateway's app over one AsyncClient (shared by every HTTP request)."""
     app = FastAPI(title="Lockstep", docs_url=None, redoc_url=None)
     serving = OpenAIServing(client, model)
-    app.state.serving = serving
 
     @app.exception_handler(HttpError)
     async def on_http_error(_: Request, e: HttpError) -> JSONResponse:

@@ -1,18 +1,17 @@
 """`lockstep serve --http`: the HTTP gateway as a child process of rank 0, supervised there.
 
-The gateway (launch/gateway/server.py, `lockstep http`) is a client of the driver's front door like any other. Run in a
-thread of rank 0 it shared the step loop's GIL: HTTP work could hold a step back, and a step the event loop (in
-one run of benchmarks/serving.py --http the in-thread gateway added 12 ms a token over the ZeroMQ path; as a
-process, the median of five runs is 6 ms). So rank 0 starts
+The gateway (launch/gateway/server.py, `lockstep http`) is a client of the driver's front door like any other. In
+a thread of rank 0 it shared the step loop's GIL (in one run of benchmarks/serving.py --http the in-thread gateway
+added 12 ms a token over the ZeroMQ path; as a process, the median of five runs is 6 ms). So rank 0 starts
 `python -m launch.cli http --address <front door> --listen HOST:PORT --model DIR --exit-with-parent PID`:
 
 - `start` returns once the child prints `http http://HOST:PORT` (its output is passed on to rank 0's), and raises
-  if it exits first, or at once if the address stays in use for PORT_WAIT_S (a restarted group may find the old
-  child still letting the port go);
+  if it exits first, or if the address stays in use for PORT_WAIT_S (a restarted group may find the old child
+  still letting the port go);
 - a supervisor thread starts it again when it exits while the group still serves, with a growing pause;
 - it runs in a session of its own, so a signal to rank 0's process group reaches rank 0 alone, which stops it
-  (`stop`); and it leaves by itself when rank 0 is gone (`--exit-with-parent`: it watches its parent's pid), so
-  a rank 0 killed outright leaves no gateway holding the port;
+  (`stop`); it leaves by itself when rank 0 is gone (`--exit-with-parent`), so a rank 0 killed outright leaves
+  no gateway holding the port;
 - the admin token goes to the child in LOCKSTEP_HTTP_ADMIN_TOKEN, never on its command line.
 """
 
@@ -30,7 +29,7 @@ from cluster.config import HTTP_ADMIN_TOKEN_ENV
 
 log = logging.getLogger("lockstep")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PORT_WAIT_S = 5.0  # a gateway left by a rank 0 killed outright lets its port go within about 2 s
 MAX_PAUSE_S = 30.0
 
@@ -44,12 +43,10 @@ class GatewayProcess:
                         "--exit-with-parent", str(os.getpid())]
         if model_dir:
             self.command += ["--model", str(model_dir)]
-        self.env = dict(os.environ)
-        self.env.pop(HTTP_ADMIN_TOKEN_ENV, None)
-        if admin_token:
-            self.env[HTTP_ADMIN_TOKEN_ENV] = admin_token
-        pythonpath = [str(REPO)] + [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        self.env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+        self.env = {k: v for k, v in os.environ.items() if k != HTTP_ADMIN_TOKEN_ENV}
+        self.env |= {HTTP_ADMIN_TOKEN_ENV: admin_token} if admin_token else {}
+        pythonpath = [str(REPO), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in pythonpath if p)
         self.proc: subprocess.Popen | None = None
         self.stopping = threading.Event()
 

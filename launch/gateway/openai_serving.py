@@ -60,7 +60,7 @@ class Choice:
         """The text, tokens and logprobs new in `out` since the last call."""
         text = getattr(out, "text", None) or ""
         delta = text[len(self.text):] if text.startswith(self.text) else ""
-        self.text = text if text.startswith(self.text) else self.text
+        self.text += delta
         new = out.generated_tokens[self.tokens:]
         logprobs = list(out.logprobs[self.tokens:self.tokens + len(new)])
         self.tokens, self.last = len(out.generated_tokens), out

@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 
+from cluster.config import http_admin_token, read_preset
 from cluster.protocol import DEFAULT_ADDRESS
 
 log = logging.getLogger("lockstep")
@@ -45,8 +46,7 @@ class Gateway:
     def __init__(self, address: str, listen: str, settings, parent_pid: int | None = None):
         """`parent_pid`: leave once this process's parent is no longer that pid (`--exit-with-parent`)."""
         self.address, (self.host, self.port), self.settings = address, parse_listen(listen), settings
-        self.parent_pid = parent_pid
-        self.server = None
+        self.parent_pid, self.server = parent_pid, None
         self.started = threading.Event()
         self.error: BaseException | None = None
 
@@ -63,11 +63,9 @@ class Gateway:
 
         client = AsyncClient(self.address)
         try:
-            model = await resolve_model(client, self.settings)
-            app = make_app(client, model, self.settings.admin_token)
-            config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", lifespan="off",
-                                    timeout_graceful_shutdown=2)
-            self.server = uvicorn.Server(config)
+            app = make_app(client, await resolve_model(client, self.settings), self.settings.admin_token)
+            self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
+                                                        lifespan="off", timeout_graceful_shutdown=2))
             try:
                 sock = bind_listen(self.host, self.port)
             except OSError as e:
@@ -111,7 +109,6 @@ class Gateway:
 
 
 def settings_for(model_dir: str | None, model_name: str | None, preset: dict):
-    from cluster.config import http_admin_token
     from launch.gateway.app import GatewaySettings
 
     return GatewaySettings(model_dir, model_name, http_admin_token(preset.get("serve")))
@@ -132,16 +129,11 @@ def start_beside(address: str, args: argparse.Namespace) -> Gateway | None:
     router), in front of `address`; None when --http was not given."""
     if not getattr(args, "http", None):
         return None
-    from cluster.config import read_preset
-
-    settings = settings_for(args.model, None, read_preset(args.config))
-    return Gateway(address, args.http, settings).start_thread()
+    return Gateway(address, args.http, settings_for(args.model, None, read_preset(args.config))).start_thread()
 
 
 def run(args: argparse.Namespace) -> int:
     """`lockstep http`: the gateway as its own process, until interrupted."""
-    from cluster.config import read_preset
-
     logging.basicConfig(level=logging.INFO)
     gateway = Gateway(args.address, args.listen, settings_for(args.model, args.model_name, read_preset(args.config)),
                       parent_pid=args.exit_with_parent)

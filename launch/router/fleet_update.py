@@ -62,28 +62,22 @@ def update_all(clients: list[ReplicaAdmin], path: str, kv_policy: str = "keep",
         for c in clients:
             c.pause()
             paused.append(c)
-        return _apply(clients, path, kv_policy, previous, start)
+        versions: list[int] = []
+        for i, c in enumerate(clients):
+            try:
+                versions.append(int(c.update_weights(path, kv_policy)["version"]))
+            except ClientError as e:
+                result = refused(i, f"replica {i}: {e.reason if isinstance(e, WeightUpdateError) else e}")
+                result["rolled_back"], result["rollback_errors"] = rollback(clients[:i], previous, kv_policy)
+                return result
+        return {"ok": True, "versions": versions, "version": versions[0] if len(set(versions)) == 1 else None,
+                "seconds": time.monotonic() - start}
     finally:
         for c in paused:
             try:
                 c.resume()
             except ClientError:  # its group restarted meanwhile: a new group is not paused
                 pass
-
-
-def _apply(clients: list[ReplicaAdmin], path: str, kv_policy: str, previous: list[str],
-           start: float) -> dict[str, Any]:
-    versions: list[int] = []
-    for i, c in enumerate(clients):
-        try:
-            versions.append(int(c.update_weights(path, kv_policy)["version"]))
-        except ClientError as e:
-            reason = e.reason if isinstance(e, WeightUpdateError) else str(e)
-            result = refused(i, f"replica {i}: {reason}")
-            result["rolled_back"], result["rollback_errors"] = rollback(clients[:i], previous, kv_policy)
-            return result
-    return {"ok": True, "versions": versions, "version": versions[0] if len(set(versions)) == 1 else None,
-            "seconds": time.monotonic() - start}
 
 
 def rollback(clients: list[ReplicaAdmin], previous: list[str], kv_policy: str) -> tuple[list[int], list[str]]:

@@ -49,14 +49,6 @@ class ServiceHandle:
         return Client(self._address, **kwargs)
 
 
-def publish(address: str, name: str, namespace: str = SERVICE_NAMESPACE) -> Any:
-    """Start the ServiceHandle actor `name` in `namespace` (no CPU: it only answers with the address)."""
-    import ray
-
-    return ray.remote(ServiceHandle).options(name=name, namespace=namespace, lifetime="detached", num_cpus=0,
-                                             max_restarts=-1).remote(address)
-
-
 @dataclass
 class Replicas:
     """Running replicas and their router. `client()` talks to the router; `shutdown()` ends everything."""
@@ -75,14 +67,6 @@ class Replicas:
 
     def client(self, **kwargs: Any) -> Client:
         return Client(self.address, **kwargs)
-
-    def supervise(self, max_restarts: int) -> None:
-        """One thread per replica runs its group's supervision (restart after a rank failed)."""
-        for i, g in enumerate(self.groups):
-            t = threading.Thread(target=g.supervise, args=(self.stop, max_restarts), name=f"supervise-{i}",
-                                 daemon=True)
-            t.start()
-            self.supervisors.append(t)
 
     def shutdown(self, timeout: float = 30.0) -> list[list[int | None]]:
         """Stop the router, the supervision and every group; each group's rank exit codes."""
@@ -161,9 +145,14 @@ def start_replicas(model_dir: str | os.PathLike, tp: int | list[int] = 1, replic
             ray.shutdown()
         raise
     fleet = Replicas(groups, router, owns_ray)
-    fleet.supervise(max_restarts)
-    if service_name:
-        fleet.service = publish(router.address, service_name)
+    fleet.supervisors = [threading.Thread(target=g.supervise, args=(fleet.stop, max_restarts), name=f"supervise-{i}",
+                                          daemon=True) for i, g in enumerate(groups)]  # restart after a rank failed
+    for t in fleet.supervisors:
+        t.start()
+    if service_name:  # no CPU: the actor only answers with the address
+        fleet.service = ray.remote(ServiceHandle).options(name=service_name, namespace=SERVICE_NAMESPACE,
+                                                          lifetime="detached", num_cpus=0,
+                                                          max_restarts=-1).remote(router.address)
     return fleet
 
 

@@ -64,10 +64,8 @@ class Routed:
     up: PendingRequest  # the request on its replica's client (a new one after each failover)
     replica: int
     sent: int = 0  # generated tokens forwarded to the client
-    # of the current upstream request's cumulative text and logprobs (which start again after a failover's resume
-    # point): how much was forwarded
-    text_sent: int = 0
-    logprobs_sent: int = 0
+    text_sent: int = 0  # of the upstream request's cumulative text (it starts again after a failover's resume point)
+    logprobs_sent: int = 0  # of its cumulative logprobs, likewise
 
 
 @dataclass
