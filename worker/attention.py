@@ -81,8 +81,7 @@ def attention_workspace_bytes(rc: ResolvedConfig, num_heads: int, num_kv_heads: 
     """Upper bound of the extra memory one layer's attention allocates in a step (this rank's heads): one chunk
     at the longest context the config allows (at most max(budget, one row and one query): chunks shrink to one
     of each), at 8 bytes an element (int64 slots, float32 scores, any model dtype), plus the step's attention
-    output and its scatter buffer. Counted on the flash-attn path too (which reads pages in place): the safe bound.
-    """
+    output and its scatter buffer. Counted on the flash-attn path too (which reads pages in place): the safe bound."""
     length = rc.max_kv_padded
     one = _row_cost(length, num_kv_heads, head_dim) + _query_cost(length, num_heads, num_kv_heads, head_dim)
     outputs = 2 * (rc.max_tokens_padded + 1) * num_heads * head_dim * dtype.itemsize

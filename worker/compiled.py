@@ -47,13 +47,11 @@ class CompileFailed(LockstepError, RuntimeError):
         self.config, self.settings, self.shape = config, settings, shape
 
 
-def _decode_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor],
-                  v: list[torch.Tensor]) -> torch.Tensor:
+def _decode_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: list, v: list) -> torch.Tensor:
     return model(ids, meta, k, v)
 
 
-def _varlen_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor],
-                  v: list[torch.Tensor]) -> torch.Tensor:
+def _varlen_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: list, v: list) -> torch.Tensor:
     return model(ids, meta, k, v)
 
 

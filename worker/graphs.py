@@ -26,8 +26,7 @@ class GraphInputMoved(RuntimeError):
 
 def decode_buckets(max_requests_per_batch: int) -> list[int]:
     """Batch sizes captured: 1, 2, 4 ... up to the power of two a full batch pads to."""
-    top = next_pow2(max_requests_per_batch)
-    return [1 << i for i in range(top.bit_length())]
+    return [1 << i for i in range(next_pow2(max_requests_per_batch).bit_length())]
 
 
 def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
@@ -77,27 +76,19 @@ class EagerStandIn:
     def capture(self, fn: Callable[[], torch.Tensor], static_inputs: dict[str, torch.Tensor]) -> Captured:
         self.recorded.append({k: t.data_ptr() for k, t in static_inputs.items()})
         out = fn()
-
-        def replay() -> None:
-            out.copy_(fn())
-
-        return Captured(replay=replay, output=out)
+        return Captured(replay=lambda: out.copy_(fn()), output=out)
 
 
 def tensor_addresses(model: torch.nn.Module, extra: dict[str, torch.Tensor]) -> dict[str, int]:
     """name -> data_ptr of every parameter and buffer of `model` and of each tensor in `extra`."""
-    found = {name: p.data_ptr() for name, p in model.named_parameters()}
-    found.update({name: b.data_ptr() for name, b in model.named_buffers()})
-    found.update({name: t.data_ptr() for name, t in extra.items()})
-    return found
+    return {name: t.data_ptr() for name, t in [*model.named_parameters(), *model.named_buffers(), *extra.items()]}
 
 
 class DecodeGraphs:
     """The decode graphs of one runner: which bucket a step takes, capture of them all, replay, counters."""
 
     def __init__(self, buckets: list[int], factory: GraphFactory):
-        self.buckets = sorted(buckets)
-        self.factory = factory
+        self.buckets, self.factory = sorted(buckets), factory
         self.graphs: dict[int, Captured] = {}
         self.static: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
         self.addresses: dict[str, int] = {}

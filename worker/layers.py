@@ -98,20 +98,16 @@ def read_rows(src: Any, start: int, stop: int) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's output rows split across ranks; the output stays sharded.
-
-    `parts` lists the checkpoint tensors fused into this one (q, k, v or gate, up) as
-    name -> (rows on this rank, first row for this rank, rows in the checkpoint tensor).
-    """
+    """y = x W^T with W's output rows split across ranks; the output stays sharded. `parts`: the checkpoint
+    tensors fused into it (q, k, v or gate, up) as name -> (rows on this rank, its first row, rows in all)."""
 
     def __init__(self, in_features: int, parts: dict[str, tuple[int, int, int]], bias: bool, dtype: torch.dtype):
         super().__init__()
         self.parts, self.in_features = parts, in_features
         rows = [r for r, _, _ in parts.values()]
         self.offsets = dict(zip(parts, accumulate([0] + rows)))  # each part's first row in the fused weight
-        out = sum(rows)
-        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+        self.weight = nn.Parameter(torch.empty(sum(rows), in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(sum(rows), dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -168,8 +164,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         mine = (local >= 0) & (local < self.rows)
         out = nn.functional.embedding(torch.where(mine, local, 0), self.weight)
-        out = out * mine.unsqueeze(-1).to(out.dtype)
-        return self.shard.all_reduce(out)
+        return self.shard.all_reduce(out * mine.unsqueeze(-1).to(out.dtype))
 
     def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
         expect_shape(src, (self.vocab_size, self.weight.shape[1]))
@@ -187,12 +182,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Full-vocabulary logits on rank 0, None elsewhere. Every rank of the device group calls it."""
         if self.shard.size == 1:
             return local_logits[:, :self.vocab_size]
-        if self.shard.rank == 0:
-            parts = [torch.empty_like(local_logits) for _ in range(self.shard.size)]
-            dist.gather(local_logits, parts, dst=0, group=self.shard.group)
-            return torch.cat(parts, dim=-1)[:, :self.vocab_size]
-        dist.gather(local_logits, None, dst=0, group=self.shard.group)
-        return None
+        parts = [torch.empty_like(local_logits) for _ in range(self.shard.size)] if self.shard.rank == 0 else None
+        dist.gather(local_logits, parts, dst=0, group=self.shard.group)
+        return None if parts is None else torch.cat(parts, dim=-1)[:, :self.vocab_size]
 
     def argmax(self, local_logits: torch.Tensor) -> ShardArgmax:
         """Each row's greedy token, on every rank. Every rank of the device group calls it."""

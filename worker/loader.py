@@ -28,9 +28,7 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
         raise FileNotFoundError(f"no checkpoint directory {d}")
     index = d / "model.safetensors.index.json"
     if index.exists():
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        files = [d / n for n in names]
+        files = [d / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     else:
         files = sorted(d.glob("*.safetensors"))
     if not files:

@@ -29,11 +29,9 @@ MiB = 1 << 20
 
 
 def use_device(device: torch.device | str | None) -> None:
-    """Make `device` the calling thread's current CUDA device. A no-op on CPU (or any non-CUDA device).
-
-    The current CUDA device is per thread: every thread that runs device work (the loop thread, a launcher's
-    rank thread, the thread that loads the model) calls it first, or its kernels and NCCL calls go to GPU 0.
-    """
+    """Make `device` the calling thread's current CUDA device (a no-op elsewhere). It is per thread: every thread
+    that runs device work (loop, launcher's rank, model loading) calls it first, or its kernels and NCCL calls
+    go to GPU 0."""
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
 
@@ -80,12 +78,9 @@ class MemoryInputs:
 
 
 def plan_kv_blocks(m: MemoryInputs) -> tuple[int, dict[str, int | float]]:
-    """(num_blocks, breakdown) for one rank. Pure: no device is touched.
-
-    available = (free + reclaimable) x max_memory_percent; the static buffers, graph pool, activation peak and
-    attention workspace come off it; safety_margin of what is left stays free; the rest becomes whole pages.
-    Raises MemoryError naming the numbers when not even one page fits.
-    """
+    """(num_blocks, breakdown) for one rank; pure. available = (free + reclaimable) x max_memory_percent; the
+    static buffers, graph pool, activation peak and attention workspace come off it; safety_margin of the rest
+    stays free; what is left becomes whole pages. MemoryError naming the numbers when not one page fits."""
     frac = m.max_memory_percent if m.max_memory_percent is not None else DEFAULT_MAX_MEMORY_PERCENT
     if not 0 < frac <= 1:
         raise ValueError(f"max_memory_percent={frac!r}: must be in (0, 1]")
@@ -155,14 +150,10 @@ def release_kv(cache: Any) -> None:
 
 
 class CacheLedger:
-    """The KV caches this process holds, per (device, owner): what a new sizing for that owner may count.
-
-    The owner is the model the cache serves (one manager at a time per model). `hold` enters a cache, weakly:
-    its entry leaves when the cache is garbage-collected. `held(device, owner)` is what a new sizing adds back
-    to the measured free memory; `release_all(device, owner)` then calls `release(cache)` on each (by default
-    `release_kv`, which drops its tensors) so the new cache reuses that memory. Caches of other models stay.
-    Thread-safe.
-    """
+    """The KV caches this process holds, per (device, owner: the model served, one manager at a time), weakly
+    (an entry leaves with its cache). `held(device, owner)` is what a new sizing adds back to the measured free
+    memory; `release_all(device, owner)` then calls each one's `release` (by default `release_kv`: drops its
+    tensors) so the new cache reuses that memory. Caches of other models stay. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

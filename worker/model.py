@@ -37,14 +37,11 @@ def head_dim_of(config) -> int:
 
 def layer_windows(config) -> list[int | None]:
     """Sliding-window size of each layer (None: full attention)."""
-    n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types:
+    if types := getattr(config, "layer_types", None):
         return [window if t == "sliding_attention" else None for t in types]
-    if config.model_type == "mistral" or getattr(config, "use_sliding_window", False):
-        return [window] * n
-    return [None] * n
+    sliding = config.model_type == "mistral" or getattr(config, "use_sliding_window", False)
+    return [window if sliding else None] * config.num_hidden_layers
 
 
 class KVHeads:
@@ -71,11 +68,10 @@ class Attention(nn.Module):
         heads = KVHeads(config, shard)
         self.d, self.hq, self.hkv, self.window, self.scale = d, heads.q_local, heads.kv_local, window, d ** -0.5
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        hkv_all = config.num_key_value_heads
+        kv = (heads.kv_local * d, heads.kv_start * d, config.num_key_value_heads * d)  # rows here, first, in all
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, {
-            "q": (heads.q_local * d, heads.q_start * d, config.num_attention_heads * d),
-            "k": (heads.kv_local * d, heads.kv_start * d, hkv_all * d),
-            "v": (heads.kv_local * d, heads.kv_start * d, hkv_all * d)}, bias=bias, dtype=dtype)
+            "q": (heads.q_local * d, heads.q_start * d, config.num_attention_heads * d), "k": kv, "v": kv},
+            bias=bias, dtype=dtype)
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, o_bias, shard, dtype)
         self.qk_norm = config.model_type == "qwen3"

@@ -129,8 +129,7 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
 
     # per token: sequence, position, cache slot; placed in the padded layout (decode rows, then prefill)
     seq = np.repeat(np.arange(b), q_lens)
-    start = kv_lens - q_lens
-    pos = start[seq] + np.arange(total) - cu[seq]
+    pos = (kv_lens - q_lens)[seq] + np.arange(total) - cu[seq]
     slot = tables[seq, pos // page].astype(np.int64) * page + pos % page
     where = np.arange(total)
     where[bd:] += bd_pad - bd
@@ -146,10 +145,9 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
         round_up(int(kv_lens[:bd].max()) + ahead, rc.kv_padding) if bd else 0
     dec_slots, dec_slots_dev = buf.alloc((bd_pad, width), fill=scratch)
     dec_q_pos, dec_q_pos_dev = buf.alloc((bd_pad,), fill=0)
-    if bd:
-        if width:
-            dec_slots[:bd] = kv_slots(tables[:bd], kv_lens[:bd], width, page, scratch)
-        dec_q_pos[:bd] = kv_lens[:bd] - 1
+    if bd and width:
+        dec_slots[:bd] = kv_slots(tables[:bd], kv_lens[:bd], width, page, scratch)
+    dec_q_pos[:bd] = kv_lens[:bd] - 1
 
     # prefill group: sequences padded to a common query length (the SDPA path's grids)
     bp = b - bd
@@ -170,8 +168,7 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
 
     sampled = np.flatnonzero(plan.sample)
     if bucket is not None:  # every bucket row's logits; the sampled rows are picked after the replay
-        logits_idx, logits_dev = buf.alloc((bucket,))
-        logits_idx[:] = np.arange(bucket)
+        logits_dev = buf.put(np.arange(bucket))
     else:
         logits_idx, logits_dev = buf.alloc((next_pow2(len(sampled)) if len(sampled) else 0,), fill=0)
         logits_idx[:len(sampled)] = where[cu[1:][sampled] - 1]

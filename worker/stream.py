@@ -37,9 +37,7 @@ class Handle(Generic[T]):
         so nothing waits (on CUDA its device work is queued ahead of the caller's)."""
         if not self._done.is_set():
             raise RuntimeError("in_order() read a handle before its function ran: submit on the same stream")
-        if self._error is not None:
-            raise self._error
-        return self._value
+        return self.value()
 
     def value(self) -> T:
         """Wait for the function itself (a ThreadStream's thread), not for device work it queued on CUDA: what
@@ -89,8 +87,7 @@ class ThreadStream:
         self.device = device
         self.busy_s = 0.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="lockstep-device", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="lockstep-device", daemon=True).start()
 
     def submit(self, fn: Callable[[], T]) -> Handle[T]:
         h: Handle[T] = Handle()

@@ -91,13 +91,12 @@ def stage(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, to
 
 def run_update(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, torch.Tensor] | None = None,
                version: int = 0, expected: int | None = None, attempt: int = 0) -> dict[str, Any]:
-    """Stage on this rank, vote, copy everywhere or nowhere, then vote again that every rank copied.
-
-    Every rank calls it at the same step boundary (the loops after a CALL plan, or every caller inside a
-    pause). `version` is the weight version this rank holds; `expected` the one the CALL plan carries (None
-    inside a pause: the driver's version is fetched). A refused update returns {"ok": False, "error", "rank"}
-    (the first refusing rank) and changes nothing anywhere. A rank that fails while copying makes every rank
-    raise WeightsDiverged. `attempt` numbers this rank's updates (for fault rules)."""
+    """Stage on this rank, vote, copy everywhere or nowhere, then vote again that every rank copied. Every rank
+    calls it at the same step boundary (the loops after a CALL plan, or every caller inside a pause). `version`:
+    the weight version this rank holds; `expected`: the CALL plan's (None inside a pause: the driver's is
+    fetched). A refused update returns {"ok": False, "error", "rank" (the first refusing)} and changes nothing;
+    a rank failing while copying makes every rank raise WeightsDiverged. `attempt` numbers this rank's updates
+    (for fault rules)."""
     start = time.perf_counter()
     if expected is None:
         expected = driver_value(version, groups)
