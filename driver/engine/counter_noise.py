@@ -55,16 +55,12 @@ def absorb(word: torch.Tensor, state: torch.Tensor | int) -> torch.Tensor:
     return mix32_((word ^ state).add_(GOLDEN).bitwise_and_(M32))
 
 
-def row_state(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """[N] 32-bit states from keys [N] (64-bit, as int64 two's complement) and token indices [N]."""
-    hi, lo = (keys >> 32) & M32, keys & M32
-    return absorb(index & M32, absorb(lo, absorb(hi, ROW_SALT)))
-
-
 def noise_bits(keys: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N, vocab] 32-bit hashes of (key, index, token id), on the keys' device."""
+    """[N, vocab] 32-bit hashes of (key, index, token id) for keys [N] (64-bit, as int64 two's complement) and
+    token indices [N], on the keys' device: each row's state absorbs the key's halves and the index."""
+    state = absorb(index & M32, absorb(keys & M32, absorb((keys >> 32) & M32, ROW_SALT)))
     codes = absorb(torch.arange(vocab, dtype=torch.int64, device=keys.device), VOCAB_SALT)
-    return absorb(codes[None, :], row_state(keys, index)[:, None])
+    return absorb(codes[None, :], state[:, None])
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:
