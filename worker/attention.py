@@ -35,14 +35,12 @@ class AttnMeta:
     logits_idx: torch.Tensor  # [N] tokens whose logits are returned
     dec_block_table: torch.Tensor | None = None  # [Bd, NB] int32, flash-attn decode path only
     dec_kv_lens: torch.Tensor | None = None  # [Bd] int32, flash-attn decode path only
-    # [Bd, burst - 1] SDPA decode path, burst plans only: the slots of each row's later positions, written into
-    # dec_kv_slots as the burst reaches them (until then those columns are the scratch slot)
+    # [Bd, burst - 1] SDPA decode bursts: each row's later slots, put in dec_kv_slots as the burst reaches them
     dec_ahead: torch.Tensor | None = None
     pre_flash: flash.VarlenMeta | None = None  # flash-attn prefill path only
     page_size: int = 0  # tokens a page, for viewing the cache as pages (flash-attn and row-view paths)
     chunk_elements: int = 1 << 22  # work budget of one SDPA chunk (ResolvedConfig.attn_chunk_elements)
-    # eager float32 CPU steps of one forward only (`row_views`): each real decode row's context length and pages,
-    # read in place; dec_kv_slots is then [Bd, 0]
+    # `row_views` steps only: each real decode row's context length and pages, read in place (dec_kv_slots [Bd, 0])
     dec_rows: list[tuple[int, list[int]]] | None = None
 
     @property
@@ -57,7 +55,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.index_copy_(0, meta.slot_mapping, v)
 
 
-# ---------------------------------------------------------------- the bounded SDPA fallback
 def _row_cost(length: int, hkv: int, d: int) -> int:
     """Elements one sequence costs in a chunk whatever its query count: its keys and values, its slots."""
     return 2 * length * hkv * d + 2 * length

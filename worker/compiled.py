@@ -61,8 +61,7 @@ ENTRIES: dict[str, Callable[..., torch.Tensor]] = {"decode": _decode_entry, "var
 
 def raise_recompile_limit() -> None:
     """Let every forward hold `RECOMPILE_LIMIT` graphs. Process-wide (dynamo reads its config at each compile;
-    patching it around every call costs milliseconds); only ever raised, so no other compiled function loses
-    graphs by it."""
+    patching it around every call costs milliseconds); only ever raised, so no compiled function loses graphs."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)

@@ -1,15 +1,8 @@
-"""flash-attn's paged kernels, and the host-side metadata its varlen kernel needs.
-
-Used only where `cluster.config.flash_decision` allows (CUDA, float16/bfloat16, head_dim <= 256,
-page_size % 256 == 0, flash_attn importable). The cache is viewed as pages [blocks, page, Hkv, D]; both
-kernels read a sequence's keys through its block table in place, so nothing is gathered.
-
-- decode (one query a sequence; the step CUDA graphs capture): `flash_attn_with_kvcache` with
-  `cache_seqlens` and a block table of fixed width (rows past the batch point at the scratch block);
-- prefill and mixed steps: `flash_attn_varlen_func` with `block_table`, `cu_seqlens_q` / `cu_seqlens_k`
-  (int32 cumulative query and context lengths) and `max_seqlen_q` / `max_seqlen_k` (host integers).
-
-`varlen_metadata` builds the latter on the host from the plan's arrays (worker/step_inputs.py checks the
+"""flash-attn's paged kernels, and the host-side metadata its varlen kernel needs (docs/architecture.md,
+"Attention"). Used only where `cluster.config.flash_decision` allows; the cache is viewed as pages
+[blocks, page, Hkv, D] and both kernels read a sequence's keys through its block table in place: decode
+(the step CUDA graphs capture) through `flash_attn_with_kvcache`, prefill and mixed steps through
+`flash_attn_varlen_func` (`varlen_metadata` builds its arguments on the host; worker/step_inputs.py checks the
 block table's width first).
 """
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -39,10 +39,6 @@ class Captured:
     replay: Callable[[], None]
     output: torch.Tensor  # the captured forward's output; every replay rewrites it in place
     handle: Any = None  # keeps the graph object alive
-
-
-class GraphFactory(Protocol):
-    def capture(self, fn: Callable[[], torch.Tensor], static_inputs: dict[str, torch.Tensor]) -> Captured: ...
 
 
 class CudaGraphFactory:
@@ -79,13 +75,16 @@ class EagerStandIn:
         return Captured(replay=lambda: out.copy_(fn()), output=out)
 
 
+GraphFactory = CudaGraphFactory | EagerStandIn  # what captures a bucket's graph: `capture(fn, static_inputs)`
+
+
 def tensor_addresses(model: torch.nn.Module, extra: dict[str, torch.Tensor]) -> dict[str, int]:
     """name -> data_ptr of every parameter and buffer of `model` and of each tensor in `extra`."""
     return {name: t.data_ptr() for name, t in [*model.named_parameters(), *model.named_buffers(), *extra.items()]}
 
 
 class DecodeGraphs:
-    """The decode graphs of one runner: which bucket a step takes, capture of them all, replay, counters."""
+    """The decode graphs of one runner (a step takes `bucket_for` its rows): capture of them all, replay, counters."""
 
     def __init__(self, buckets: list[int], factory: GraphFactory):
         self.buckets, self.factory = sorted(buckets), factory
@@ -97,9 +96,6 @@ class DecodeGraphs:
     @property
     def captured(self) -> bool:
         return bool(self.graphs)
-
-    def bucket(self, num_seqs: int) -> int | None:
-        return bucket_for(num_seqs, self.buckets)
 
     def capture_all(self, prepare: Callable[[int], tuple[Callable[[], torch.Tensor], dict[str, torch.Tensor]]],
                     reads: Callable[[], dict[str, int]]) -> None:

@@ -84,15 +84,12 @@ def expect_shape(src: Any, shape: tuple[int, ...]) -> None:
 
 
 def read_rows(src: Any, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of a checkpoint tensor or safetensors slice, zero-padded past its end.
-
-    The padding rows are made where the data is (a pushed bucket may live on the GPU), never on the CPU by
-    default."""
+    """Rows [start, stop) of a checkpoint tensor or safetensors slice, zero-padded past its end; the padding is
+    made where the data is (a pushed bucket may live on the GPU), not on the default device."""
     total = shape_of(src)[0]
     part = src[start:min(stop, total)]
     if stop > total:
-        pad = torch.zeros((stop - max(start, total),) + tuple(part.shape[1:]), dtype=part.dtype,
-                          device=part.device)
+        pad = part.new_zeros((stop - max(start, total),) + tuple(part.shape[1:]))
         part = torch.cat([part, pad]) if part.shape[0] else pad
     return part
 

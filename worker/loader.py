@@ -1,10 +1,9 @@
-"""Checkpoint loading: each rank reads only its own slices of the safetensors files.
+"""Checkpoint loading: each rank reads only its own slices of the safetensors files (`get_slice(name)[a:b]`
+reads just those rows or columns of the memory-mapped file), so its I/O and memory scale with its shard.
 
-`safe_open(...).get_slice(name)[a:b]` reads just those rows (or columns) from the memory-mapped file, so a
-rank's I/O and memory scale with its shard, not with the whole model. Loading is two-phase: `stage_*`
-reads and checks everything (names, shapes, readable bytes) into new tensors without touching the model,
-`apply` copies them into the existing parameter storage (so captured graphs stay valid). At start-up the
-two run back to back; a hot update agrees across ranks in between.
+Two phases: `stage_*` reads and checks everything (names, shapes, readable bytes) into new tensors without
+touching the model; `apply` copies them into the existing parameter storage (so captured graphs stay valid).
+At start-up they run back to back; a hot update agrees across ranks in between.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Device memory: which device a thread works on, and how many KV pages fit beside everything else.
 
-`plan_kv_blocks` is pure arithmetic (numbers in, `num_blocks` and a breakdown out), so CPU tests reach every
-branch. What it needs from the device is measured by `measure_free_bytes`: on CUDA it first hands the
-allocator's cached blocks back to the driver (`torch.cuda.empty_cache()`), then asks `mem_get_info`.
-
-A second manager in the same process must get the same cache as the first, not what the first left over:
-every KV cache this process allocates is entered in `CACHE_LEDGER`, and a new sizing adds back what the
-ledger holds on that device (those caches are released before the new one is allocated; see
-`CacheLedger.release_all`). Each rank proposes a size; the group takes the MIN (`cluster.dist.agree_min`).
+`plan_kv_blocks` is pure arithmetic, so CPU tests reach every branch; `measure_free_bytes` measures what it
+needs from the device. A second manager in the same process must get the same cache as the first, not what
+the first left over: every KV cache this process allocates is entered in `CACHE_LEDGER`, and a new sizing adds
+back what the ledger holds on that device (released before the new cache is allocated). Each rank proposes a
+size; the group takes the MIN (`cluster.dist.agree_min`).
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ from worker.rope import RotaryTable, StepRotary
 
 # the checkpoint tensors each fused layer loads
 UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-SUPPORTED_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # model_type
 
 
 def check_supported(config) -> None:

@@ -1,10 +1,9 @@
 """This rank's shard of every checkpoint tensor, under transformers' names, as views into the live parameters.
 
-Lockstep fuses q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj`, splits tensors across ranks
-and pads the last vocabulary shard with zero rows. A script written for transformers sees none of that: each
-name the checkpoint has (`CausalLM.expected_tensors()`, plus `lm_head.weight` of a tied model in
-`state_dict`) maps to a view that shares storage with the parameter the forward reads, so an in-place change
-(`p.copy_(x)`, `p.mul_(2)`, `p.add_(delta)`) is what the next step computes with. What each view holds:
+Lockstep fuses q/k/v and gate/up, splits tensors across ranks and pads the last vocabulary shard with zero
+rows; a script written for transformers sees none of that: each checkpoint name (`CausalLM.expected_tensors()`,
+plus a tied model's `lm_head.weight` in `state_dict`) maps to a view sharing storage with the parameter the
+forward reads, so an in-place change (`p.copy_(x)`, `p.mul_(2)`) is what the next step computes with:
 
 | transformers name | this rank's view |
 |---|---|

@@ -22,7 +22,7 @@ from cluster.dist import DRIVER
 from cluster.plan import StepPlan
 from worker.attention import AttnMeta
 from worker.compiled import ForwardFn
-from worker.graphs import CudaGraphFactory, DecodeGraphs, GraphFactory, decode_buckets, tensor_addresses
+from worker.graphs import CudaGraphFactory, DecodeGraphs, GraphFactory, bucket_for, decode_buckets, tensor_addresses
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
 from worker.shard_argmax import ShardArgmax
@@ -92,7 +92,6 @@ class ModelRunner:
             plans.append((f"1 decode + prefill of {mixed_q} tokens", self.scratch_plan([1, mixed_q], [1, 1])))
         return plans
 
-    # ---------------------------------------------------------------- graphs
     def graph_reads(self) -> dict[str, int]:
         """Address of everything a captured graph reads: parameters, buffers, KV cache, static buffers."""
         extra = {f"kv_cache.{kv}.{i}": t for kv in "kv" for i, t in enumerate(getattr(self.cache, kv))}
@@ -117,7 +116,6 @@ class ModelRunner:
         Called after a weight update (which must copy in place): refuse to serve on any. Local to this rank."""
         return [] if self.graphs is None else self.graphs.changed_addresses(self.graph_reads())
 
-    # ---------------------------------------------------------------- steps
     def execute(self, plan: StepPlan) -> torch.Tensor | ShardArgmax | None:
         """Run one step and wait for it. Every rank calls it with the same plan; the driver gets [sampled seqs,
         vocab] logits, or with `argmax_on_shards` every rank the greedy tokens (ShardArgmax)."""
@@ -140,7 +138,7 @@ class ModelRunner:
         bucket = None
         if self.graphs is not None:
             self.capture_graphs()
-            bucket = self.graphs.bucket(plan.num_seqs) if plan.num_decode == plan.num_seqs else None
+            bucket = bucket_for(plan.num_seqs, self.graphs.buckets) if plan.num_decode == plan.num_seqs else None
         if bucket is None:
             self.graph_stats["eager_steps"] += plan.burst
         ids, meta, n = self.prepare(plan, bucket=bucket)

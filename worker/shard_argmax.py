@@ -29,8 +29,7 @@ class ShardArgmax(NamedTuple):
 
 def shard_argmax(local: torch.Tensor, start: int, vocab_size: int, rank: int, size: int, group: Any) -> ShardArgmax:
     """The rows' greedy tokens from this rank's logits shard `local` [N, rows] (token ids start..start + rows,
-    those from `vocab_size` on are padding). Every rank of the device group (`rank` of `size`) calls it, with
-    the same N."""
+    those from `vocab_size` on padding). Every rank of the device group (`rank` of `size`) calls it, same N."""
     valid = max(0, min(local.shape[-1], vocab_size - start))
     if valid:
         best, ids = local[:, :valid].float().max(-1)  # max propagates a NaN, as the sampler's check expects

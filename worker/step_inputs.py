@@ -31,10 +31,8 @@ def _entries(n: int, int32: bool) -> int:
 
 def capacity_entries(rc: ResolvedConfig) -> int:
     """int64 entries the largest step of `rc` can need (each input at its largest, all at once)."""
-    t = rc.max_tokens_padded
-    b = next_pow2(rc.max_requests_per_batch)
+    t, b, nb = rc.max_tokens_padded, next_pow2(rc.max_requests_per_batch), rc.max_blocks_per_request
     q = round_up(rc.max_batch_tokens, rc.q_padding)
-    nb = rc.max_blocks_per_request
     wide = 0 if rc.use_flash_attn else rc.max_kv_padded  # the [B, L] slot lists: SDPA path only
     grid = 0 if rc.use_flash_attn else b * q  # the padded prefill query grids: SDPA path only
     ahead = 0 if rc.use_flash_attn else b * (rc.decode_burst - 1)  # a burst's later slots: SDPA path only
@@ -119,10 +117,8 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     if bucket is not None and (bd != b or bd > bucket):
         raise ValueError(f"a plan of {b} sequences ({bd} decoding) does not fit decode bucket {bucket}")
     bd_pad = bucket if bucket is not None else next_pow2(bd) if bd else 0
-    cu = np.zeros(b + 1, np.int64)
-    np.cumsum(q_lens, out=cu[1:])
-    total = int(cu[-1])
-    t_pre = total - int(cu[bd])
+    cu = np.concatenate([[0], np.cumsum(q_lens)])  # each sequence's first token
+    total, t_pre = int(cu[-1]), int(cu[-1] - cu[bd])  # tokens, prefill tokens
     t_pre_pad = round_up(t_pre, rc.q_padding)
     t_pad = bd_pad + t_pre_pad
     buf.begin()

@@ -93,10 +93,9 @@ def run_update(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[st
                version: int = 0, expected: int | None = None, attempt: int = 0) -> dict[str, Any]:
     """Stage on this rank, vote, copy everywhere or nowhere, then vote again that every rank copied. Every rank
     calls it at the same step boundary (the loops after a CALL plan, or every caller inside a pause). `version`:
-    the weight version this rank holds; `expected`: the CALL plan's (None inside a pause: the driver's is
-    fetched). A refused update returns {"ok": False, "error", "rank" (the first refusing)} and changes nothing;
-    a rank failing while copying makes every rank raise WeightsDiverged. `attempt` numbers this rank's updates
-    (for fault rules)."""
+    the weight version this rank holds; `expected`: the CALL plan's (None in a pause: the driver's is fetched).
+    A refused update returns {"ok": False, "error", "rank" (the first refusing)} and changes nothing; a rank
+    failing while copying makes every rank raise WeightsDiverged. `attempt`: this rank's count (fault rules)."""
     start = time.perf_counter()
     if expected is None:
         expected = driver_value(version, groups)
