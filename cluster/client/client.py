@@ -247,13 +247,7 @@ class AsyncClient:
     """The same calls as `Client`, as coroutines; `stream` is an async iterator."""
 
     def __init__(self, address: str = P.DEFAULT_ADDRESS, **kwargs: Any):
-        self.client = Client(address, **kwargs)
-
-    def __getstate__(self) -> dict:
-        return self.client.__getstate__()
-
-    def __setstate__(self, state: dict) -> None:
-        self.client = Client(**state)
+        self.client = Client(address, **kwargs)  # pickles as its settings, so this does too
 
     async def submit(self, input_ids: list[int] | None = None, **params: Any) -> str:
         _, fut = self.client.submit_future(input_ids, **params)
