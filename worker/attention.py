@@ -81,8 +81,7 @@ def attention_workspace_bytes(rc: ResolvedConfig, num_heads: int, num_kv_heads: 
     output and its scatter buffer. Counted on the flash-attn path too (which reads pages in place): the safe bound."""
     length = rc.max_kv_padded
     one = _row_cost(length, num_kv_heads, head_dim) + _query_cost(length, num_heads, num_kv_heads, head_dim)
-    outputs = 2 * (rc.max_tokens_padded + 1) * num_heads * head_dim * dtype.itemsize
-    return max(rc.attn_chunk_elements, one) * 8 + outputs
+    return max(rc.attn_chunk_elements, one) * 8 + 2 * (rc.max_tokens_padded + 1) * num_heads * head_dim * dtype.itemsize
 
 
 # a step's decode masks, shared by every layer: window size (None: full attention) -> additive mask
@@ -105,8 +104,7 @@ def _bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def step_masks(meta: AttnMeta, windows: list[int | None], dtype: torch.dtype) -> StepMasks:
-    """The step's decode masks, computed once for all layers (empty on the flash-attn and row-view paths, which
-    need none)."""
+    """The step's decode masks, once for all layers (none on the flash-attn and row-view paths)."""
     if not meta.num_decode or meta.dec_block_table is not None or meta.dec_rows is not None:
         return {}
     length = meta.dec_kv_slots.shape[1]
@@ -121,8 +119,7 @@ def _gather(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,
             bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """One chunk. q: [B, Q, Hq, D]; kv_slots: [B, L]; bias: additive mask broadcastable to [B, 1, Q, L].
-    Returns [B, Q, Hq, D]."""
+    """One chunk: q [B, Q, Hq, D], kv_slots [B, L], bias (additive) broadcastable to [B, 1, Q, L] -> [B, Q, Hq, D]."""
     b, nq, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
@@ -152,8 +149,7 @@ def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     gather costs more than the attention itself. No mask (a decode query sees every earlier key; a window
     keeps the last `window`). Padding rows return zeros. Returns [Bd, Hq, D]."""
     bd, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    page = meta.page_size
+    hkv, page = k_cache.shape[1], meta.page_size
     out = q.new_zeros(bd, hkv, hq // hkv, d)
     queries, outs = q.reshape(bd, hkv, hq // hkv, d).unbind(0), out.unbind(0)  # [Hkv, g, D] a row
     ignored = q.new_zeros(1, 1, 1)  # baddbmm's addend, times beta=0

@@ -106,8 +106,7 @@ class CompiledForward:
 
 def compiled_forward(name: str, model: torch.nn.Module, settings: CompileSettings | None
                      ) -> Callable[..., torch.Tensor]:
-    """The model itself when `settings` is None, else this model's compiled forward for those settings
-    (made once per model and settings)."""
+    """The model itself when `settings` is None, else its compiled forward for them (made once per model)."""
     if settings is None:
         return model
     kept, key = _COMPILED.setdefault(model, {}), (name, repr(settings))
@@ -130,8 +129,7 @@ class ForwardFn:
 
     def __call__(self, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
         """Every rank of the device group calls it (the forward all-reduces)."""
-        fn = self.decode if meta.pre_q_pos.shape[0] == 0 else self.varlen
-        return fn(ids, meta, k, v)
+        return (self.decode if meta.pre_q_pos.shape[0] == 0 else self.varlen)(ids, meta, k, v)
 
     def warm_up(self, plans: list[tuple[str, StepPlan]], prepare: Callable[[StepPlan], tuple[torch.Tensor, AttnMeta]],
                 k: list[torch.Tensor], v: list[torch.Tensor]) -> None:

@@ -25,14 +25,12 @@ class KVCache:
         """`num_host_blocks`: pages of the host pool preempted requests' KV is swapped to (0: none)."""
         self.page_size, self.scratch_block, self.scratch_slot = page_size, num_blocks, num_blocks * page_size
         shape = ((num_blocks + 1) * page_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k, self.v = ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)] for _ in "kv")
         self.host = (HostKVPool(num_layers, num_host_blocks, page_size, kv_heads, head_dim, dtype,
                                 pin=device.type == "cuda") if num_host_blocks else None)
 
     def apply_swaps(self, swap_out: np.ndarray, swap_in: np.ndarray) -> None:
-        """Do a plan's page copies (swap-outs, then swap-ins) before its forward. Every rank calls it with the
-        same plan; a plan without copies costs nothing."""
+        """Do a plan's page copies (swap-outs, then swap-ins) before its forward. Every rank calls it, same plan."""
         if not (swap_out.size or swap_in.size):
             return
         if self.host is None:

@@ -39,8 +39,7 @@ class HostKVPool:
     def __init__(self, num_layers: int, num_slots: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, pin: bool):
         shape = (num_slots, page_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.k, self.v = ([torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)] for _ in "kv")
         self.pinned = pin
 
     def swap(self, device_k: list[torch.Tensor], device_v: list[torch.Tensor], page_size: int,

@@ -124,8 +124,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, shard: Shard, dtype: torch.dtype):
         super().__init__()
         assert in_features % shard.size == 0, f"{in_features} features do not split over {shard.size} ranks"
-        self.shard = shard
-        self.cols = in_features // shard.size
+        self.shard, self.cols = shard, in_features // shard.size
         self.weight = nn.Parameter(torch.empty(out_features, self.cols, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
@@ -148,9 +147,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden: int, shard: Shard, dtype: torch.dtype):
         super().__init__()
-        self.shard = shard
-        self.vocab_size = vocab_size
-        self.rows = -(-vocab_size // shard.size)
+        self.shard, self.vocab_size, self.rows = shard, vocab_size, -(-vocab_size // shard.size)
         self.start = shard.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, hidden, dtype=dtype), requires_grad=False)
 

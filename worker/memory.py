@@ -176,8 +176,7 @@ class CacheLedger:
             return sum(e[2] for e in self._mine(device, owner).values())
 
     def release_all(self, device: torch.device | str, owner: object) -> int:
-        """Release every cache `owner` holds on `device` (its managers must be done with them); returns the
-        bytes released."""
+        """Release every cache `owner` holds on `device` (its managers must be done with them); the bytes freed."""
         with self._lock:
             mine = self._mine(device, owner)
             for k in mine:

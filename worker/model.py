@@ -54,9 +54,8 @@ class KVHeads:
             raise ValueError(f"num_key_value_heads={hkv} does not split over tp={tp} ranks")
         if hkv < tp and tp % hkv:
             raise ValueError(f"tp={tp} is not a multiple of num_key_value_heads={hkv}")
-        self.q_local = hq // tp
+        self.q_local, self.kv_local = hq // tp, max(1, hkv // tp)
         self.q_start = shard.rank * self.q_local
-        self.kv_local = max(1, hkv // tp)
         self.kv_start = shard.rank * self.kv_local if hkv >= tp else shard.rank * hkv // tp
 
 
@@ -178,8 +177,7 @@ class CausalLM(nn.Module):
         return None
 
     def expected_tensors(self) -> set[str]:
-        """The checkpoint names a complete load must find: every parameter's (a tied head's is the embedding's),
-        the fused ones under their checkpoint names."""
+        """Checkpoint names a complete load must find: every parameter's (a tied head's is the embedding's), unfused."""
         names = set()
         for name, _ in self.named_parameters():
             *path, module, kind = name.split(".")

@@ -1,18 +1,14 @@
 """The trainer's weight push, as both ends of it run: one backend, a handshake, bounded staging, teardown.
 
 A push is a process group of the serving ranks (0..tp-1) and the trainer (rank tp), made for one push on the
-trainer's TCPStore and torn down after it on every member. In order:
-
-1. Backend: NCCL when the ranks and the trainer are all CUDA, gloo otherwise (`push_backend`, computed by
-   every member); every tensor sent lives on that backend's device.
-2. Handshake through the store, before any group exists: the trainer posts its device type; every rank posts
-   a verdict {device, backend, error} (error: the push's names, shapes or dtypes do not fit its model, checked
-   on meta tensors). `agreed_backend` gives every member the same answer: one backend, or a refusal naming the
-   rank and why. A refused push makes no group, so nobody waits on a peer that will not come.
-3. Buckets, one at a time, into one reusable receive buffer of the largest bucket's size; each rank keeps
-   only its own slices. Staging memory on a rank is its shard of the model plus one bucket.
-4. A last agreement over the update group: every member received or sent every bucket without error. Then the
-   group is shut down and the store released, on every member.
+trainer's TCPStore and torn down after it on every member. Its backend is NCCL when the ranks and the trainer
+are all CUDA, gloo otherwise (`push_backend`, computed by every member); every tensor sent lives on that
+backend's device. Before any group exists the trainer posts its device type in the store and every rank a
+verdict {device, backend, error} (error: the push's names, shapes or dtypes do not fit its model, checked on
+meta tensors); `agreed_backend` gives every member the same answer, one backend or a refusal naming the rank
+and why, and a refused push makes no group, so nobody waits on a peer that will not come. Buckets then come
+one at a time into one reusable receive buffer, each rank keeping its own slices (staging memory: its shard
+plus one bucket), and a last agreement over the group says every member took every bucket.
 """
 
 from __future__ import annotations
@@ -115,8 +111,7 @@ def agree_flag(pg: Any, ok: bool, device: torch.device) -> bool:
 
 
 def bucket_bytes(bucket: list[list[Any]]) -> int:
-    itemsize = DTYPES[bucket[0][2]].itemsize
-    return sum(int(torch.Size(shape).numel()) * itemsize for _, shape, _ in bucket)
+    return sum(int(torch.Size(shape).numel()) for _, shape, _ in bucket) * DTYPES[bucket[0][2]].itemsize
 
 
 def receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:

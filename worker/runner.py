@@ -10,6 +10,7 @@ step runs eagerly.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -99,8 +100,7 @@ class ModelRunner:
         return tensor_addresses(self.model, extra)
 
     def capture_graphs(self) -> None:
-        """Capture the decode step of every bucket. Every rank calls it at the same point (the forward
-        all-reduces); `execute` does so the first time it runs."""
+        """Capture every bucket's decode step. Every rank calls it at once (all-reduces): `execute`, the first time."""
         if self.graphs is None or self.graphs.captured:
             return
 
@@ -186,8 +186,7 @@ class ModelRunner:
             meta.slot_mapping[:b].copy_(slot)
 
     def forward_fn(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        """This rank's logits shard for meta's logit rows, eager or compiled (benchmarks/control_plane.py stands
-        in for it)."""
+        """This rank's logits shard for meta's rows, eager or compiled (benchmarks/control_plane.py stands in)."""
         return self.forwards(ids, meta, self.cache.k, self.cache.v)
 
     def _resolve_ids(self, ids: torch.Tensor) -> None:
@@ -208,20 +207,16 @@ class ModelRunner:
         for i in range(plan.burst):
             tokens = None if sample is None else sample(i, logits)
             if not plan.argmax_on_shards:  # else every rank holds the tokens already (see `_prepared`)
-                self._share(tokens)
+                self.stream.submit(partial(self._share, tokens))
             if i + 1 < plan.burst:
                 logits = self.stream.submit(lambda: run(False))
 
-    def _share(self, tokens: Callable[[], torch.Tensor] | None) -> Handle[None]:
-        """Queue one forward's token broadcast from rank 0 into `shared_tokens` (device group): every rank, in the
-        same order, through `share_burst` only."""
+    def _share(self, tokens: Callable[[], torch.Tensor] | None) -> None:
+        """One forward's token broadcast from rank 0 into `shared_tokens` (device group): every rank, in the same
+        order, queued by `share_burst` only (under its inference_mode, or the stream thread's)."""
+        if tokens is not None:
+            got = tokens()
+            self.shared_tokens[:got.numel()].copy_(got)
         shard = self.model.lm_head.shard
-
-        def broadcast() -> None:  # both streams run it under inference_mode (share_burst's, or their thread's)
-            if tokens is not None:
-                got = tokens()
-                self.shared_tokens[:got.numel()].copy_(got)
-            if shard.size > 1:
-                dist.broadcast(self.shared_tokens, DRIVER, group=shard.group)
-
-        return self.stream.submit(broadcast)
+        if shard.size > 1:
+            dist.broadcast(self.shared_tokens, DRIVER, group=shard.group)

@@ -59,8 +59,7 @@ class InlineStream:
     """Runs each function now, on the calling thread; on CUDA `result()` waits for the device work it queued."""
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.busy_s = 0.0  # host seconds spent inside submitted functions (the CPU device's busy time)
+        self.device, self.busy_s = device, 0.0  # busy_s: host seconds inside submitted functions (the CPU's busy time)
 
     def submit(self, fn: Callable[[], T]) -> Handle[T]:
         h: Handle[T] = Handle()
@@ -80,12 +79,10 @@ class InlineStream:
 
 
 class ThreadStream:
-    """One daemon thread runs the submitted functions in order: a simulated asynchronous device. `busy_s` sums
-    the time it spent running them."""
+    """One daemon thread runs the functions in order: a simulated asynchronous device (`busy_s`: its busy time)."""
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.busy_s = 0.0
+        self.device, self.busy_s = device, 0.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._run, name="lockstep-device", daemon=True).start()
 

@@ -76,8 +76,7 @@ def described(e: BaseException) -> str:
 
 
 def stage(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, torch.Tensor] | None) -> Staged:
-    """This rank's new shard, read and checked; the model is not touched. The push source runs collectives
-    with the trainer, so every serving rank calls it."""
+    """This rank's new shard, read and checked, model untouched. Every serving rank calls it (push: collectives)."""
     if call.source == "checkpoint":
         return stage_checkpoint(model, call.path)
     if call.source == "push":
