@@ -6,8 +6,7 @@ size its kernels refuse) keys and values are gathered through slot indices built
 no host syncs) and masked by position, GQA folded into the query axis, in chunks sized from the shapes alone
 under an element budget, so `attention_workspace_bytes` bounds the workspace whatever the contexts. Eager
 float32 CPU steps of one forward skip the decode gather: each row reads its own pages in place (`_decode_rows`).
-With flash-attn (worker/flash.py) both groups read the pages in place through the block tables.
-"""
+With flash-attn (worker/flash.py) both groups read the pages in place through the block tables."""
 
 from __future__ import annotations
 
@@ -191,8 +190,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     window: int | None, scale: float, masks: StepMasks | None = None) -> torch.Tensor:
     """q: [T, Hq, D] for the whole token batch, after this step's K/V were written. Returns [T, Hq, D].
     `masks`: the step's (`step_masks`, computed once for every layer); None: computed here."""
-    bd = meta.num_decode
-    outs = []
+    bd, outs = meta.num_decode, []
     if bd and meta.dec_block_table is not None:
         outs.append(flash.decode(q[:bd], k_cache, v_cache, meta.dec_block_table, meta.dec_kv_lens,
                                  meta.page_size, window, scale))

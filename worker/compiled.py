@@ -1,15 +1,12 @@
 """The compiled forwards: the seed's `decode_compile_config` and `varlen_compile_config`, applied
-(docs/architecture.md, "Compiled forwards").
-
-`ForwardFn` is what the runner calls instead of the model: decode-only steps go to the decode forward, the
-others (prefill, mixed) to the varlen forward, each `torch.compile`d with its resolved settings
-(cluster/compile_settings.py) or, with none, the eager model. The choice follows from the step's shapes, so
-every rank takes the same one, and dynamo's guards (shapes again) make every rank compile the same graphs in
-the same order. Each padded shape is one graph whatever `dynamic` says (attention's chunking is computed from
-the shapes in Python), so dynamo's recompile limit (8), past which it would silently run eagerly, is raised to
-`RECOMPILE_LIMIT`. A failed compile raises `CompileFailed` naming the config; nothing falls back to eager
-(nor does transformers: its warm-up logs the failure and the first real step raises it).
-"""
+(docs/architecture.md, "Compiled forwards"). `ForwardFn` is what the runner calls instead of the model:
+decode-only steps go to the decode forward, the others (prefill, mixed) to the varlen forward, each
+`torch.compile`d with its resolved settings (cluster/compile_settings.py) or, with none, the eager model. The
+choice follows from the step's shapes, so every rank takes the same one, and dynamo's guards (shapes again)
+make every rank compile the same graphs in the same order. Each padded shape is one graph whatever `dynamic`
+says (attention's chunking is computed from the shapes in Python), so dynamo's recompile limit (8), past which
+it would silently run eagerly, is raised to `RECOMPILE_LIMIT`. A failed compile raises `CompileFailed`;
+nothing falls back to eager (nor does transformers: its warm-up logs the failure, the first step raises it)."""
 
 from __future__ import annotations
 

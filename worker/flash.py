@@ -3,8 +3,7 @@
 [blocks, page, Hkv, D] and both kernels read a sequence's keys through its block table in place: decode
 (the step CUDA graphs capture) through `flash_attn_with_kvcache`, prefill and mixed steps through
 `flash_attn_varlen_func` (`varlen_metadata` builds its arguments on the host; worker/step_inputs.py checks the
-block table's width first).
-"""
+block table's width first)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Slots are numbered block * page_size + offset. One extra scratch block at the end takes the writes of
 padding tokens (at its first slot) and stands in the block tables of padding rows, so padded shapes never
-touch a real page. worker/flash.py views a layer as [blocks, page, heads, dim] for flash-attn's kernels.
-"""
+touch a real page. worker/flash.py views a layer as [blocks, page, heads, dim] for flash-attn's kernels."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Each parameterised layer knows which part of a checkpoint tensor is its shard (`shard_of`), reading only
 the rows or columns this rank owns through a safetensors slice, and refusing a tensor of the wrong shape.
-`Shard` carries the TP coordinates.
-"""
+`Shard` carries the TP coordinates."""
 
 from __future__ import annotations
 

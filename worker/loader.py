@@ -3,8 +3,7 @@ reads just those rows or columns of the memory-mapped file), so its I/O and memo
 
 Two phases: `stage_*` reads and checks everything (names, shapes, readable bytes) into new tensors without
 touching the model; `apply` copies them into the existing parameter storage (so captured graphs stay valid).
-At start-up they run back to back; a hot update agrees across ranks in between.
-"""
+At start-up they run back to back; a hot update agrees across ranks in between."""
 
 from __future__ import annotations
 
@@ -58,7 +57,6 @@ def stage_one(model: CausalLM, name: str, src: Any, where: str) -> tuple[torch.T
 
 def stage_named(model: CausalLM, tensors: Iterable[tuple[str, Any]], where: str) -> Staged:
     """This rank's shard of every named tensor (safetensors slices or full tensors), checked, as copies."""
-    expected = model.expected_tensors()
     staged: Staged = []
     found: set[str] = set()
     for name, src in tensors:
@@ -66,7 +64,7 @@ def stage_named(model: CausalLM, tensors: Iterable[tuple[str, Any]], where: str)
         if one is not None:
             staged.append(one)
             found.add(name)
-    missing = expected - found
+    missing = model.expected_tensors() - found
     if missing:
         raise ValueError(f"{where} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
     return staged

@@ -1,11 +1,9 @@
 """Device memory: which device a thread works on, and how many KV pages fit beside everything else.
 
-`plan_kv_blocks` is pure arithmetic, so CPU tests reach every branch; `measure_free_bytes` measures what it
-needs from the device. A second manager in the same process must get the same cache as the first, not what
-the first left over: every KV cache this process allocates is entered in `CACHE_LEDGER`, and a new sizing adds
-back what the ledger holds on that device (released before the new cache is allocated). Each rank proposes a
-size; the group takes the MIN (`cluster.dist.agree_min`).
-"""
+`plan_kv_blocks` is pure arithmetic (CPU tests reach every branch); `measure_free_bytes` asks the device. A
+second manager in the same process must get the cache the first had, not what it left over: every KV cache
+this process allocates is entered in `CACHE_LEDGER`, and a new sizing adds back what it holds on that device
+(released before the new cache is allocated). Each rank proposes; the group takes the MIN (`cluster.dist.agree_min`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The architectures differ only in a few switches read from the transformers config, so one module serves
 all four. Every rank builds the same module tree holding only its shard; `target` maps a checkpoint tensor
-name to the layer that loads it.
-"""
+name to the layer that loads it."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ forward reads, so an in-place change (`p.copy_(x)`, `p.mul_(2)`) is what the nex
 | norms (`*_layernorm.weight`, `model.norm.weight`, `q_norm`, `k_norm`) | the whole tensor (replicated on every rank) |
 
 `shard_of(model, name, full)` cuts exactly that view's values out of a full (unsharded) tensor. Assigning
-`p.data = other` rebinds the view, not the storage, and changes nothing the forward reads.
-"""
+`p.data = other` rebinds the view, not the storage, and changes nothing the forward reads."""
 
 from __future__ import annotations
 

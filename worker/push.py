@@ -8,8 +8,7 @@ verdict {device, backend, error} (error: the push's names, shapes or dtypes do n
 meta tensors); `agreed_backend` gives every member the same answer, one backend or a refusal naming the rank
 and why, and a refused push makes no group, so nobody waits on a peer that will not come. Buckets then come
 one at a time into one reusable receive buffer, each rank keeping its own slices (staging memory: its shard
-plus one bucket), and a last agreement over the group says every member took every bucket.
-"""
+plus one bucket), and a last agreement over the group says every member took every bucket."""
 
 from __future__ import annotations
 

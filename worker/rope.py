@@ -1,7 +1,6 @@
 """Rotary position embedding: a cos/sin table indexed by position, gathered once a step for its positions.
 
-Default RoPE and llama3 scaling only; any other `rope_type` is refused by name.
-"""
+Default RoPE and llama3 scaling only; any other `rope_type` is refused by name."""
 
 from __future__ import annotations
 
@@ -30,12 +29,10 @@ def inverse_frequencies(config, head_dim: int) -> torch.Tensor:
     if kind not in SUPPORTED_ROPE:
         raise ValueError(f"rope_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-    base = float(params["rope_theta"])
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv = 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "llama3":
-        factor = params["factor"]
+        factor, old_len = params["factor"], params["original_max_position_embeddings"]
         low, high = params["low_freq_factor"], params["high_freq_factor"]
-        old_len = params["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
         smooth = (old_len / wavelen - low) / (high - low)

@@ -1,16 +1,11 @@
 """The model runner: StepPlan -> static input buffers -> sharded forward -> logits on the driver
-(docs/architecture.md, "The runner").
-
-Capture safety: every input of the forward is a view into one flat buffer that never moves
-(worker/step_inputs.py), at shapes padded to a finite set of buckets, with the index arithmetic done on the
-host. With decode graphs on (worker/graphs.py) a decode-only step that fits a batch bucket is replayed, every
-bucket captured at the runner's first execute (the manager's warm-up step) on every rank alike; every other
-step runs eagerly.
-"""
+(docs/architecture.md, "The runner"). Every input of the forward is a view into one flat buffer that never
+moves (worker/step_inputs.py), at shapes padded to a finite set of buckets; with decode graphs on
+(worker/graphs.py) a decode-only step that fits a batch bucket is replayed, every bucket captured at the
+runner's first execute (the manager's warm-up step) on every rank alike."""
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -207,16 +202,21 @@ class ModelRunner:
         for i in range(plan.burst):
             tokens = None if sample is None else sample(i, logits)
             if not plan.argmax_on_shards:  # else every rank holds the tokens already (see `_prepared`)
-                self.stream.submit(partial(self._share, tokens))
+                self._share(tokens)
             if i + 1 < plan.burst:
                 logits = self.stream.submit(lambda: run(False))
 
-    def _share(self, tokens: Callable[[], torch.Tensor] | None) -> None:
-        """One forward's token broadcast from rank 0 into `shared_tokens` (device group): every rank, in the same
-        order, queued by `share_burst` only (under its inference_mode, or the stream thread's)."""
-        if tokens is not None:
-            got = tokens()
-            self.shared_tokens[:got.numel()].copy_(got)
+    def _share(self, tokens: Callable[[], torch.Tensor] | None) -> Handle[None]:
+        """Queue one forward's token broadcast from rank 0 into `shared_tokens` (device group): every rank, in the
+        same order, through `share_burst` only."""
         shard = self.model.lm_head.shard
-        if shard.size > 1:
-            dist.broadcast(self.shared_tokens, DRIVER, group=shard.group)
+
+        def broadcast() -> None:
+            with torch.inference_mode():
+                if tokens is not None:
+                    got = tokens()
+                    self.shared_tokens[:got.numel()].copy_(got)
+                if shard.size > 1:
+                    dist.broadcast(self.shared_tokens, DRIVER, group=shard.group)
+
+        return self.stream.submit(broadcast)

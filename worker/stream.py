@@ -1,11 +1,8 @@
 """The device queue as the host sees it: work is submitted in order and waited for only when its result is
-needed (docs/architecture.md, "Overlapped scheduling").
-
-`InlineStream` runs each function at once (on CUDA that only enqueues device work; `result()` waits on an
-event recorded after it). `ThreadStream` simulates an asynchronous device on the CPU: one daemon thread runs
-the functions in order (benchmarks/control_plane.py); only stand-in forwards that read no static buffers run
-there, since the host prepares the next step's inputs meanwhile.
-"""
+needed (docs/architecture.md, "Overlapped scheduling"). `InlineStream` runs each function at once (on CUDA
+that only enqueues device work; `result()` waits on an event recorded after it). `ThreadStream` simulates an
+asynchronous device on the CPU: one daemon thread runs the functions in order (benchmarks/control_plane.py);
+only stand-in forwards that read no static buffers run there, as the host prepares the next step meanwhile."""
 
 from __future__ import annotations
 
@@ -94,10 +91,7 @@ class ThreadStream:
     def _run(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
+        while (item := self._queue.get()) is not None:
             fn, h = item
             t0 = time.perf_counter()
             try:

@@ -3,8 +3,7 @@
 Sources: a checkpoint directory (each rank reads its own slices), tensors in this process (inside a pause), or
 a trainer's push over a separate update group (worker/push.py). Whatever the source, no rank copies a byte
 before every rank has staged its shard without error; one failure anywhere leaves every rank on the old
-weights, and the error names the rank and the problem.
-"""
+weights, and the error names the rank and the problem."""
 
 from __future__ import annotations
 
