@@ -57,29 +57,24 @@ def update_weights(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    def common(p: argparse.ArgumentParser) -> None:
+    def verb(name: str, text: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=text)
         p.add_argument("--address", default=DEFAULT_ADDRESS)
         p.add_argument("--timeout", type=float, default=600.0)
         p.add_argument("--server-timeout", type=float, default=5.0,
                        help="seconds a silent server is waited for before the call fails with server_gone")
+        p.set_defaults(func=func)
+        return p
 
-    p = sub.add_parser("submit", help="send one request to a running cluster and print its output")
-    common(p)
+    p = verb("submit", "send one request to a running cluster and print its output", submit)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input-ids", help="comma-separated token ids")
     src.add_argument("--text", help="text (the checkpoint needs a tokenizer)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float)
     p.add_argument("--stream", action="store_true", help="print one line per generated token")
-    p.set_defaults(func=submit)
-
-    for verb, text in (("stats", "the driver's counters"), ("health", "whether the cluster serves")):
-        p = sub.add_parser(verb, help=f"print {text} as JSON")
-        common(p)
-        p.set_defaults(func=stats)
-
-    p = sub.add_parser("update-weights", help="load new weights into a running cluster")
-    common(p)
+    for name, text in (("stats", "the driver's counters"), ("health", "whether the cluster serves")):
+        verb(name, f"print {text} as JSON", stats)
+    p = verb("update-weights", "load new weights into a running cluster", update_weights)
     p.add_argument("path", help="a checkpoint directory every rank can read")
     p.add_argument("--kv-policy", choices=("keep", "recompute"), default="keep")
-    p.set_defaults(func=update_weights)

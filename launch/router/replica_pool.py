@@ -3,14 +3,13 @@
 Each replica is a whole Lockstep group with its own front door. The router talks to it through the reference
 client (cluster/client/client.py: I/O thread, pings, the journal of delivered tokens that a resume needs), whose
 `on_lost` hands a request the replica loses to the router's failover (launch/router/failover.py) instead of
-waiting for the same address to come back. A second client per replica
-probes `health` every `health_every_s`: a replica is taken in once it answers ok and out as soon as it loses
-a request or stops answering; each time it comes back its epoch goes up (its prefix cache is empty again).
+waiting for the same address to come back. A second client per replica probes `health` every `health_every_s`:
+a replica is taken in once it answers ok and out as soon as it loses a request or stops answering; each time it
+comes back its epoch goes up (its prefix cache is empty again).
 
-Routing (`choose`): among the healthy replicas, the one with the least outstanding requests, unless a
-replica holds a longer prefix of the prompt (launch/router/prefix_affinity.py) and has at most `affinity_slack`
-more outstanding than the least loaded. `policy="round_robin"` or `"least"` turn affinity off (benchmarks).
-Torch-free.
+Routing (`choose`): among the healthy replicas, the one with the least outstanding requests, unless a replica
+holds a longer prefix of the prompt (launch/router/prefix_affinity.py) and has at most `affinity_slack` more
+outstanding than the least loaded. `policy="round_robin"` or `"least"` turn affinity off (benchmarks). Torch-free.
 """
 
 from __future__ import annotations
