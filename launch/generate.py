@@ -1,8 +1,7 @@
 """`lockstep generate`, one rank of it: an offline batch from a JSONL file through generate_batch.
 
 Each input line is {"input_ids": [...]} or {"text": "..."} (optionally "max_new_tokens"); each output line
-is {"index", "request_id", "generated_tokens", "status", "error"}, in input order. Rank 0 writes the file.
-"""
+is {"index", "request_id", "generated_tokens", "status", "error"}, in input order. Rank 0 writes the file."""
 
 from __future__ import annotations
 

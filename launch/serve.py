@@ -4,8 +4,7 @@ ZeroMQ front door and prints `ready <address>` once it serves.
 Started by `lockstep serve` through torch's launcher (`python -m torch.distributed.run ... -m launch.serve`),
 or by `launch/ray_launcher.py`, whose Ray actors call `serve_rank` (the same code, minus signals and exit).
 Exit codes: 0 after a clean stop (SIGINT/SIGTERM with every rank healthy), 3 when a rank failed (the
-launcher may then restart the group; `stats` reports the restart count).
-"""
+launcher may then restart the group; `stats` reports the restart count)."""
 
 from __future__ import annotations
 

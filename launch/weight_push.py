@@ -5,8 +5,7 @@ serving rank for this one push (it is the last member) and broadcasts its tensor
 dtype each. The backend is NCCL when the ranks and the trainer's tensors are on CUDA, gloo otherwise (the
 same `push_backend` on both ends; a mismatch is refused, see worker/push.py). Every serving rank keeps only
 its own shard of each bucket, the update is applied on every rank or on none, and the group is torn down
-after the push on every member. Requires torch in the trainer (cluster.Client alone does not).
-"""
+after the push on every member. Requires torch in the trainer (cluster.Client alone does not)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Each needs `Authorization: Bearer <token>` with the token of the preset's `[serv
 LOCKSTEP_HTTP_ADMIN_TOKEN, cluster/config.py). A gateway with no token refuses them to everyone (403); a missing
 or wrong token gets 401. Behind the token they are the driver's admin operations, sent by the gateway's own
 ZeroMQ client (which the driver must take as an admin: a loopback or ipc bind, or CURVE admin keys). The pause
-belongs to that client, so any caller holding the token may resume it. Torch-free.
-"""
+belongs to that client, so any caller holding the token may resume it. Torch-free."""
 
 from __future__ import annotations
 

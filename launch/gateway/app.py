@@ -3,8 +3,7 @@
 Routes: `/v1/completions`, `/v1/chat/completions` (launch/gateway/openai_serving.py), `/v1/models`, `/health`,
 `/metrics` (cluster/metrics_export.py) and the admin routes (launch/gateway/admin_routes.py). Every refusal is
 OpenAI's error body with the status of launch/gateway/errors.py. docs/http.md describes it all. Torch-free (the
-checkpoint's tokenizer is loaded with transformers when it has one).
-"""
+checkpoint's tokenizer is loaded with transformers when it has one)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ added 12 ms a token over the ZeroMQ path; as a process, the median of five runs 
 - it runs in a session of its own, so a signal to rank 0's process group reaches rank 0 alone, which stops it
   (`stop`); it leaves by itself when rank 0 is gone (`--exit-with-parent`), so a rank 0 killed outright leaves
   no gateway holding the port;
-- the admin token goes to the child in LOCKSTEP_HTTP_ADMIN_TOKEN, never on its command line.
-"""
+- the admin token goes to the child in LOCKSTEP_HTTP_ADMIN_TOKEN, never on its command line."""
 
 from __future__ import annotations
 

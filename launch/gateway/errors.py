@@ -1,8 +1,7 @@
 """The HTTP gateway's errors: every Lockstep error code mapped to an HTTP status, in OpenAI's error body.
 
 `{"error": {"message", "type", "param", "code"}}`; `code` is the Lockstep code (cluster/errors.py `Code`) or one
-of the gateway's own below. Torch-free.
-"""
+of the gateway's own below. Torch-free."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """OpenAI's request bodies for /v1/completions and /v1/chat/completions (pydantic, OpenAI's field names), and
 what each asks of a Lockstep submit. Unknown fields are ignored, as OpenAI-compatible servers do; known fields
-this server cannot honour are refused with `unsupported`. Torch-free.
-"""
+this server cannot honour are refused with `unsupported`. Torch-free."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
 A caller that goes away cancels its requests: a non-streaming call's waiting task is cancelled (the gateway
 watches the connection) and sends `cancel`; a stream closed early ends its `AsyncClient.stream`, which cancels.
 A seeded call samples the same tokens each time: a request's own seed alone keys the sampler's noise, and
-choice i > 0 of a call gets a seed derived from (seed, i), so its n choices differ. Torch-free.
-"""
+choice i > 0 of a call gets a seed derived from (seed, i), so its n choices differ. Torch-free."""
 
 from __future__ import annotations
 

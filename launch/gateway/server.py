@@ -1,8 +1,7 @@
 """Running the HTTP gateway (launch/gateway/app.py) under uvicorn: `lockstep http` as its own process (which
 `lockstep serve --http HOST:PORT` starts from rank 0: launch/gateway/child.py), or in a thread with its own event loop
 in the launcher's process (`--launcher ray`, replicas). Either way it talks to the driver's ZeroMQ address through
-an AsyncClient, and prints `http http://HOST:PORT` once it listens.
-"""
+an AsyncClient, and prints `http http://HOST:PORT` once it listens."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ failed (rank_failed, driver_failed, weights_diverged) or went silent. One thread
 request id and parameters plus the tokens already delivered (`resume_tokens`, their weight versions, the resume
 count: docs/recovery.md), to a healthy replica, another one than the one that lost it when there is one. Replicas
 serve the same weights, so greedy and seeded sampling give the uninterrupted answer. A request not resumed within
-`resume_timeout_s`, or lost more than `max_resumes` times, ends with RequestLost. Torch-free.
-"""
+`resume_timeout_s`, or lost more than `max_resumes` times, ends with RequestLost. Torch-free."""
 
 from __future__ import annotations
 

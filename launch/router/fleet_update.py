@@ -6,8 +6,7 @@ weights must be loadable again (a checkpoint path, or its model directory for th
 is where a refused update rolls back to. Then every replica is paused (in-flight requests keep their KV, new
 ones queue), updated one after the other, and resumed. If one refuses, the replicas already updated are updated
 back to their previous weights (new version numbers, the old weights), and the result says `ok` false with
-the refusing replica and its reason. Torch-free.
-"""
+the refusing replica and its reason. Torch-free."""
 
 from __future__ import annotations
 

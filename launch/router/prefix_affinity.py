@@ -4,8 +4,7 @@ A replica's block manager finds a cached prefix by the chained hash of each full
 (driver/engine/block_manager.py `chain_hash`). The router hashes the prompts it routes the same way and keeps a
 bounded LRU of hash -> replica: a new prompt goes preferably to the replica that was sent the longest run of
 its leading pages. An entry carries the replica's epoch (bumped when the replica restarts or its weights
-change, which empties its prefix cache), so stale entries are ignored. Torch-free.
-"""
+change, which empties its prefix cache), so stale entries are ignored. Torch-free."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ comes back its epoch goes up (its prefix cache is empty again).
 
 Routing (`choose`): among the healthy replicas, the one with the least outstanding requests, unless a replica
 holds a longer prefix of the prompt (launch/router/prefix_affinity.py) and has at most `affinity_slack` more
-outstanding than the least loaded. `policy="round_robin"` or `"least"` turn affinity off (benchmarks). Torch-free.
-"""
+outstanding than the least loaded. `policy="round_robin"` or `"least"` turn affinity off (benchmarks). Torch-free."""
 
 from __future__ import annotations
 

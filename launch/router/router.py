@@ -9,8 +9,7 @@ always streaming, so the router holds the tokens a resume needs; `accepted`, `re
 `pause` and `resume` are refused with `unsupported`. Sends never block (driver/frontdoor/client_outbox.py). A
 client that says `bye`, goes quiet for `client_timeout_s` or disconnects has its requests cancelled.
 
-One thread owns the socket; the replicas' I/O threads and the helpers hand it events through a queue. Torch-free.
-"""
+One thread owns the socket; the replicas' I/O threads and the helpers hand it events through a queue. Torch-free."""
 
 from __future__ import annotations
 

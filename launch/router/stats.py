@@ -1,6 +1,5 @@
 """What the router answers itself: `health`, `stats` (all replicas together and each one) and the fleet's
-weight update. docs/protocol.md ("The router") lists the fields. Torch-free.
-"""
+weight update. docs/protocol.md ("The router") lists the fields. Torch-free."""
 
 from __future__ import annotations
 
