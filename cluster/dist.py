@@ -140,14 +140,12 @@ def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
     if header[H.PAYLOAD_LEN]:
         dist.broadcast(torch.from_numpy(plan.payload()), DRIVER, group=groups.control_group)
     if plan.data:
-        dist.broadcast(torch.frombuffer(bytearray(plan.data), dtype=torch.uint8), DRIVER,
-                       group=groups.control_group)
+        dist.broadcast(torch.frombuffer(bytearray(plan.data), dtype=torch.uint8), DRIVER, group=groups.control_group)
     return torch.stack(rows).numpy()
 
 
 def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
-    """Receive the driver's next plan, telling it this rank's `state` row. Every non-driver rank calls it,
-    once per `send_plan`."""
+    """The driver's next plan, telling it this rank's `state` row. Every non-driver rank calls it per `send_plan`."""
     groups.check_control_thread()
     row = torch.zeros(HEADER_LEN, dtype=torch.int64)
     row[:len(state)] = torch.from_numpy(np.asarray(state, dtype=np.int64))

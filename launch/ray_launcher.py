@@ -1,15 +1,10 @@
 """Start the ranks of `lockstep serve` as Ray actors instead of torchrun.
 
-On a Ray cluster the resources belong to Ray, so the ranks are Ray actors that Ray places, accounts for and cleans
-up. A placement group reserves one bundle per rank (`{"CPU": 1}`, or `{"GPU": 1, "CPU": 1}` with gpu=True) with
-strategy PACK, so the ranks share as few nodes as possible and the gloo/NCCL traffic stays local where it can.
-Each actor sets the environment torchrun would have set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR = rank 0's node IP, MASTER_PORT = a port rank 0's actor found free) and runs `launch.serve.serve_rank`
-in a thread of its own: a Ray actor must not install signal handlers or `os._exit`, so stopping is an event and
-ending the process is `ray.kill`. After a rank fails, `lockstep serve --launcher ray` restarts the group
-(`--max-restarts`): new actors take the same bundles, on the same address, with the same weights record
-(docs/recovery.md), and clients resume their requests. Nothing crosses between ranks through Ray except these
-few strings and integers; the ranks talk over their own process groups, and clients over ZeroMQ.
+A PACK placement group reserves one bundle per rank (so the gloo/NCCL traffic stays local where it can); each
+actor sets torchrun's environment (MASTER_ADDR: rank 0's node IP) and runs `launch.serve.serve_rank` in a thread:
+a Ray actor must not install signal handlers or `os._exit`, so stopping is an event and ending it is `ray.kill`.
+A failed group restarts in the same bundles (`--max-restarts`, docs/recovery.md). Only these few strings and
+integers cross through Ray; the ranks talk over their own process groups, and clients over ZeroMQ.
 
     handle = start_ray_cluster("models/tiny-llama", tp=2)
     print(handle.client().generate([1, 2, 3], max_new_tokens=8).generated_tokens)
@@ -24,6 +19,7 @@ import signal
 import threading
 import time
 import traceback
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,16 +27,15 @@ from typing import Any, Callable
 from cluster.client import Client
 from launch.gateway.server import start_beside
 from cluster.config import read_preset
-from launch.serve import RANK_FAILED_EXIT
+from launch.serve import RANK_FAILED_EXIT, dialable
 from launch.torchrun import free_port
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])  # where `cluster`, `driver`, `worker`, `launch` live
 
 
 class RankActor:
-    """One rank in one Ray actor process. `start` returns at once; the rank serves in a thread until `stop`.
-    Methods stay short (status is a snapshot, stop joins with a timeout) so that the launcher can always reach the
-    actor, even while its rank is loading or stuck in a broken collective."""
+    """One rank in one Ray actor process, serving in a thread from `start` until `stop`. Methods stay short so the
+    launcher can always reach the actor, even while its rank is loading or stuck in a broken collective."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
@@ -63,8 +58,7 @@ class RankActor:
 
     def start(self, env: dict[str, str], model_dir: str, preset: dict, address: str | None,
               state_file: str | None = None) -> None:
-        """Set torchrun's environment and start serving in a thread. Every rank's actor must be started:
-        serve_rank joins the process groups and runs collectives on every rank."""
+        """Set torchrun's environment and serve in a thread. Every rank's actor must be started (collectives)."""
         os.environ.update(env)
         fmt = f"%(asctime)s %(name)s rank{self.rank} %(levelname)s %(message)s"
         logging.basicConfig(level=logging.INFO, format=fmt)
@@ -79,16 +73,15 @@ class RankActor:
             self.code = serve_rank(model_dir, preset, address, self.stop_event,
                                    on_ready=lambda addr: setattr(self, "address", addr), state_file=state_file)
         except BaseException:
-            self.error = traceback.format_exc()
-            self.code = 1
+            self.error, self.code = traceback.format_exc(), 1
 
     def status(self) -> dict:
         """A snapshot: address (rank 0, once ready), code (None while serving), error (a traceback)."""
         return {"rank": self.rank, "address": self.address, "code": self.code, "error": self.error}
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        """Ask the rank to stop and wait up to `timeout`; its exit code, or None if it did not return.
-        Call it on every rank, as torchrun signals every rank: the driver stops the loop for all of them."""
+        """Stop the rank; its exit code, or None if it did not return within `timeout`. Call it on every rank, as
+        torchrun signals every rank: the driver stops the loop for all of them."""
         self.stop_event.set()
         if self.thread is not None:
             self.thread.join(timeout)
@@ -113,8 +106,7 @@ class RayCluster:
         return Client(self.address, **kwargs)
 
     def poll(self, timeout: float = 10.0) -> int | None:
-        """None while every rank serves; otherwise the exit code of the first rank that returned
-        (RANK_FAILED_EXIT when an actor died or does not answer)."""
+        """None while every rank serves; else the first returned rank's exit code (RANK_FAILED_EXIT: an actor died)."""
         import ray
 
         try:
@@ -125,9 +117,8 @@ class RayCluster:
         return codes[0] if codes else None
 
     def restart(self, timeout: float = 30.0) -> None:
-        """After a rank failed: new actors in the same bundles (so the same nodes), on the same address, with the
-        same weights record (torchrun's --max-restarts, under Ray). Returns once rank 0 serves again; RuntimeError
-        when the new group does not come up."""
+        """New actors in the same bundles, address and weights record (torchrun's --max-restarts, under Ray); returns
+        once rank 0 serves again (RuntimeError when it does not)."""
         old, self.actors = list(self.actors), []
         kill_actors(old, time.monotonic() + timeout)
         self.restart_count += 1
@@ -135,9 +126,8 @@ class RayCluster:
 
     def supervise(self, stop: threading.Event, max_restarts: int, every: float = 1.0,
                   on_restart: Callable[[int], None] | None = None) -> int | None:
-        """Watch the ranks until `stop` is set (returns None) or a rank ends for good (returns its exit code):
-        each failure restarts the group (`restart`) while fewer than `max_restarts` restarts were made.
-        `on_restart(n)` runs once the n-th restarted group serves. `lockstep serve --launcher ray` runs it."""
+        """Watch the ranks until `stop` (None) or a rank ends for good (its exit code), restarting the group up to
+        `max_restarts` times; `on_restart(n)` runs once the n-th restarted group serves."""
         while not stop.wait(every):
             code = self.poll()
             while code not in (None, 0) and self.restart_count < max_restarts:
@@ -155,8 +145,8 @@ class RayCluster:
         return None
 
     def shutdown(self, timeout: float = 30.0) -> list[int | None]:
-        """Stop every rank, kill the actors, free the placement group; returns each rank's exit code (None
-        where a rank did not stop in time). Idempotent; returns once the actors are dead."""
+        """Stop every rank, kill the actors, free the placement group; each rank's exit code (None: not in time).
+        Idempotent; returns once the actors are dead."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -165,15 +155,11 @@ class RayCluster:
         self.closed = True
         codes: list[int | None] = [None] * len(self.actors)
         for i, ref in enumerate([a.stop.remote(timeout) for a in self.actors]):
-            try:
+            with suppress(Exception):  # dead or stuck: ray.kill below ends it either way
                 codes[i] = ray.get(ref, timeout=timeout + 10)
-            except Exception:  # dead or stuck: ray.kill below ends it either way
-                pass
         kill_actors(self.actors, time.monotonic() + timeout)
-        try:
+        with suppress(Exception):
             remove_placement_group(self.placement_group)
-        except Exception:
-            pass
         if self.owns_ray:
             ray.shutdown()
         return codes
@@ -185,10 +171,8 @@ def kill_actors(actors: list[Any], deadline: float) -> None:
     from ray.exceptions import GetTimeoutError, RayActorError
 
     for a in actors:
-        try:
+        with suppress(Exception):
             ray.kill(a, no_restart=True)
-        except Exception:
-            pass
     for a in actors:  # dead once a call on it raises RayActorError
         while time.monotonic() < deadline:
             try:
@@ -204,15 +188,12 @@ def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | 
                       address: str | None = None, gpu: bool = False, ready_timeout: float = 300.0,
                       ray_init: dict | None = None, state_file: str | None = None,
                       bundle_extra: dict[str, float] | None = None, name: str | None = None) -> RayCluster:
-    """Start `tp` ranks of `lockstep serve` as Ray actors in a PACK placement group; returns once rank 0 serves
-    (the address it bound is `.address`). config is a preset (a dict, or a TOML path read here and shipped as a
-    dict, so it need not exist on the actors' nodes); address is rank 0's ZeroMQ bind address (default
-    tcp://127.0.0.1:5555 on rank 0's node; tcp://0.0.0.0:PORT for clients on other nodes). Ray is initialised
-    with `ray_init` if it is not yet (RAY_ADDRESS, if set, joins a running Ray cluster). On any failure before
-    ready, everything started is torn down and RuntimeError names the rank and its traceback. `state_file`: the
-    record of the weights served (driver/frontdoor/served_weights.py), on rank 0's node; `restart()` serves them
-    again. `bundle_extra`: more resources each bundle asks for (launch/router/replicas.py pins a group to a node
-    with `{"node:<ip>": 0.001}`); `name`: the placement group's name (default lockstep-<pid>)."""
+    """Start `tp` ranks of `lockstep serve` as Ray actors in a PACK placement group; returns once rank 0 serves at
+    `.address`. config: a preset (a TOML path is read here and shipped as a dict); address: rank 0's bind address
+    (tcp://0.0.0.0:PORT for clients on other nodes); `ray_init`: ray.init's arguments if Ray is not initialised.
+    A failure before ready tears everything down (RuntimeError names the rank and its traceback). `state_file`:
+    the weights record (driver/frontdoor/served_weights.py); `bundle_extra`: more resources a bundle asks for
+    (launch/router/replicas.py pins a group to a node so); `name`: the placement group's (default lockstep-<pid>)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -245,8 +226,7 @@ def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | 
 
 def start_ranks(handle: RayCluster, model_dir: str, preset: dict, address: str | None, gpu: bool,
                 ready_timeout: float, state_file: str | None) -> None:
-    """One actor per bundle of the handle's placement group, each started as its rank; returns once rank 0
-    serves (its address in `handle.address`)."""
+    """One actor per bundle of the handle's placement group; returns once rank 0 serves at `handle.address`."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -271,7 +251,7 @@ def start_ranks(handle: RayCluster, model_dir: str, preset: dict, address: str |
         starts.append(a.start.remote(env, model_dir, preset, address, state_file))
     ray.get(starts, timeout=60)
     bound = wait_ready(actors, ready_timeout)
-    handle.address = reachable(bound, master_addr)
+    handle.address = dialable(bound, master_addr)
     handle.start_args["address"] = bound  # a restart binds this endpoint (a `*` port resolved): same bundle, node
 
 
@@ -292,19 +272,10 @@ def wait_ready(actors: list[Any], timeout: float) -> str:
     raise RuntimeError(f"rank 0 did not serve within {timeout:.0f}s")
 
 
-def reachable(address: str, node_ip: str) -> str:
-    """The bound address as a client dials it: a wildcard host (0.0.0.0, *) becomes rank 0's node IP."""
-    for wildcard in ("://0.0.0.0:", "://*:"):
-        if wildcard in address:
-            return address.replace(wildcard, f"://{node_ip}:")
-    return address
-
-
 def serve_until_stopped(address: str, args: Any, run: Callable[[threading.Event], Any],
                         shutdown: Callable[[], Any]) -> tuple[Any, Any]:
-    """The launcher process of `lockstep serve --launcher ray` (one group or replicas): print `ready <address>`,
-    start the --http gateway in front of `address`, `run(stop)` until SIGINT or SIGTERM sets `stop`, then stop the
-    gateway and `shutdown()`. Returns what `run` and `shutdown` returned."""
+    """`lockstep serve --launcher ray`'s process (one group or replicas): print `ready <address>`, start the --http
+    gateway, `run(stop)` until SIGINT or SIGTERM, then stop the gateway; returns what `run` and `shutdown` return."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # installed after ray.init, which sets its own SIGTERM handler
         signal.signal(sig, lambda *_: stop.set())
@@ -321,12 +292,9 @@ def serve_until_stopped(address: str, args: Any, run: Callable[[threading.Event]
 
 
 def run_cli(args: Any) -> int:
-    """`lockstep serve --launcher ray`: start the actors and serve until SIGINT or SIGTERM or until a rank ends for
-    good (`RayCluster.supervise`), then shut everything down. Returns the exit code like torchrun's (0 clean,
-    RANK_FAILED_EXIT when a rank failed)."""
+    """`lockstep serve --launcher ray`: serve until a signal or a rank ends for good; torchrun's exit code."""
     if args.nnodes > 1:
-        raise SystemExit("lockstep serve --launcher ray: --nnodes is torchrun's; Ray places the ranks on its own "
-                         "nodes")
+        raise SystemExit("lockstep serve --launcher ray: --nnodes is torchrun's; Ray places the ranks on its own nodes")
     handle = start_ray_cluster(args.model, tp=args.tp, config=args.config, address=args.address, gpu=args.gpu,
                                state_file=args.state_file)
     code, codes = serve_until_stopped(handle.address, args, lambda stop: handle.supervise(stop, args.max_restarts),

@@ -1,10 +1,7 @@
 """`lockstep serve`, one rank of it: every rank loads its shard and runs its loop; rank 0 also opens the
-ZeroMQ front door and prints `ready <address>` once it serves.
-
-Started by `lockstep serve` through torch's launcher (`python -m torch.distributed.run ... -m launch.serve`),
-or by `launch/ray_launcher.py`, whose Ray actors call `serve_rank` (the same code, minus signals and exit).
-Exit codes: 0 after a clean stop (SIGINT/SIGTERM with every rank healthy), 3 when a rank failed (the
-launcher may then restart the group; `stats` reports the restart count)."""
+ZeroMQ front door and prints `ready <address>` once it serves. Started through torchrun (`-m launch.serve`) or
+by launch/ray_launcher.py's actors (`serve_rank`, minus signals and exit). Exit codes: 0 after a clean stop,
+3 when a rank failed (the launcher may then restart the group)."""
 
 from __future__ import annotations
 
@@ -35,14 +32,12 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
                stop_event: threading.Event | None = None, *, on_started: Callable[[], None] | None = None,
                on_ready: Callable[[str], None] | None = None, state_file: str | None = None,
                http: str | None = None) -> int:
-    """Serve as this rank until `stop_event` is set or the step loop ends; returns the exit code (0 clean,
-    RANK_FAILED_EXIT when a rank failed). Every rank of the group calls it, with RANK/WORLD_SIZE/LOCAL_RANK/
-    MASTER_ADDR/MASTER_PORT in the environment: it joins the process groups and runs the step loop's collectives.
-    It neither installs signal handlers nor exits the process (a Ray actor's thread can do neither; `main` does
-    both). `on_started` runs on every rank once the loop runs (main installs its signal handlers there, so a signal
-    during loading still interrupts the load); `on_ready(address)` on rank 0 once it printed `ready <address>`.
-    `state_file`: the record of the weights served (driver/frontdoor/served_weights.py), served again after a
-    restart. `http`: HOST:PORT of the OpenAI gateway rank 0 runs as a child process (launch/gateway/child.py)."""
+    """Serve as this rank until `stop_event` is set or the step loop ends; returns the exit code. Every rank of the
+    group calls it (torchrun's environment set): it joins the process groups and runs the loop's collectives. It
+    neither installs signal handlers nor exits (a Ray actor's thread can do neither). `on_started` runs on every
+    rank once the loop runs (so a signal during loading still interrupts the load); `on_ready(address)` on rank 0.
+    `state_file`: the weights record (driver/frontdoor/served_weights.py); `http`: HOST:PORT of the OpenAI gateway
+    rank 0 runs as a child process (launch/gateway/child.py)."""
     import cluster
     from cluster.config import ContinuousBatchingConfig, read_preset
     from driver.frontdoor.served_weights import WeightsRecord, restore
@@ -74,7 +69,7 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
             from cluster.config import http_admin_token
             from launch.gateway.child import GatewayProcess
 
-            gateway = GatewayProcess(loopback_of(frontend.address), http, model_dir,
+            gateway = GatewayProcess(dialable(frontend.address), http, model_dir,
                                      http_admin_token(preset.get("serve"))).start()
         print(f"ready {frontend.address}", flush=True)
         if on_ready is not None:
@@ -99,9 +94,9 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     return RANK_FAILED_EXIT if manager.loop_error is not None else 0
 
 
-def loopback_of(address: str) -> str:
-    """Where a client on this machine reaches a front door bound at `address` (a wildcard bind: loopback)."""
-    for wildcard, local in (("tcp://0.0.0.0:", "tcp://127.0.0.1:"), ("tcp://*:", "tcp://127.0.0.1:"),
+def dialable(address: str, host: str = "127.0.0.1") -> str:
+    """Where a client dials a front door bound at `address`: a wildcard host becomes `host` (IPv6's: loopback)."""
+    for wildcard, local in (("tcp://0.0.0.0:", f"tcp://{host}:"), ("tcp://*:", f"tcp://{host}:"),
                             ("tcp://[::]:", "tcp://[::1]:")):
         if address.startswith(wildcard):
             return local + address[len(wildcard):]
@@ -111,10 +106,8 @@ def loopback_of(address: str) -> str:
 def join_attempt_group(cpu_group_timeout: float | None) -> None:
     """Join the default process group under a key prefix of this restart attempt. Every rank calls it.
 
-    torchrun's static rendezvous keeps one store across restarts: a restarted group that joined with the plain
-    keys could read the addresses the dead group left there and fail to connect (or connect to nothing). Keys
-    under `attempt_<TORCHELASTIC_RESTART_COUNT>` are this group's own. (`cluster.load` then finds the group
-    made and builds the rest on it.)"""
+    torchrun's static rendezvous keeps one store across restarts: a restarted group using the plain keys could
+    read the dead group's addresses. Keys under `attempt_<TORCHELASTIC_RESTART_COUNT>` are this group's own."""
     from datetime import timedelta
 
     import torch.distributed as dist

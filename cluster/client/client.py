@@ -1,12 +1,9 @@
 """Clients of a running cluster: `Client` (blocking, thread-safe) and `AsyncClient` (asyncio).
 
-One I/O thread per client (io_thread.py) owns the ZeroMQ DEALER socket; calls hand it frames and wait on
-futures, so one client carries thousands of concurrent requests from any number of threads or tasks. While
-anything is outstanding it pings the server: the server cancels the requests of a client that goes quiet, and
-a server quiet for `server_timeout_s` ends every waiting call with `ServerGone` instead of waiting for
-`timeout`. A request the server loses is resumed by default (resume.py, docs/recovery.md): the caller sees
-the uninterrupted answer. A client connects lazily and pickles as its settings only, so a handle can be passed
-into Ray tasks and actors and reconnects in each worker process. Torch-free.
+One I/O thread per client (io_thread.py: pings, the silent server's `ServerGone`) owns the socket, so one client
+carries thousands of concurrent requests from any number of threads or tasks. A request the server loses is
+resumed by default (resume.py, docs/recovery.md). A client connects lazily and pickles as its settings only, so
+a handle can be passed into Ray tasks and actors and reconnects in each worker process. Torch-free.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ from cluster.outputs import GenerationOutput
 
 
 def weight_update_result(data: dict) -> dict:
-    """The result of a weight update, or WeightUpdateError when the cluster refused it (`ok` false; the
-    data names the reason in `error` and, when known, the first rank that refused in `rank`)."""
+    """The result of a weight update, or WeightUpdateError (`error`, and `rank` when known) when refused."""
     if data.get("ok") is True:
         return data
     rank = data.get("rank")
@@ -36,12 +32,10 @@ def weight_update_result(data: dict) -> dict:
 
 
 class Client:
-    """Blocking client of a Lockstep cluster at `address`. `timeout` bounds every wait; `server_timeout_s`
-    is how long a server may stay silent, while this client waits for it, before calls end with
-    ServerGone. `resume`: resubmit the requests the server loses, up to `max_resumes` times each, waiting at
-    most `resume_timeout_s` for a healthy server each time; a request not resumed ends with RequestLost.
-    `on_lost(req, cause)`: who takes the requests the server loses instead of this client's own Resumer (the
-    replica router's failover, which resumes them on another replica)."""
+    """Blocking client of a Lockstep cluster at `address`. `timeout` bounds every wait; a server silent for
+    `server_timeout_s` while awaited ends calls with ServerGone. `resume`: resubmit the requests the server loses,
+    up to `max_resumes` times each, waiting at most `resume_timeout_s` for a healthy server (else RequestLost).
+    `on_lost(req, cause)` takes lost requests instead of this client's Resumer (the replica router's failover)."""
 
     def __init__(self, address: str = P.DEFAULT_ADDRESS, server_key: bytes | None = None,
                  client_keys: tuple[bytes, bytes] | None = None, timeout: float | None = 600.0,
@@ -84,8 +78,8 @@ class Client:
             return self._io
 
     def close(self) -> None:
-        """Say goodbye (the server cancels this client's unfinished requests at once) and close the socket;
-        outstanding calls end with `client_closed`. A client garbage-collected without close() closes alike."""
+        """Say goodbye (the server cancels this client's requests at once) and close the socket; outstanding calls
+        end with `client_closed`. A client garbage-collected without close() closes alike."""
         if self.resumer is not None:
             self.resumer.close()  # requests waiting for a resume end with RequestLost (client_closed)
         with self._io_lock:
@@ -110,11 +104,9 @@ class Client:
                       resume_versions: list[tuple[int, int]] | None = None, resumes: int = 0,
                       stop: list[str] | None = None, return_text: bool = False, logprobs: bool = False,
                       **sampling: Any) -> tuple[PendingRequest, Future]:
-        """Send a submit; the future resolves to the request id once the server accepts it (an id outstanding on
-        this client raises ClientError `duplicate_request_id` here). `resume_tokens` (with `resume_versions`,
-        `resumes`): resume a request by hand; its outputs start with those tokens (docs/recovery.md). `stop`:
-        stop strings (text cut before the match); outputs carry `text` when the submit is text, has stop strings
-        or `return_text`; `logprobs`: the chosen tokens' logprobs, streamed too."""
+        """Send a submit; the future resolves to the request id once accepted (an id outstanding here raises
+        `duplicate_request_id` at once). `resume_tokens` (`resume_versions`, `resumes`): resume by hand
+        (docs/recovery.md). Outputs carry `text` when the submit is text, has `stop` strings or `return_text`."""
         rid = request_id or os.urandom(12).hex()
         fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "streaming": streaming, "sampling": sampling,
                                   "request_id": rid, "eos_token_id": eos_token_id}
@@ -225,8 +217,7 @@ class Client:
         self._wait(self.data_future(P.CANCEL, request_id=request_id))
 
     def pause(self) -> None:
-        """Hold scheduling on the cluster: in-flight requests keep their KV, new ones queue, until `resume()`.
-        This client pings meanwhile (the server releases the pause of a client that disconnects or goes quiet)."""
+        """Hold scheduling until `resume()` (in-flight requests keep their KV); released if this client goes quiet."""
         self._wait(self.pause_future(True))
 
     def resume(self) -> None:

@@ -1,15 +1,11 @@
 """The I/O thread behind a client: it alone owns the ZeroMQ DEALER socket; calls hand it frames (`call`,
 `track`) and wait on futures.
 
-While anything is outstanding (a request, a reply, a pause this client holds) it pings the server every
-second. A server silent for `server_timeout_s` is taken as gone: everything outstanding ends with
-`ServerGone`. The pong names the server (an id new at each start), like each request's `accepted`, so a
-request accepted by a server that is no longer the one answering (restarted at the same address within the
-silence check) is lost too. An exception inside the thread ends every outstanding call with `client_failed`;
-either way the thread ends and the client's next call opens a fresh one. `close()` delivers the `bye`, so the
-server cancels this client's requests at once. A lost request (`rank_failed`, `driver_failed`, the server
-gone) goes to `on_lost` when it is resumable (cluster/client/resume.py); otherwise it ends with RequestLost.
-Torch-free.
+While anything is outstanding (a request, a reply, a held pause) it pings the server every second; a server
+silent for `server_timeout_s` is gone (`ServerGone`). The pong names the server (an id new at each start), like
+each `accepted`, so a request accepted by a server restarted since is lost too. An exception in the thread ends
+every call with `client_failed`; either way the client's next call opens a fresh thread. A lost request goes to
+`on_lost` when resumable (cluster/client/resume.py), else ends with RequestLost. Torch-free.
 """
 
 from __future__ import annotations
@@ -115,9 +111,8 @@ class IOThread:
         return fut
 
     def track(self, req: PendingRequest, again: bool = False) -> None:
-        """Start tracking a request before its submit leaves, so no token can slip by. A request id this
-        client already tracks is refused here, leaving the original untouched, unless `again`: the resume
-        tracks its request again (it may have been tracked by an I/O thread that ended)."""
+        """Track a request before its submit leaves, so no token can slip by. An id already tracked is refused,
+        unless `again`: the resume tracks its request again (an I/O thread that ended may have tracked it)."""
         with self.lock:
             if self.closed:
                 raise self._ended()
@@ -144,8 +139,7 @@ class IOThread:
                 self.open.discard(req.request_id)
 
     def lose(self, req: PendingRequest, error: ClientError) -> None:
-        """The server lost the request: to `on_lost` (it resumes it), or ended with RequestLost. Only a request
-        outstanding here is lost (a second report is ignored)."""
+        """The server lost the request: to `on_lost`, or ended with RequestLost (a second report is ignored)."""
         with self.lock:
             if self.requests.get(req.request_id) is not req or req.request_id not in self.open:
                 return
@@ -175,9 +169,8 @@ class IOThread:
             self.pause_held = held
 
     def close(self) -> None:
-        """Say goodbye and end the thread; it fails what is outstanding (`client_closed`) and closes the socket
-        (delivering the `bye`), the context and the wake pipe itself, so close may also run on the I/O thread
-        (from a finalizer the garbage collector calls)."""
+        """Say goodbye and end the thread, which fails what is outstanding and closes the socket itself, so close
+        may also run on the I/O thread (from a garbage collector's finalizer)."""
         with self.lock:
             if self.closed:
                 return

@@ -51,9 +51,8 @@ class PendingRequest:
 
     def delivered(self, index: int, tokens: list[int], versions: list[list[int]], text: str | None = None,
                   logprobs: list[float] | None = None) -> GenerationOutput | None:
-        """Streamed tokens from generated index `index` (with their text and logprobs when asked for): the new
-        ones are kept and the cumulative output returned; a repeat of tokens held (a resume's overlap) returns
-        None, so no token is delivered twice. A gap (index beyond what is held): ValueError."""
+        """Streamed tokens from generated index `index`: the new ones are kept and the cumulative output returned;
+        a repeat of tokens held (a resume's overlap) returns None. A gap: ValueError."""
         have = len(self.tokens)
         if index > have:
             raise ValueError(f"request {self.request_id}: tokens from index {index}, but only {have} arrived")

@@ -1,13 +1,10 @@
 """The client's side of crash recovery: it resubmits the requests the server lost, token-exactly.
 
-A request that ends with `rank_failed` or `driver_failed`, or whose connection is lost, comes here from the
-I/O thread (`IOThread.lose`). One thread per client waits until the server at the same address answers
-`health` with ok (a restarted group comes back there), then resubmits each request with the same id and
-parameters plus the tokens already delivered (`resume_tokens`, their weight versions, the resume count). The
-server continues from the next token index, so greedy and seeded sampling give the uninterrupted answer and
-streams go on without a repeated or a missing token. A request not resumed within `resume_timeout_s`, lost
-again after `max_resumes` resumes, refused for good, or still waiting when the client closes ends with
-RequestLost, which says why and how many tokens were delivered (docs/recovery.md). Torch-free.
+A lost request comes here from the I/O thread (`IOThread.lose`). One thread per client waits until the server at
+the same address answers `health` ok, then resubmits each request with the same id and parameters plus the
+tokens delivered (`resume_tokens`, their weight versions, the resume count); the server continues from the next
+token index. A request not resumed within `resume_timeout_s` or `max_resumes`, refused for good, or waiting when
+the client closes ends with RequestLost, saying why and how many tokens were delivered (docs/recovery.md).
 """
 
 from __future__ import annotations
@@ -63,8 +60,7 @@ class Resumer:
         self.thread: threading.Thread | None = None
 
     def lost(self, req: PendingRequest, cause: ClientError) -> None:
-        """The server lost `req` (any thread): it is resumed, or ended with RequestLost at once when it already
-        had max_resumes resumes or the client is closed."""
+        """The server lost `req` (any thread): resumed, or RequestLost at once (max_resumes reached, or closed)."""
         with self.cond:
             if (item := self.waiting.get(req)) is not None:  # a resubmit is on its way: its round sees this loss
                 item.again = True
@@ -192,7 +188,6 @@ class Resumer:
 
 
 def lost_error(req: PendingRequest, cause: ClientError, reason: str, why: str | None = None) -> RequestLost:
-    """The RequestLost that ends `req`, lost for `cause` and given up for `reason` (RequestLost's), `why` added to
-    the cause's message; it counts the tokens delivered and the resumes made."""
+    """The RequestLost that ends `req`, lost for `cause`, given up for `reason`, `why` added to the message."""
     message = cause.message if why is None else f"{cause.message}; {why}"
     return RequestLost(cause.code, message, req.request_id, reason, len(req.tokens), req.resumes)

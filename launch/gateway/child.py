@@ -1,18 +1,11 @@
 """`lockstep serve --http`: the HTTP gateway as a child process of rank 0, supervised there.
 
-The gateway (launch/gateway/server.py, `lockstep http`) is a client of the driver's front door like any other. In
-a thread of rank 0 it shared the step loop's GIL (in one run of benchmarks/serving.py --http the in-thread gateway
-added 12 ms a token over the ZeroMQ path; as a process, the median of five runs is 6 ms). So rank 0 starts
-`python -m launch.cli http --address <front door> --listen HOST:PORT --model DIR --exit-with-parent PID`:
-
-- `start` returns once the child prints `http http://HOST:PORT` (its output is passed on to rank 0's), and raises
-  if it exits first, or if the address stays in use for PORT_WAIT_S (a restarted group may find the old child
-  still letting the port go);
-- a supervisor thread starts it again when it exits while the group still serves, with a growing pause;
-- it runs in a session of its own, so a signal to rank 0's process group reaches rank 0 alone, which stops it
-  (`stop`); it leaves by itself when rank 0 is gone (`--exit-with-parent`), so a rank 0 killed outright leaves
-  no gateway holding the port;
-- the admin token goes to the child in LOCKSTEP_HTTP_ADMIN_TOKEN, never on its command line."""
+The gateway (`lockstep http`, launch/gateway/server.py) is a front door client like any other. In a thread of
+rank 0 it shared the step loop's GIL (in benchmarks/serving.py --http it added 12 ms a token over the ZeroMQ path;
+as a process, 6 ms). The child is restarted with a growing pause when it exits while the group serves; it runs in
+a session of its own, so a signal to rank 0's process group reaches rank 0 alone, and it leaves by itself when rank
+0 is gone (`--exit-with-parent`), so no gateway holds the port. The admin token goes in the environment
+(LOCKSTEP_HTTP_ADMIN_TOKEN), never on its command line."""
 
 from __future__ import annotations
 
@@ -50,7 +43,8 @@ class GatewayProcess:
         self.stopping = threading.Event()
 
     def start(self, timeout: float = 120.0) -> "GatewayProcess":
-        """Start the child and return once it listens; RuntimeError when it cannot (its last output says why)."""
+        """Start the child and return once it listens; RuntimeError when it cannot (its last output says why), or
+        when the address stays in use for PORT_WAIT_S (a restarted group's old child may still hold it)."""
         if not port_free(self.listen, PORT_WAIT_S):
             raise RuntimeError(f"the HTTP gateway cannot listen on {self.listen}: the address is in use")
         ok, last = self._spawn(timeout)
@@ -61,8 +55,7 @@ class GatewayProcess:
 
     def _spawn(self, timeout: float) -> tuple[bool, str]:
         """One start: (listening, its last output lines)."""
-        # a session of its own: a Ctrl-C (or a launcher's SIGINT) to rank 0's process group must not end the gateway
-        # before rank 0 does (the supervisor would start it again while the group stops); `stop` ends it
+        # a session of its own: a SIGINT to rank 0's process group must not end the gateway before rank 0 does
         proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=self.env, cwd=REPO, start_new_session=True)
         listening = threading.Event()

@@ -25,8 +25,7 @@ from cluster.outputs import GenerationOutput
 
 @dataclass
 class Model:
-    """What the gateway serves: the name OpenAI clients use, the checkpoint path, and its tokenizer (None when
-    the checkpoint has none)."""
+    """What the gateway serves: the name OpenAI clients use, the checkpoint path, and its tokenizer (or None)."""
 
     name: str
     path: str | None
@@ -110,8 +109,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ requests -> choices
     def parts(self, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> tuple[list[Choice], dict[str, Any]]:
-        """The call's choices, n per prompt, each with its own request id (and seed: `choice_seed`), and the
-        submit keywords they share."""
+        """The call's choices (n per prompt, each with its own request id and seed) and their submit keywords."""
         if not self.model.matches(body.model):
             raise HttpError(MODEL_NOT_FOUND, f"the model {body.model!r} does not exist; this server serves "
                                              f"{self.model.name!r}", "model")
@@ -205,10 +203,9 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ answers
     def _usage(self, choices: list[Choice]) -> dict[str, int]:
-        prompts = {id(c.source): len(c.last.prompt_ids) for c in choices if c.last is not None}
+        prompt = sum({id(c.source): len(c.last.prompt_ids) for c in choices if c.last is not None}.values())
         done = sum(c.tokens for c in choices)
-        return {"prompt_tokens": sum(prompts.values()), "completion_tokens": done,
-                "total_tokens": sum(prompts.values()) + done}
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def _logprobs(self, body: Any, chat: bool, tokens: list[int], logprobs: list[float], offset: int) -> Any:
         """OpenAI's logprobs of these tokens (the text before them `offset` long), None when the call asked none."""
@@ -245,8 +242,7 @@ class OpenAIServing:
 
     async def stream_events(self, body: Any, chat: bool, choices: list[Choice], params: dict[str, Any]
                             ) -> AsyncIterator[str]:
-        """The SSE chunks of a streaming call, ending with `data: [DONE]` (an error on the way: one `error` chunk,
-        then [DONE])."""
+        """The SSE chunks of a streaming call, ending with `data: [DONE]` (after one `error` chunk, on an error)."""
         limit = params.get("max_new_tokens")
         usage_on = body.include_usage()
         head = self._head(choices, chat, True)

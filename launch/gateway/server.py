@@ -1,7 +1,6 @@
-"""Running the HTTP gateway (launch/gateway/app.py) under uvicorn: `lockstep http` as its own process (which
-`lockstep serve --http HOST:PORT` starts from rank 0: launch/gateway/child.py), or in a thread with its own event loop
-in the launcher's process (`--launcher ray`, replicas). Either way it talks to the driver's ZeroMQ address through
-an AsyncClient, and prints `http http://HOST:PORT` once it listens."""
+"""The HTTP gateway (launch/gateway/app.py) under uvicorn: `lockstep http` as its own process (launch/gateway/child.py
+starts it from rank 0), or in a thread of the launcher's process (`--launcher ray`, replicas). It prints
+`http http://HOST:PORT` once it listens."""
 
 from __future__ import annotations
 
@@ -124,8 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def start_beside(address: str, args: argparse.Namespace) -> Gateway | None:
-    """The gateway of `lockstep serve --http` in the launcher's own process (the Ray launcher, the replicas'
-    router), in front of `address`; None when --http was not given."""
+    """The gateway of `lockstep serve --http` in the Ray launcher's process, in front of `address` (or None)."""
     if not getattr(args, "http", None):
         return None
     return Gateway(address, args.http, settings_for(args.model, None, read_preset(args.config))).start_thread()

@@ -1,11 +1,9 @@
 """The router's failover: a request a replica lost is resumed on another replica, token-exactly.
 
-A replica's client hands a lost request here (`lost`: its `on_lost`, on that client's I/O thread): the replica
-failed (rank_failed, driver_failed, weights_diverged) or went silent. One thread resubmits it, with the same
-request id and parameters plus the tokens already delivered (`resume_tokens`, their weight versions, the resume
-count: docs/recovery.md), to a healthy replica, another one than the one that lost it when there is one. Replicas
-serve the same weights, so greedy and seeded sampling give the uninterrupted answer. A request not resumed within
-`resume_timeout_s`, or lost more than `max_resumes` times, ends with RequestLost. Torch-free."""
+A replica's client hands a lost request here (`lost`, its `on_lost`). One thread resubmits it as the client's
+resume does (cluster/client/resume.py, docs/recovery.md) to a healthy replica, another one than the one that lost it
+when there is one. A request not resumed within `resume_timeout_s`, or lost more than `max_resumes` times, ends
+with RequestLost. Torch-free."""
 
 from __future__ import annotations
 
@@ -94,8 +92,8 @@ class Failover:
                     self._give_up(item, RequestLost.REFUSED, f"the resume failed: {type(e).__name__}: {e}")
 
     def _requeue(self, items: list[Lost]) -> None:
-        """Put `items` back in line (any thread: a refusal comes on the target client's I/O thread, which must
-        not sleep); those past their deadline end instead. The failover thread spaces its rounds."""
+        """Put `items` back in line, or end those past their deadline (any thread: a refusal comes on the target
+        client's I/O thread, which must not sleep; the failover thread spaces its rounds)."""
         now = time.monotonic()
         for item in [i for i in items if i.deadline <= now]:
             self._give_up(item, RequestLost.NO_SERVER, f"no healthy replica within resume_timeout_s="

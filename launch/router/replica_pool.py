@@ -1,15 +1,12 @@
 """The router's view of its replicas: one upstream client each, their health, and where a request goes.
 
-Each replica is a whole Lockstep group with its own front door. The router talks to it through the reference
-client (cluster/client/client.py: I/O thread, pings, the journal of delivered tokens that a resume needs), whose
-`on_lost` hands a request the replica loses to the router's failover (launch/router/failover.py) instead of
-waiting for the same address to come back. A second client per replica probes `health` every `health_every_s`:
-a replica is taken in once it answers ok and out as soon as it loses a request or stops answering; each time it
-comes back its epoch goes up (its prefix cache is empty again).
+Each replica is a whole group; the router reaches it through a `cluster.Client` whose `on_lost` hands lost
+requests to the failover (launch/router/failover.py). A second client probes `health`: a replica is taken in on
+ok (a new epoch: its prefix cache is empty again) and out once it loses a request or stops answering.
 
-Routing (`choose`): among the healthy replicas, the one with the least outstanding requests, unless a replica
-holds a longer prefix of the prompt (launch/router/prefix_affinity.py) and has at most `affinity_slack` more
-outstanding than the least loaded. `policy="round_robin"` or `"least"` turn affinity off (benchmarks). Torch-free."""
+Routing (`choose`): the healthy replica with the least outstanding requests, unless one holds a longer prefix of
+the prompt (launch/router/prefix_affinity.py) with at most `affinity_slack` more outstanding. `policy="round_robin"`
+or `"least"` turn affinity off (benchmarks). Torch-free."""
 
 from __future__ import annotations
 
@@ -103,8 +100,7 @@ class ReplicaPool:
         return ties[next(self.turn) % len(ties)]
 
     def for_resume(self, origin: int) -> Replica | None:
-        """A healthy replica to resume a request lost by `origin` (another one if any; counted as outstanding
-        there), or None while none is healthy."""
+        """A healthy replica (not `origin` if any other is) to resume a request on, counted there; None if none."""
         with self.lock:
             pool = [r for r in self.replicas if r.healthy]
             others = [r for r in pool if r.index != origin]
@@ -121,9 +117,8 @@ class ReplicaPool:
     def lost(self, index: int) -> None:
         """`index` lost a request (still counted there until it moves): it is out until its health says ok."""
         with self.lock:
-            r = self.replicas[index]
-            r.lost += 1
-            r.healthy = False
+            self.replicas[index].lost += 1
+            self.replicas[index].healthy = False
 
     def wait_healthy(self, timeout: float) -> bool:
         """True once some replica is healthy (at once if one is), False after `timeout`."""

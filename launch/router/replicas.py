@@ -1,14 +1,9 @@
 """Data-parallel replicas on Ray behind one address: R Lockstep groups and the router in front of them.
 
-Each replica is a whole group as `lockstep serve --launcher ray` starts it (launch/ray_launcher.py): its ranks
-are Ray actors in a placement group of its own (PACK: the ranks of a group share as few nodes as possible), its
-own front door on a port of its own, its own weights record, and its own supervision thread, which restarts the
-group on the same address after a rank fails. `spread=True` puts every group on a different node: each group's
-bundles ask for a sliver of one node's `node:<ip>` resource (Ray gives every node one), a different node for each
-group, chosen among the alive nodes with the most free CPUs (a ValueError when there are fewer such nodes than
-replicas); the replicas then bind every interface so that the router can reach them.
-
-The router (launch/router/router.py) binds the one address clients use, in this process.
+Each replica is a whole group as `lockstep serve --launcher ray` starts it (launch/ray_launcher.py), with its own
+placement group, front door, weights record and supervision thread (docs/replicas.md). `spread=True` pins each
+group to a different node through a sliver of its `node:<ip>` resource; the replicas then bind every interface so
+that the router (launch/router/router.py, in this process) can reach them.
 
     fleet = start_replicas("models/tiny-llama", tp=1, replicas=2)
     print(fleet.client().generate([1, 2, 3], max_new_tokens=8).generated_tokens)
@@ -35,9 +30,8 @@ SERVICE_NAMESPACE = "lockstep"  # where the ServiceHandle actor is named
 
 
 class ServiceHandle:
-    """A named, detached Ray actor that hands out the service's client: any Ray job or task of the same Ray
-    cluster finds it with `ray.get_actor(name, namespace=...)` and gets a `cluster.Client` of the router
-    (`client()`), which pickles as its settings and connects in the caller's process."""
+    """A named, detached Ray actor: any Ray job of the same Ray cluster finds it (`ray.get_actor(name,
+    namespace=...)`) and gets a `cluster.Client` of the router from `client()`."""
 
     def __init__(self, address: str):
         self._address = address
@@ -118,8 +112,7 @@ def start_replicas(model_dir: str | os.PathLike, tp: int | list[int] = 1, replic
     model_dir = str(Path(model_dir).resolve())
     preset = read_preset(config)
     router_config = RouterConfig(**preset.get("router", {}))
-    # the replicas' page size as their managers resolve it (checked, block_size alias included): affinity hashes
-    # the same pages the replicas' block managers do
+    # the replicas' page size as their managers resolve it: affinity hashes the pages their block managers do
     router_config.page_size = ContinuousBatchingConfig.from_any(preset.get("continuous_batching")).page_size
     router_config.address = address or router_config.address
     router_config.policy = policy or router_config.policy
@@ -157,8 +150,7 @@ def start_replicas(model_dir: str | os.PathLike, tp: int | list[int] = 1, replic
 
 
 def run_cli(args: Any) -> int:
-    """`lockstep serve --replicas R --launcher ray [--spread]`: start the replicas and the router, print
-    `ready <address>`, serve until SIGINT or SIGTERM, then shut everything down."""
+    """`lockstep serve --replicas R --launcher ray [--spread]`: serve until SIGINT or SIGTERM."""
     fleet = start_replicas(args.model, tp=args.tp, replicas=args.replicas, config=args.config, address=args.address,
                            spread=args.spread, gpu=args.gpu, max_restarts=args.max_restarts, run_dir=args.run_dir,
                            service_name=args.service_name)
