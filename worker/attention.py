@@ -1,12 +1,8 @@
 """Attention over the paged KV cache for mixed prefill and decode batches (docs/architecture.md, "Attention").
 
 The token batch is [decode group | prefill group]: one query token per decoding sequence (padded to a power of
-two), then the other sequences' query tokens back to back. Without flash-attn (the CPU, float32, or a page
-size its kernels refuse) keys and values are gathered through slot indices built on the host (static shapes,
-no host syncs) and masked by position, GQA folded into the query axis, in chunks sized from the shapes alone
-under an element budget, so `attention_workspace_bytes` bounds the workspace whatever the contexts. Eager
-float32 CPU steps of one forward skip the decode gather: each row reads its own pages in place (`_decode_rows`).
-With flash-attn (worker/flash.py) both groups read the pages in place through the block tables."""
+two), then the other sequences' query tokens back to back. Without flash-attn the gather works in chunks sized from
+the shapes alone, so `attention_workspace_bytes` bounds the workspace whatever the contexts."""
 
 from __future__ import annotations
 
@@ -47,8 +43,7 @@ class AttnMeta:
         return self.dec_kv_slots.shape[0]
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttnMeta) -> None:
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> None:
     """Store this step's keys and values; caches are [slots + 1, Hkv, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -74,10 +69,8 @@ def chunk_shape(b: int, nq: int, length: int, hq: int, hkv: int, d: int, budget:
 
 def attention_workspace_bytes(rc: ResolvedConfig, num_heads: int, num_kv_heads: int, head_dim: int,
                               dtype: torch.dtype) -> int:
-    """Upper bound of the extra memory one layer's attention allocates in a step (this rank's heads): one chunk
-    at the longest context the config allows (at most max(budget, one row and one query): chunks shrink to one
-    of each), at 8 bytes an element (int64 slots, float32 scores, any model dtype), plus the step's attention
-    output and its scatter buffer. Counted on the flash-attn path too (which reads pages in place): the safe bound."""
+    """Upper bound of the extra memory one layer's attention allocates in a step (this rank's heads): one chunk at
+    the longest context at 8 bytes an element, plus the attention output and its scatter buffer (flash-attn too)."""
     length = rc.max_kv_padded
     one = _row_cost(length, num_kv_heads, head_dim) + _query_cost(length, num_heads, num_kv_heads, head_dim)
     return max(rc.attn_chunk_elements, one) * 8 + 2 * (rc.max_tokens_padded + 1) * num_heads * head_dim * dtype.itemsize
@@ -143,10 +136,8 @@ def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                  window: int | None, scale: float) -> torch.Tensor:
-    """q: [Bd, Hq, D], one query a sequence, at its last position. Each row attends to its own keys only, read
-    in place from its page (a row of several pages copies just its own), never padded: on the CPU the padded
-    gather costs more than the attention itself. No mask (a decode query sees every earlier key; a window
-    keeps the last `window`). Padding rows return zeros. Returns [Bd, Hq, D]."""
+    """q: [Bd, Hq, D] -> [Bd, Hq, D]: each row attends to its own keys only, read in place from its pages, with no
+    mask (docs/architecture.md, "Attention"). Padding rows return zeros."""
     bd, hq, d = q.shape
     hkv, page = k_cache.shape[1], meta.page_size
     out = q.new_zeros(bd, hkv, hq // hkv, d)

@@ -1,12 +1,8 @@
 """The compiled forwards: the seed's `decode_compile_config` and `varlen_compile_config`, applied
-(docs/architecture.md, "Compiled forwards"). `ForwardFn` is what the runner calls instead of the model:
-decode-only steps go to the decode forward, the others (prefill, mixed) to the varlen forward, each
-`torch.compile`d with its resolved settings (cluster/compile_settings.py) or, with none, the eager model. The
-choice follows from the step's shapes, so every rank takes the same one, and dynamo's guards (shapes again)
-make every rank compile the same graphs in the same order. Each padded shape is one graph whatever `dynamic`
-says (attention's chunking is computed from the shapes in Python), so dynamo's recompile limit (8), past which
-it would silently run eagerly, is raised to `RECOMPILE_LIMIT`. A failed compile raises `CompileFailed`;
-nothing falls back to eager (nor does transformers: its warm-up logs the failure, the first step raises it)."""
+(docs/architecture.md, "Compiled forwards"). The choice of forward follows from the step's shapes, so every rank
+takes the same one, and dynamo's guards (shapes again) make every rank compile the same graphs in the same order.
+Each padded shape is one graph, so dynamo's recompile limit (8), past which it would silently run eagerly, is
+raised to `RECOMPILE_LIMIT`. A failed compile raises `CompileFailed`; nothing falls back to eager."""
 
 from __future__ import annotations
 
@@ -56,14 +52,6 @@ def _varlen_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: 
 ENTRIES: dict[str, Callable[..., torch.Tensor]] = {"decode": _decode_entry, "varlen": _varlen_entry}
 
 
-def raise_recompile_limit() -> None:
-    """Let every forward hold `RECOMPILE_LIMIT` graphs. Process-wide (dynamo reads its config at each compile;
-    patching it around every call costs milliseconds); only ever raised, so no compiled function loses graphs."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)
-
-
 class CompiledForward:
     """One forward compiled with its settings. Logs each shape it meets first (that call compiles) with the
     time it took, and turns a compile error into `CompileFailed`. Every rank of the device group calls it."""
@@ -73,7 +61,11 @@ class CompiledForward:
         self.model = weakref.ref(model)  # weak: the per-model cache below must not keep its key alive
         self.config = f"{name}_compile_config"
         self.compile_s: dict[str, float] = {}  # shape -> seconds its first call took (compile and run)
-        raise_recompile_limit()
+        # process-wide (dynamo reads its config at each compile; patching it around every call costs milliseconds);
+        # only ever raised, so no compiled function loses graphs
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)
         try:
             self.fn = torch.compile(ENTRIES[name], **settings.torch_kwargs())
         except (RuntimeError, TypeError, ValueError) as e:  # torch.compile refuses its arguments
@@ -130,10 +122,9 @@ class ForwardFn:
 
     def warm_up(self, plans: list[tuple[str, StepPlan]], prepare: Callable[[StepPlan], tuple[torch.Tensor, AttnMeta]],
                 k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        """Compile every decode bucket and the smallest varlen shapes, once. Every rank calls it at the same
-        point (the runner's first `execute`): the forwards all-reduce. Steps read and write only the scratch
-        block. A shape an earlier runner of this model compiled is skipped: which shapes a forward compiled
-        follows from the plans every rank ran since the model was loaded, so every rank skips the same."""
+        """Compile every decode bucket and the smallest varlen shapes, once. Every rank calls it at the same point
+        (the runner's first `execute`): the forwards all-reduce. A shape an earlier runner of this model compiled is
+        skipped: that follows from the plans every rank ran since the model was loaded, so every rank skips the same."""
         self.warmed = True
         if not plans:
             return

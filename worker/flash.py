@@ -1,9 +1,6 @@
 """flash-attn's paged kernels, and the host-side metadata its varlen kernel needs (docs/architecture.md,
-"Attention"). Used only where `cluster.config.flash_decision` allows; the cache is viewed as pages
-[blocks, page, Hkv, D] and both kernels read a sequence's keys through its block table in place: decode
-(the step CUDA graphs capture) through `flash_attn_with_kvcache`, prefill and mixed steps through
-`flash_attn_varlen_func` (`varlen_metadata` builds its arguments on the host; worker/step_inputs.py checks the
-block table's width first)."""
+"Attention"); used only where `cluster.config.flash_decision` allows. The cache is viewed as pages
+[blocks, page, Hkv, D] and both kernels read a sequence's keys through its block table in place."""
 
 from __future__ import annotations
 

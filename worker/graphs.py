@@ -1,11 +1,8 @@
-"""CUDA graphs for the decode step: batch buckets, capture, replay, and the address check
-(docs/architecture.md, "The runner"). One graph per batch bucket (powers of two up to max_requests_per_batch),
-each at fixed shapes (the bucket's rows, the KV width of the longest context allowed, block tables at
-max_blocks_per_request), all sharing one memory pool. TP's NCCL all-reduces are captured with the forward, so
-every rank must capture the same buckets in the same order and replay in lockstep: the runner does both from
-the plans. `EagerStandIn` is the CPU tests' graph: its replay re-runs the eager function into the captured
-output. A graph reads fixed addresses; `changed_addresses` names any that moved since capture (a weight update
-must copy in place, never rebind)."""
+"""CUDA graphs for the decode step: batch buckets, capture, replay, and the address check (docs/architecture.md,
+"The runner"). TP's NCCL all-reduces are captured with the forward, so every rank must capture the same buckets in
+the same order and replay in lockstep: the runner does both from the plans. `EagerStandIn` is the CPU tests' graph.
+A graph reads fixed addresses; `changed_addresses` names any that moved since capture (a weight update must copy in
+place, never rebind)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """A rank's host KV pool (`cpu_offload_space`) and the page copies a plan asks for (docs/architecture.md,
-"KV offload"): per layer, K and V pages of this rank's shard, [slots, page, kv heads, head dim], pinned on CUDA
-(so the copies are asynchronous). The driver decides every copy (driver/engine/host_pool.py); a rank does what
-the plan says, swap-outs then swap-ins, on the compute stream before the step's forward, so they are ordered
-between the previous forward and this one without a host sync. Runs of consecutive pages into consecutive
-slots are copied as one slice."""
+"KV offload"): swap-outs then swap-ins, on the compute stream before the step's forward, so they are ordered
+between the previous forward and this one without a host sync. Runs of consecutive pages are copied as one slice."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Device memory: which device a thread works on, and how many KV pages fit beside everything else.
 
-`plan_kv_blocks` is pure arithmetic (CPU tests reach every branch); `measure_free_bytes` asks the device. A
-second manager in the same process must get the cache the first had, not what it left over: every KV cache
-this process allocates is entered in `CACHE_LEDGER`, and a new sizing adds back what it holds on that device
-(released before the new cache is allocated). Each rank proposes; the group takes the MIN (`cluster.dist.agree_min`)."""
+A second manager in the same process must get the cache the first had, not what it left over: every KV cache
+this process allocates is entered in `CACHE_LEDGER`, and a new sizing adds back what it holds on that device."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ MiB = 1 << 20
 
 
 def use_device(device: torch.device | str | None) -> None:
-    """Make `device` the calling thread's current CUDA device (a no-op elsewhere). It is per thread: every thread
-    that runs device work (loop, launcher's rank, model loading) calls it first, or its kernels and NCCL calls
-    go to GPU 0."""
+    """Make `device` the calling thread's current CUDA device (a no-op elsewhere): it is per thread, and a thread
+    that runs device work without it sends its kernels and NCCL calls to GPU 0."""
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
 
@@ -42,16 +39,13 @@ def static_buffer_bytes(rc: Any) -> int:
 
 
 def hidden_peak_bytes(tokens: int, hidden: int, intermediate_local: int, itemsize: int) -> int:
-    """The forward's transient memory at `tokens` tokens: hidden x a small factor, plus the MLP's intermediate
-    tensors of this rank's shard. A CUDA graph pool shared by every decode bucket holds about this much for the
-    largest bucket."""
+    """The forward's transient memory at `tokens` tokens (a CUDA graph pool holds about this for the largest bucket)."""
     return tokens * (ACTIVATION_FACTOR * hidden + MLP_FACTOR * intermediate_local) * itemsize
 
 
 def activation_peak_bytes(max_batch_tokens: int, hidden: int, intermediate_local: int, vocab: int,
                           max_logit_rows: int, itemsize: int) -> int:
-    """The largest step's transient memory: its hidden peak, and the float32 logits of the sampled rows on the
-    driver (the gathered logits and their float32 copy)."""
+    """The largest step's transient memory: its hidden peak, and the sampled rows' logits and their float32 copy."""
     return hidden_peak_bytes(max_batch_tokens, hidden, intermediate_local, itemsize) + max_logit_rows * vocab * 8
 
 
@@ -73,9 +67,8 @@ class MemoryInputs:
 
 
 def plan_kv_blocks(m: MemoryInputs) -> tuple[int, dict[str, int | float]]:
-    """(num_blocks, breakdown) for one rank; pure. available = (free + reclaimable) x max_memory_percent; the
-    static buffers, graph pool, activation peak and attention workspace come off it; safety_margin of the rest
-    stays free; what is left becomes whole pages. MemoryError naming the numbers when not one page fits."""
+    """(num_blocks, breakdown) for one rank; pure: (free + reclaimable) x max_memory_percent, less every overhead
+    and the safety margin, in whole pages. MemoryError naming the numbers when not one page fits."""
     frac = m.max_memory_percent if m.max_memory_percent is not None else DEFAULT_MAX_MEMORY_PERCENT
     if not 0 < frac <= 1:
         raise ValueError(f"max_memory_percent={frac!r}: must be in (0, 1]")
@@ -145,10 +138,8 @@ def release_kv(cache: Any) -> None:
 
 
 class CacheLedger:
-    """The KV caches this process holds, per (device, owner: the model served, one manager at a time), weakly
-    (an entry leaves with its cache). `held(device, owner)` is what a new sizing adds back to the measured free
-    memory; `release_all(device, owner)` then calls each one's `release` (by default `release_kv`: drops its
-    tensors) so the new cache reuses that memory. Caches of other models stay. Thread-safe."""
+    """The KV caches this process holds, per (device, owner: the model served), weakly. `held` is what a new sizing
+    adds back to the measured free memory; `release_all` then releases them so the new cache reuses it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -194,9 +185,8 @@ def propose_num_blocks(rc: Any, model_config: Any, tp: int, dtype: torch.dtype, 
                        attention_workspace_bytes: int = 0, ledger: CacheLedger = CACHE_LEDGER,
                        measure: Callable[[Any], tuple[int, int]] = measure_free_bytes
                        ) -> tuple[int, dict[str, int | float]]:
-    """This rank's proposal for `num_blocks` on a CUDA device (the group then takes the MIN with
-    `cluster.dist.agree_min`), and its breakdown. `rc` is the resolved config (its num_blocks is ignored),
-    `owner` the model the cache is for; `measure` and `ledger` are parameters so tests can feed numbers."""
+    """This rank's proposal for `num_blocks` (the group then takes the MIN with `cluster.dist.agree_min`), and its
+    breakdown; `measure` and `ledger` are parameters so tests can feed numbers."""
     itemsize, hidden, inter = dtype.itemsize, model_config.hidden_size, model_config.intermediate_size // tp
     rows = next_pow2(rc.max_requests_per_batch)
     return plan_kv_blocks(MemoryInputs(

@@ -1,14 +1,10 @@
 """The trainer's weight push, as both ends of it run: one backend, a handshake, bounded staging, teardown.
 
 A push is a process group of the serving ranks (0..tp-1) and the trainer (rank tp), made for one push on the
-trainer's TCPStore and torn down after it on every member. Its backend is NCCL when the ranks and the trainer
-are all CUDA, gloo otherwise (`push_backend`, computed by every member); every tensor sent lives on that
-backend's device. Before any group exists the trainer posts its device type in the store and every rank a
-verdict {device, backend, error} (error: the push's names, shapes or dtypes do not fit its model, checked on
-meta tensors); `agreed_backend` gives every member the same answer, one backend or a refusal naming the rank
-and why, and a refused push makes no group, so nobody waits on a peer that will not come. Buckets then come
-one at a time into one reusable receive buffer, each rank keeping its own slices (staging memory: its shard
-plus one bucket), and a last agreement over the group says every member took every bucket."""
+trainer's TCPStore and torn down after it. Before any group exists the trainer posts its device type in the store
+and every rank a verdict {device, backend, error}; `agreed_backend` gives every member the same answer, and a
+refused push makes no group, so nobody waits on a peer that will not come. Buckets then come one at a time into
+one reusable receive buffer (staging memory: a rank's shard plus one bucket)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The model runner: StepPlan -> static input buffers -> sharded forward -> logits on the driver
-(docs/architecture.md, "The runner"). Every input of the forward is a view into one flat buffer that never
-moves (worker/step_inputs.py), at shapes padded to a finite set of buckets; with decode graphs on
-(worker/graphs.py) a decode-only step that fits a batch bucket is replayed, every bucket captured at the
-runner's first execute (the manager's warm-up step) on every rank alike."""
+"""The model runner: StepPlan -> static input buffers (worker/step_inputs.py) -> sharded forward -> logits on the
+driver; decode graphs (worker/graphs.py) are captured at the first execute on every rank alike (docs/architecture.md,
+"The runner")."""
 
 from __future__ import annotations
 

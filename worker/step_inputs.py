@@ -1,9 +1,6 @@
-"""A step's inputs: the plan laid out on the host in one staging buffer, then one copy to the device
-(docs/architecture.md, "The runner"). Every integer input is written with numpy, back to back, into a host
-staging buffer (pinned on CUDA) and copied ONCE into one flat int64 device buffer whose views are the
-forward's inputs. An input's offset depends only on the shapes laid out before it, so a graph bucket always
-reads the same addresses. Two staging buffers alternate, each waiting on its last copy's CUDA event before it
-is refilled; on the CPU the copy is synchronous (prepare must not then run while a forward reads the buffer)."""
+"""A step's inputs: the plan laid out with numpy in one host staging buffer (two alternate, pinned on CUDA), then
+ONE copy into one flat device buffer whose views are the forward's inputs (docs/architecture.md, "The runner").
+On the CPU the copy is synchronous: prepare must not run while a forward reads the buffer."""
 
 from __future__ import annotations
 

@@ -39,12 +39,8 @@ def flash_attn_available() -> bool:
 class ClusterModel:
     def __init__(self, model: CausalLM, config: Any, generation_config: Any, groups: Groups, dtype: torch.dtype,
                  model_dir: str):
-        self.model = model
-        self.config = config
-        self.generation_config = generation_config
-        self.groups = groups
-        self.dtype = dtype
-        self.model_dir = model_dir
+        self.model, self.config, self.generation_config = model, config, generation_config
+        self.groups, self.dtype, self.model_dir = groups, dtype, model_dir
         self.persistent_manager: ContinuousBatchingManager | None = None
         self.last_stats: dict[str, Any] = {}  # the engine's counters at the end of the last generate_batch
         self._params: dict[str, nn.Parameter] | None = None
@@ -91,8 +87,7 @@ class ClusterModel:
 
     def build_runner(self, cb: ContinuousBatchingConfig) -> tuple[ModelRunner, ResolvedConfig, Groups]:
         """Size the KV cache (the group agrees on the smallest proposal) and make the runner. Every rank calls it.
-        On CUDA the proposal comes from worker/memory.py; this model's earlier caches are released before the new
-        one is made, so a second manager gets the same cache."""
+        This model's earlier caches are released before the new one is made, so a second manager gets the same."""
         use_device(self.device)
         heads = KVHeads(self.config, self.model.shard)
         d = head_dim_of(self.config)
@@ -157,17 +152,18 @@ class ClusterModel:
                        continuous_batching_config: Any = None, record_timestamps: bool = False,
                        progress_bar: bool = False, persistent_manager: bool = False, warmup: bool = True,
                        **kwargs: Any) -> dict[str, GenerationOutput]:
-        """Generate for every prompt; the same dict (request id -> output, in input order) on every rank.
-        Every rank validates every input the way the driver's add_request does before any step runs, so a
-        bad input raises the same ValueError on every rank; a batch larger than max_queue_size is fed as
-        room appears."""
+        """Generate for every prompt; the same dict (request id -> output, in input order) on every rank. A bad input
+        raises the same ValueError on every rank; a batch larger than max_queue_size is fed as room appears."""
         if not inputs:
             return {}
         gen = generation_config or self.generation_config
         kept = self.persistent_manager
         manager = self.init_continuous_batching(gen, continuous_batching_config)
-        try:
-            self._check_inputs(manager, inputs, record_timestamps, kwargs)
+        try:  # the driver's validation, on every rank with the same names: every rank raises the same error or none
+            with warnings.catch_warnings():  # the driver warns once more when it builds the real requests
+                warnings.simplefilter("ignore")
+                for i, ids in enumerate(inputs):
+                    manager.build_request(ids, f"inputs[{i}]", record_timestamps=record_timestamps, **kwargs)
         except Exception:
             if manager is not kept:
                 manager.destroy()
@@ -180,8 +176,7 @@ class ClusterModel:
             results: dict[str, GenerationOutput] = {}
             bar = tqdm(total=len(inputs), disable=not (progress_bar and self.groups.is_driver),
                        desc="requests finished", unit="request")
-            generated = 0
-            fed = 0
+            generated = fed = 0
             while len(results) < len(inputs):
                 fed = self._feed(manager, reqs, fed)
                 out = manager.get_result(timeout=0.05 if fed < len(reqs) else 1)
@@ -203,16 +198,6 @@ class ClusterModel:
         if manager.loop_error is not None and len(results) < len(inputs):
             raise RuntimeError(f"generation stopped early: {manager.loop_error!r}") from manager.loop_error
         return results
-
-    @staticmethod
-    def _check_inputs(manager: ContinuousBatchingManager, inputs: list[list[int]], record_timestamps: bool,
-                      kwargs: dict[str, Any]) -> None:
-        """The driver's add_request validation (driver/api/validation.py, through the manager), run on every rank
-        before any step with the same names (inputs[i]), so every rank raises the same error or none does."""
-        with warnings.catch_warnings():  # the driver warns once more when it builds the real requests
-            warnings.simplefilter("ignore")
-            for i, ids in enumerate(inputs):
-                manager.build_request(ids, f"inputs[{i}]", record_timestamps=record_timestamps, **kwargs)
 
     @staticmethod
     def _feed(manager: ContinuousBatchingManager, reqs: list, fed: int) -> int:

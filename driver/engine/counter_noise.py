@@ -1,13 +1,6 @@
-"""Counter-based sampling noise: Gumbel noise from an integer hash of (request key, token index, token id).
-
-The noise a request's token index k gets depends on nothing but its 64-bit key (blake2b of "seed:request_id",
-made once on the host; random when no seed is given), k and the vocabulary, so the token it samples is the same
-whatever batch it sits in, whatever the TP size or device, and however often the request was restarted.
-
-The hash is a sponge of 32-bit xorshift-multiply rounds, written with torch int64 ops on values below 2**32 and
-multipliers below 2**31: no product reaches 2**63, so nothing overflows int64, and masking each product to 32 bits
-gives the same exact integer on every device.
-"""
+"""Counter-based sampling noise: Gumbel noise from an integer hash of (request key, token index, token id), so the
+token a request samples is the same whatever batch it sits in, whatever the TP size or device, and however often it
+was restarted. The hash is a sponge of 32-bit xorshift-multiply rounds in exact int64 arithmetic (`mix32_`)."""
 
 from __future__ import annotations
 

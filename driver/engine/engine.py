@@ -1,14 +1,8 @@
 """Rank 0's step: schedule -> StepPlan -> broadcast -> forward -> sample -> update requests.
 
 Only the manager's loop thread calls the engine, and only it talks on the control group, so every rank sees the
-same sequence of plans. Overlapped (rc.overlap), step N is scheduled, broadcast and launched while N-1 is in
-flight; N's sampling is queued behind its forward (before N-1 is collected when no row reads its token history,
-after otherwise), N-1 is collected (the one host sync), and every rank broadcasts N's tokens on the device group,
-where step N+1's inputs read them (`StepPlan.share_tokens`). With multi-step decode (rc.decode_burst) a
-decode-only plan runs several forwards, each reading the tokens the one before sampled (`StepPlan.burst`). A step
-returns the requests of the step it collected. Before any plan that is not a STEP the caller flushes (`flush`):
-no other plan ever meets a step in flight.
-"""
+same sequence of plans. Overlapped steps and bursts: docs/architecture.md, "Overlapped scheduling". Before any
+plan that is not a STEP the caller flushes (`flush`): no other plan ever meets a step in flight."""
 
 from __future__ import annotations
 
@@ -44,15 +38,11 @@ class InFlight:
 
 class Engine:
     def __init__(self, runner: ModelRunner, rc: ResolvedConfig, groups: Groups, seed: int | None):
-        self.runner = runner
-        self.rc = rc
-        self.groups = groups
+        self.runner, self.rc, self.groups = runner, rc, groups
         self.blocks = BlockManager(rc.num_blocks, rc.page_size, rc.allow_block_sharing)
         self.scheduler = Scheduler(rc, self.blocks)
         self.sampler = Sampler(seed)
-        self.step_no = 0
-        self.weight_version = 0
-        self.num_tokens_generated = 0
+        self.step_no = self.weight_version = self.num_tokens_generated = 0
         self.num_burst_forwards = 0  # forwards run by bursts beyond their plan's first (multi-step decode)
         self.rank_states = None  # every rank's state row, as of the last plan (see cluster.plan.S)
         self.in_flight: InFlight | None = None  # overlapped: the step launched last, not collected yet
@@ -68,22 +58,18 @@ class Engine:
         """Finish, fail or cancel a request: its pages are freed at once (a step in flight writes them before any
         later step can, in device order). `code`: cluster.errors.Code; `reason`: by default FINISH_REASONS[status]."""
         self.scheduler.finish(req)
-        req.status = status
-        req.finish_reason = reason or FINISH_REASONS[status]
-        req.error = error
-        req.error_code = code
-        req.end_time = time.perf_counter()
+        req.status, req.finish_reason = status, reason or FINISH_REASONS[status]
+        req.error, req.error_code, req.end_time = error, code, time.perf_counter()
 
     def send(self, command: Command, data: bytes = b"") -> None:
         """Broadcast a plan that runs no forward (after `flush`); every worker's loop receives it."""
         if self.in_flight is not None:
             raise RuntimeError(f"a {command.name} plan while step {self.step_no - 1} is in flight: flush first")
-        self.rank_states = send_plan(StepPlan(command=command, step=self.step_no,
-                                              weight_version=self.weight_version, data=data), self.groups)
+        plan = StepPlan(command=command, step=self.step_no, weight_version=self.weight_version, data=data)
+        self.rank_states = send_plan(plan, self.groups)
 
     def workers_want_results(self) -> bool:
-        s = self.rank_states
-        return s is not None and bool(s[1:, S.WANTS_RESULTS].any())
+        return self.rank_states is not None and bool(self.rank_states[1:, S.WANTS_RESULTS].any())
 
     def flush(self) -> list[Request]:
         """Collect the step in flight, if any; returns the requests that got a token or ended, each once."""
@@ -181,9 +167,8 @@ class Engine:
             if draw.error is not None:  # this request alone fails; the rest of the batch gets its tokens
                 self.end(req, RequestStatus.FAILED, f"request {req.request_id}: sampling failed: {draw.error!r}",
                          Code.SAMPLING_FAILED)
-                events.append(req)
-                continue
-            self._append(req, [draw.token], None if draw.logprob is None else [draw.logprob], now, version)
+            else:
+                self._append(req, [draw.token], None if draw.logprob is None else [draw.logprob], now, version)
             events.append(req)
         return events
 

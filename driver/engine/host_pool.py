@@ -1,12 +1,6 @@
-"""The driver's accounting of the host KV pool (`cpu_offload_space`): which host slots are free, which request
-holds which, and the page copies the next plan must carry.
-
-A preempted request whose pages fit the pool is swapped out (device page -> host slot) instead of dropped, and
-swapped back in (host slot -> its fresh device pages) when it is admitted again. Every rank holds the pool
-(worker/kv_offload.py) but only the driver decides: the copies reach the ranks in the plan (StepPlan.swap_out /
-swap_in), and a rank runs a plan's swap-outs, then its swap-ins, then the forward. Slots a swap-in read are not
-handed out again until that plan was taken, so a later swap-out in the same plan never overwrites them.
-"""
+"""The driver's accounting of the host KV pool (`cpu_offload_space`; docs/architecture.md, "KV offload"): which
+host slots are free, which request holds which, and the page copies the next plan must carry. Slots a swap-in read
+are not handed out again until that plan was taken, so a later swap-out in the same plan never overwrites them."""
 
 from __future__ import annotations
 
@@ -37,10 +31,6 @@ class HostPool:
         self.outs: list[tuple[int, int]] = []  # (device page, host slot)
         self.ins: list[tuple[int, int]] = []  # (host slot, device page)
         self.stats = OffloadStats()
-
-    @property
-    def enabled(self) -> bool:
-        return self.num_slots > 0
 
     def holds(self, req: Request) -> bool:
         return req in self.held

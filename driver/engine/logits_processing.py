@@ -1,10 +1,6 @@
-"""The logits processors of a sampling step, for a whole batch at once, on the logits' device.
-
-Each row is one request's next token (a `SampleRow`, on the host). transformers' order: sequence bias, repetition
-penalty, then the other generation options (constraint_processors.py) for every row that asks; temperature, top-k
-and top-p for sampling rows only. Which rows need a processor is known on the host from the parameters, so no step
-waits on the device to decide, and a row that needs nothing is left exactly as it came (greedy: the argmax).
-"""
+"""The logits processors of a sampling step, for a whole batch at once, on the logits' device, in transformers'
+order (generation options: constraint_processors.py). Which rows need a processor is known on the host from the
+parameters, so no step waits on the device to decide; a row that needs nothing is left exactly as it came."""
 
 from __future__ import annotations
 
@@ -129,12 +125,10 @@ def top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.
 
 
 def process_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Sequence bias, repetition penalty, forced and banned tokens, temperature, top-k and top-p for a batch:
-    [N, vocab] logits in, processed logits out (the input itself when no row needs anything). Never writes into
-    `logits`."""
+    """Sequence bias, repetition penalty, forced and banned tokens, temperature, top-k and top-p for a batch
+    (the input itself when no row needs anything). Never writes into `logits`."""
     vocab = logits.shape[-1]
-    x = logits
-    x = on_rows(x, [i for i, r in enumerate(rows) if r.constraints.bias], lambda t, ix: add_bias(
+    x = on_rows(logits, [i for i, r in enumerate(rows) if r.constraints.bias], lambda t, ix: add_bias(
         t, [rows[i].constraints.bias for i in ix]), logits)
     x = on_rows(x, [i for i, r in enumerate(rows) if r.penalised], lambda t, ix: penalise(
         t, [rows[i].seen for i in ix], [rows[i].params.repetition_penalty for i in ix]), logits)

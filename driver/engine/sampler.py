@@ -1,16 +1,8 @@
-"""Next-token choice on the driver, for the whole batch at once on the logits' device: greedy, or temperature /
-top-k / top-p sampling, with repetition penalty, transformers' generation options and logprobs.
-
-Sampling is counter-based Gumbel-max: token = argmax(processed logits + g), g the noise driver.engine.counter_noise
-derives from (the request's key, its token index, the token id). The key comes from the request's own seed, else
-from the config seed and the request id, else is random; it is made once per request on the host. So a seeded
-request samples the same tokens whatever shares its batches, at any TP size, on any device, after any number of
-restarts. Greedy rows get no noise. Nothing waits on the device until the one transfer of (tokens, logprobs):
-`launch` starts it and `collect` waits for it, so an overlapped engine collects one step while the next runs.
-
-A row that fails (a bad value that slipped through, NaN logits, an injected fault) fails only its own request.
-When the batched computation raises, the rows are computed again one by one to find out which.
-"""
+"""Next-token choice on the driver, for the whole batch at once on the logits' device (docs/architecture.md, "The
+driver"): counter-based Gumbel-max, token = argmax(processed logits + g), g the noise driver.engine.counter_noise
+derives from (the request's key, its token index, the token id); greedy rows get no noise. Nothing waits on the
+device until the one transfer of (tokens, logprobs): `launch` starts it and `collect` waits for it. A row that
+fails fails only its own request: when the batched computation raises, the rows are computed again one by one."""
 
 from __future__ import annotations
 
@@ -58,10 +50,8 @@ def with_noise(processed: torch.Tensor, rows: list[SampleRow], offset: int = 0) 
 
 
 def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0, plain: bool | None = None) -> Picks:
-    """The batch's tokens and logprobs ([N, vocab] logits, one row each), computed on the logits' device in
-    float32 without waiting on it. `offset`: the rows' tokens come that many after their `index` (the later
-    forwards of a burst; only rows that need no token history burst). `plain`: whether every row is
-    SampleRow.plain (None: look), so that the logits need no processing and no noise."""
+    """The batch's tokens and logprobs, in float32, without waiting on the device. `offset`: the rows' tokens come
+    that many after their `index` (a burst's later forwards). `plain`: every row is SampleRow.plain (None: look)."""
     logits = logits.float()
     if plain is None:
         plain = all(r.plain for r in rows)
@@ -135,10 +125,9 @@ class Sampler:
 
     def rows(self, reqs: list[Request | None], ahead: list[int] | None = None
              ) -> tuple[list[Draw | None], list[int], list[SampleRow], bool]:
-        """The host half of a launch (it reads the requests: call it on the loop thread, once every token
-        before this step is on the host, or with `ahead`, each request's tokens still in flight, when no row
-        needs its token history): (early failures, live row numbers, their SampleRows, whether every row
-        is plain greedy). A None request (one that ended meanwhile) gets no row and no Draw."""
+        """The host half of a launch, on the loop thread once every earlier token is on the host (or with `ahead`,
+        each request's tokens in flight, when no row needs its token history): (early failures, live row numbers,
+        their SampleRows, whether every row is plain greedy). A None request (ended meanwhile) gets no row."""
         early: list[Draw | None] = [None] * len(reqs)
         live: list[int] = []
         rows: list[SampleRow] = []
@@ -197,9 +186,8 @@ class Sampler:
 
     @staticmethod
     def collect_burst(launched: list[Launched]) -> tuple[list[int], list[list[int]], list[list[float]] | None] | None:
-        """A burst's draws at once, waiting for each forward's transfer: (the live rows, each one's tokens in order,
-        each one's logprobs in order when some row asked for them). None when some row failed or the batch fell
-        back to one row at a time in any of the forwards: then `collect` them one by one."""
+        """A burst's draws at once: (the live rows, each one's tokens, each one's logprobs when some row asked).
+        None when some row failed or fell back to one row at a time in any forward: then `collect` one by one."""
         live = launched[0].live
         if any(x.host is None or x.live != live or any(d is not None for d in x.early) for x in launched):
             return None

@@ -1,15 +1,8 @@
 """Which requests run this step, and how many of their tokens: chunked prefill under a token budget.
 
-`fifo` serves running requests first (decodes and unfinished prefill chunks, oldest first), then admits waiting
-requests with what is left of the budget; `prefill_first` admits first. When a running request needs a page and
-none is free, the newest other running request is preempted to the front of the queue: with a host pool
-(`cpu_offload_space`, driver/engine/host_pool.py) its computed pages are swapped out and back in at its
-readmission; without one, or when the pool is full, it is recomputed later.
-
-Overlapped, a request sampled by the step in flight has a pending token (`Request.num_pending`) not on the host
-yet: it runs as a one-token decode that reads that token on the device, is not scheduled once its tokens reach its
-limits (it ends when the step in flight is collected), and is not readmitted until its pending token arrived.
-"""
+`fifo` serves running requests first, then admits waiting ones with what is left of the budget; `prefill_first`
+admits first. When pages run out the newest other running request is preempted (to the host pool, or recomputed).
+Pending tokens of an overlapped step: docs/architecture.md, "Overlapped scheduling", step 1."""
 
 from __future__ import annotations
 
@@ -36,8 +29,7 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, rc: ResolvedConfig, blocks: BlockManager):
-        self.rc = rc
-        self.blocks = blocks
+        self.rc, self.blocks = rc, blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.keep_free = int(rc.safety_margin * rc.num_blocks)
@@ -148,7 +140,7 @@ class Scheduler:
         """Free the request's pages and queue it first. `offload`: its computed pages go to the host pool when they
         fit; otherwise it is recomputed from its tokens so far (a waiting request drops its host copy)."""
         pages = req.block_ids[:self.blocks.blocks_for(req.num_computed)]
-        kept = offload and self.host.enabled and self.host.swap_out(req, pages)
+        kept = offload and self.host.swap_out(req, pages)  # False without a pool: it has no free slot
         self.blocks.release(req, keep_hashes=kept)
         if not kept:
             self.host.drop(req)
