@@ -1,8 +1,6 @@
-"""The paged KV cache tensors of one rank, and its host pool for offloaded pages (worker/kv_offload.py).
-
-Slots are numbered block * page_size + offset. One extra scratch block at the end takes the writes of
-padding tokens (at its first slot) and stands in the block tables of padding rows, so padded shapes never
-touch a real page. worker/flash.py views a layer as [blocks, page, heads, dim] for flash-attn's kernels."""
+"""The paged KV cache tensors of one rank, and its host pool for offloaded pages (worker/kv_offload.py). Slots are
+block * page_size + offset; one extra scratch block at the end takes the writes of padding tokens and stands in the
+block tables of padding rows, so padded shapes never touch a real page."""
 
 from __future__ import annotations
 

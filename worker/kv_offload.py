@@ -39,9 +39,7 @@ class HostKVPool:
     def swap(self, device_k: list[torch.Tensor], device_v: list[torch.Tensor], page_size: int,
              swap_out: np.ndarray, swap_in: np.ndarray) -> None:
         """Copy device pages -> host slots (`swap_out`: [n, 2] (page, slot)), then host slots -> device pages
-        (`swap_in`: [m, 2] (slot, page)). `device_k`/`device_v`: each layer's cache, [slots, heads, dim] flat.
-        Every rank calls it with the same plan (no collective). Each layer's copies touch only that layer, so
-        its swap-outs and then its swap-ins run layer by layer."""
+        (`swap_in`: [m, 2] (slot, page)), layer by layer. Every rank calls it with the same plan (no collective)."""
         out_runs, in_runs = runs(swap_out), runs(swap_in)
         for dev, host in zip(device_k + device_v, self.k + self.v):
             pages = dev.view(-1, page_size, *dev.shape[1:])

@@ -17,9 +17,8 @@ from worker.runner import ModelRunner
 def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate, barrier: Callable[[], None],
                 wants_results: Callable[[], bool], liveness: Liveness | None = None) -> Iterator[StepPlan]:
     """Every non-driver rank runs it while its manager is started; it returns at STOP. Plans that carry data
-    (results, calls) are yielded to the caller; the rest is handled here. An overlapped STEP plan
-    (`share_tokens`) is only queued on the runner's stream, so this rank receives the next plan and prepares its
-    inputs while the forward runs; every other plan comes after the driver collected its steps."""
+    (results, calls) are yielded to the caller. An overlapped STEP plan (`share_tokens`) is only queued on the
+    runner's stream, so this rank receives the next plan and prepares its inputs while the forward runs."""
     state = np.zeros(len(S), np.int64)
     state[S.MAGIC] = STATE_MAGIC
     while True:

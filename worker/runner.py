@@ -117,8 +117,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Handle[torch.Tensor | ShardArgmax | None]:
         """Prepare the plan's inputs on the host and queue its (first) forward on the stream; the handle's result
-        is what `execute` returns. Input ids -(1 + j) are resolved on the device from `shared_tokens` (row j of
-        the previous step's samples). Every rank calls it alike, then, with `share_tokens`, `share_burst`."""
+        is what `execute` returns. Every rank calls it alike, then, with `share_tokens`, `share_burst`."""
         if not self.forwards.warmed:  # the first time: compile what the compile configs ask for
             self.forwards.warm_up(self.compile_plans(), lambda p: self.prepare(p)[:2], self.cache.k, self.cache.v)
         run = self._prepared(plan)
@@ -161,8 +160,7 @@ class ModelRunner:
 
     def _advance(self, ids: torch.Tensor, meta: AttnMeta, b: int) -> None:
         """The next forward of a decode-only burst, in place in the static buffers: each row's input is the token
-        just sampled for it (`shared_tokens`), one position further, its cache slot looked up in its block table
-        (flash-attn) or taken from the burst's later slots (`dec_ahead`) into its key-slot list (SDPA)."""
+        just sampled for it (`shared_tokens`), one position further (docs/architecture.md, "Multi-step decode")."""
         ids[:b].copy_(self.shared_tokens[:b])
         pos = meta.positions[:b].add_(1)
         meta.dec_q_pos[:b] += 1
@@ -190,12 +188,10 @@ class ModelRunner:
     @torch.inference_mode()
     def share_burst(self, logits: Handle[torch.Tensor | ShardArgmax | None],
                     sample: Callable[[int, Handle], Callable[[], torch.Tensor]] | None) -> None:
-        """Queue after each forward of the plan last launched (`burst` of them): on the driver its sampling; on
-        every rank the broadcast of its tokens from rank 0 into `shared_tokens` (device group), where the next
-        forward reads them with no trip through the host (none with `argmax_on_shards`: every rank wrote them
-        itself); then the burst's next forward. `sample(i, handle)` (the driver's; None elsewhere) queues forward
-        i's sampling and gives a function returning its tokens in logits row order, run in stream order. Every
-        rank calls it right after `launch` (whose handle is `logits`) for a plan with `share_tokens`."""
+        """Queue after each forward of the plan last launched (`burst` of them): on the driver its sampling
+        (`sample(i, handle)`, None elsewhere, gives a function returning forward i's tokens); on every rank the
+        broadcast of its tokens into `shared_tokens` (device group; none with `argmax_on_shards`); then the burst's
+        next forward. Every rank calls it right after `launch` (whose handle is `logits`) for a `share_tokens` plan."""
         plan, run = self._burst
         for i in range(plan.burst):
             tokens = None if sample is None else sample(i, logits)

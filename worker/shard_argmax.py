@@ -1,10 +1,6 @@
-"""Greedy tokens chosen where the logits are: on the vocab shards, with no logits gathered
-(docs/architecture.md, "Tensor parallelism"). For a step whose every sampled row is plain greedy with no
-logprobs (the plan's `argmax_on_shards`), each rank takes its shard's largest logit and token id per row,
-rank 0 gathers those pairs and picks the largest (the lowest token id among equals, as torch.argmax over the
-gathered logits), and broadcasts the tokens, which every rank then holds for the next forward. A gather and a
-broadcast rather than one all-gather: on gloo (the CPU's device group) all-gather and all-reduce of a few KB
-have latency tails ten times the gather's (measured here: p90 3.4 ms against 0.4 ms)."""
+"""Greedy tokens chosen where the logits are: on the vocab shards, with no logits gathered (docs/architecture.md,
+"Tensor parallelism"). A gather and a broadcast rather than one all-gather: on gloo (the CPU's device group)
+all-gather and all-reduce of a few KB have latency tails ten times the gather's (measured: p90 3.4 ms against 0.4)."""
 
 from __future__ import annotations
 

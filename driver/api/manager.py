@@ -40,8 +40,7 @@ log = logging.getLogger("lockstep")
 
 class ResultRouter:
     """Where outputs go: per-request result handlers (through their asyncio loop) or a shared result list, from
-    which `get(request_id)` takes that request's next output without disturbing the others (which the seed's
-    requeue-based queue cannot promise under concurrency)."""
+    which `get(request_id)` takes that request's next output without disturbing the others."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -50,9 +49,8 @@ class ResultRouter:
 
     def register(self, request_id: str, callback: Callable, loop: asyncio.AbstractEventLoop | None) -> None:
         """Send the request's outputs to `callback` through `loop`, or, with none, from the loop thread (be quick)."""
-        handler = (loop, callback)
         with self.cond:
-            self.handlers[request_id] = handler
+            self.handlers[request_id] = handler = (loop, callback)
             early = [o for o in self.pending if o.request_id == request_id]  # what came before it, in order
             for o in early:
                 self.pending.remove(o)
@@ -233,12 +231,11 @@ class ContinuousBatchingManager:
                       resumes: int = 0, **logit_processor_kwargs: Any) -> Request:
         """A validated request, not yet queued (RequestRejected, with its code, if it cannot be served).
         `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire).
-        `resume_tokens` (with their `resume_versions`, compact (index, version) pairs): the tokens an earlier
-        run of this request delivered; it continues after them exactly (docs/recovery.md). `resumes`: how often."""
+        `resume_tokens`, `resume_versions`, `resumes`: an earlier run's delivered tokens (docs/recovery.md)."""
         return build_request(self, input_ids, f"req_{next(self._ids)}" if request_id is None else request_id,
-                             max_new_tokens, streaming, record_timestamps,
-                             eos_token_id, logit_processor_kwargs, strict_processors=strict_processors,
-                             resume_tokens=resume_tokens, resume_versions=resume_versions, resumes=resumes)
+                             max_new_tokens, streaming, record_timestamps, eos_token_id, logit_processor_kwargs,
+                             strict_processors=strict_processors, resume_tokens=resume_tokens,
+                             resume_versions=resume_versions, resumes=resumes)
 
     def submit(self, req: Request, sink: Callable[[GenerationOutput], None] | None = None) -> str:
         """Queue a built request (driver only). `sink`, when given, receives every output of it on the loop

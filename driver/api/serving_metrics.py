@@ -1,10 +1,6 @@
-"""Serving metrics measured on the driver: request latencies, token counts and finish reasons.
-
-The loop thread feeds `observe(req)` with every request that got tokens or ended (DriverLoop.emit), so every client
-counts; each call is a few additions and a bisect, and only live requests keep a record. The front door reads
-`snapshot` for the `metrics` map of the `stats` reply (docs/protocol.md), which the HTTP gateway turns into
-Prometheus text (cluster/metrics_export.py).
-"""
+"""Serving metrics measured on the driver: request latencies, token counts and finish reasons. The loop thread
+feeds `observe(req)` (DriverLoop.emit), a few additions and a bisect a call; the front door reads `snapshot` for
+the `metrics` map of the `stats` reply (docs/protocol.md), which the HTTP gateway turns into Prometheus text."""
 
 from __future__ import annotations
 
@@ -76,12 +72,9 @@ class ServingMetrics:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # the loop thread writes, the front door's thread reads
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+        self.ttft, self.itl, self.e2e = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS), Histogram(E2E_BUCKETS)
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
+        self.prompt_tokens = self.generation_tokens = 0
         self.live: dict[Any, _Seen] = {}  # by request (identity)
 
     def observe(self, req: Any) -> None:

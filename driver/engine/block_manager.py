@@ -1,8 +1,5 @@
-"""Paged KV block bookkeeping: reference counts, prefix sharing by chained block hashes, free lists.
-
-A block's hash chains the previous block's hash with its own token ids (blake2b: every process and run agrees). A
-block whose last user left keeps its hash and stays findable until it is handed out again, for later prefixes.
-"""
+"""Paged KV block bookkeeping: reference counts, prefix sharing by chained block hashes (blake2b: every process and
+run agrees), free lists. A block whose last user left stays findable until it is handed out again."""
 
 from __future__ import annotations
 
@@ -30,9 +27,7 @@ def token_slice(req: Request, start: int, stop: int) -> list[int]:
 
 class BlockManager:
     def __init__(self, num_blocks: int, page_size: int, allow_sharing: bool):
-        self.num_blocks = num_blocks
-        self.page_size = page_size
-        self.allow_sharing = allow_sharing
+        self.num_blocks, self.page_size, self.allow_sharing = num_blocks, page_size, allow_sharing
         self.ref = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
@@ -52,8 +47,7 @@ class BlockManager:
         """Attach cached blocks holding a prefix of the request's tokens; at least one token stays to compute."""
         if not self.allow_sharing or req.block_ids:
             return
-        page = self.page_size
-        h = b""
+        page, h = self.page_size, b""
         self.prefix_query_blocks += (req.num_tokens - 1) // page
         for i in range((req.num_tokens - 1) // page):
             h = chain_hash(h, token_slice(req, i * page, (i + 1) * page))

@@ -112,8 +112,7 @@ class Request:
             self.weight_versions.append((len(self.generated), version))
 
     def output(self) -> GenerationOutput:
-        """A snapshot of the request. Its outputs share one copy of the prompt (never the request's own list);
-        the rest is copied, so its cost follows the tokens generated, not the prompt."""
+        """A snapshot of the request; its outputs share one copy of the prompt, so its cost follows the tokens."""
         if self.prompt_out is None:
             self.prompt_out = list(self.prompt_ids)
         return GenerationOutput(
@@ -127,10 +126,9 @@ class Request:
 
 @dataclass(eq=False)
 class ResumedRequest(Request):
-    """A request resumed after a failure (docs/recovery.md): its prompt carries the tokens delivered before
-    (`resume_tokens`) and it samples on from the next token index (`token_index`, which the counter-based sampler
-    keys on), so greedy and seeded sampling continue exactly. Its outputs are the uninterrupted request's:
-    `generated_tokens`, `weight_versions` and streamed indices continue the resumed tokens; `resumes` counts."""
+    """A request resumed after a failure (docs/recovery.md): its prompt carries the tokens delivered before and it
+    samples on from the next token index, so greedy and seeded sampling continue exactly; its outputs are the
+    uninterrupted request's."""
 
     # versions of the resumed tokens (compact: (index into them, version) per change), as the client got them
     resume_versions: list[tuple[int, int]] = field(default_factory=list)

@@ -1,14 +1,5 @@
 """Who may run the admin operations (`pause`, `resume`, `update_weights`) at the front door, and who holds the
-pause.
-
-- `[serve] admin = false`: nobody (`admin_disabled`).
-- With CURVE: clients whose certificates lie in `curve_admin_clients_dir` (ZeroMQ tags their messages with the
-  key as "User-Id").
-- Without CURVE: every client, but only on a loopback or ipc:// bind; otherwise nobody (`admin_required`).
-
-A pause belongs to the client that took it: only it may resume (or pause again); it is released when its owner
-says bye, goes silent or disconnects.
-"""
+pause (the rules: docs/protocol.md, "Admin operations")."""
 
 from __future__ import annotations
 
@@ -55,9 +46,7 @@ class CurveKeys:
 
 class AdminPolicy:
     def __init__(self, enabled: bool, bound_address: str, curve_keys: CurveKeys | None):
-        self.enabled = enabled
-        self.curve_keys = curve_keys
-        self.local = binds_locally(bound_address)
+        self.enabled, self.curve_keys, self.local = enabled, curve_keys, binds_locally(bound_address)
 
     def check(self, user_id: Callable[[], str | None], mid: Any) -> None:
         """Raise ProtocolError unless the sender may run admin operations (`user_id` is read only with CURVE)."""
@@ -77,8 +66,7 @@ class PauseOwner:
     """The client holding the serving pause (None: not paused); `hold(bool)` is manager.hold_scheduling."""
 
     def __init__(self, hold: Callable[[bool], None]):
-        self.hold = hold
-        self.owner: bytes | None = None
+        self.hold, self.owner = hold, None
 
     def pause(self, ident: bytes, mid: Any) -> None:
         self._check(ident, mid, "pause")

@@ -1,9 +1,6 @@
-"""Sends from the front door that never block: one client that stops reading cannot stall the others.
-
-When ZeroMQ's pipe to a client is full the message waits, in order, in that client's backlog, and `flush` retries.
-A backlog reaching `max_backlog` is dropped and `on_overflow(ident)` runs (the front door cancels that client's
-requests). With ROUTER_MANDATORY a send to a client that is gone raises at once: `on_gone(ident)`.
-"""
+"""Sends from the front door that never block: one client that stops reading cannot stall the others. A message a
+full pipe refuses waits in that client's backlog (`flush` retries); a backlog reaching `max_backlog` is dropped and
+`on_overflow(ident)` runs. With ROUTER_MANDATORY a send to a client that is gone raises at once: `on_gone(ident)`."""
 
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ SENT, FULL, GONE = 0, 1, 2
 class ClientOutbox:
     def __init__(self, sock: zmq.Socket, max_backlog: int, on_overflow: Callable[[bytes], None],
                  on_gone: Callable[[bytes], None]):
-        self.sock = sock
-        self.max_backlog = max_backlog
+        self.sock, self.max_backlog = sock, max_backlog
         self.on_overflow, self.on_gone = on_overflow, on_gone
         self.backlogs: dict[bytes, deque[bytes]] = {}
 

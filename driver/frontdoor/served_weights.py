@@ -1,11 +1,6 @@
-"""Which weights a serving group serves, kept in a small state file so a restarted group serves them again.
-
-`lockstep serve` passes every rank the file's path (`--state-file`). The driver's front door records each applied
-weight update there (atomically). At a restart rank 0 reads the record and every rank restores from it: an update
-from a checkpoint directory is loaded again and served under its version; pushed (or tensor) weights cannot be, so
-the group serves the newest weights it can restore under *their* version and reports the pushed version as lost.
-A version number is never served with other weights than its own.
-"""
+"""Which weights a serving group serves, kept in a small state file so a restarted group serves them again
+(docs/recovery.md): a checkpoint update is loaded again under its version; pushed (or tensor) weights cannot be, so
+the group serves the newest weights it can restore under *their* version and reports the pushed version as lost."""
 
 from __future__ import annotations
 

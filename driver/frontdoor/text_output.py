@@ -1,14 +1,8 @@
-"""Text out of generated tokens, on the driver's front door: incremental detokenizing and stop strings.
+"""Text out of generated tokens, on the driver's front door (docs/protocol.md, "Text and stop strings").
 
 `Detokenizer` decodes one token at a time, as transformers' streamers and vLLM do: a short window of the last
 tokens, emitting only what it adds and holding text back while it ends in U+FFFD (an incomplete multi-byte
-character), so the pieces join to the tokenizer's decode of all the tokens.
-
-`TextOutput` is one request's text (the request desk owns one per ticket whose text is on). A stop string ends the
-request as OpenAI does: the text is cut before it, `finish_reason` is "stop", `stop_string` names it, and
-`generated_tokens` keep the tokens up to the one that completed the match. Text that might still become the start
-of a stop string is held back from the stream, so what was streamed is never taken back.
-"""
+character). `TextOutput` is one request's text and stop strings (the request desk owns one per ticket)."""
 
 from __future__ import annotations
 
@@ -81,8 +75,7 @@ class TextOutput:
 
     def update(self, out: GenerationOutput) -> bool:
         """Feed `out`'s tokens not seen yet and set `out.text`. True when a stop string matched here: `out` then
-        ends (FINISHED, finish_reason "stop", `stop_string`), its tokens and their logprobs, timestamps and
-        weight versions cut after the token that completed the match."""
+        ends, cut after the token that completed the match."""
         seen = len(self.detokenizer.ids)
         for i, token in enumerate(out.generated_tokens[seen:]):
             if self._found(self.detokenizer.add(token)):
@@ -102,8 +95,8 @@ class TextOutput:
         return delta
 
     def streamable(self) -> int:
-        """How much of the text can go out while the request runs: all but its longest tail that is the start of
-        a stop string (it may still be completed, and streamed text is never taken back)."""
+        """How much of the text can go out while the request runs: all but its longest tail that may still become a
+        stop string."""
         text = self.detokenizer.text
         longest = min(len(text), max((len(s) - 1 for s in self.stops), default=0))
         for k in range(longest, 0, -1):
