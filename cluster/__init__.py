@@ -25,7 +25,6 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
+        globals()[name] = value = getattr(importlib.import_module(module), attr)
         return value
     raise AttributeError(f"module 'cluster' has no attribute {name!r}")

@@ -47,8 +47,7 @@ class LockstepError(Exception):
 
     def __init__(self, message: str, code: str | None = None, request_id: str | None = None):
         super().__init__(message)
-        self.message = message
-        self.request_id = request_id
+        self.message, self.request_id = message, request_id
         if code is not None:
             self.code = code
 

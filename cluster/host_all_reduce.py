@@ -25,6 +25,7 @@ import os
 import platform
 import time
 import uuid
+from contextlib import suppress
 
 import numpy as np
 import torch
@@ -56,8 +57,7 @@ def _pid_alive(pid: int) -> bool:
 
 class HostAllReduce:
     def __init__(self, path: str, rank: int, world: int, slot_bytes: int, timeout_s: float | None):
-        self.rank, self.world, self.slot_bytes = rank, world, slot_bytes
-        self.timeout_s = timeout_s
+        self.rank, self.world, self.slot_bytes, self.timeout_s = rank, world, slot_bytes, timeout_s
         fd = os.open(path, os.O_RDWR)
         try:
             self.map = mmap.mmap(fd, self.segment_bytes(world, slot_bytes))
@@ -76,8 +76,7 @@ class HostAllReduce:
     @classmethod
     def join(cls, groups: Groups, slot_bytes: int = HOST_ALL_REDUCE_SLOT_BYTES) -> HostAllReduce | None:
         """The host all-reduce of the group, or None (every rank alike) where the ranks must keep gloo: not x86-64,
-        disabled by the environment, no /dev/shm, or ranks that do not share one segment and see each other's
-        processes. Every rank of the group calls it, at load time."""
+        disabled, no /dev/shm, or ranks that do not share one segment and pid namespace. Every rank calls it."""
         if not groups.distributed or groups.device.type != "cpu":
             return None
         wanted = platform.machine().lower() in ("x86_64", "amd64") and os.environ.get(HOST_ALL_REDUCE_ENV, "1") != "0"
@@ -112,10 +111,8 @@ class HostAllReduce:
     def close(self) -> None:
         """Unmap the segment (the views into it must be gone first)."""
         self.seqs = self.pids = self.banks = None
-        try:
+        with suppress(BufferError):  # a view is still alive somewhere: the mapping goes with the process
             self.map.close()
-        except BufferError:  # a view is still alive somewhere: the mapping goes with the process
-            pass
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (x must be a contiguous CPU tensor); returns x. Every rank of the group

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+from contextlib import suppress
 
 import torch.distributed as dist
 
@@ -17,9 +18,7 @@ PERIOD_S = 0.5
 
 class Liveness:
     def __init__(self, groups: Groups, period_s: float = PERIOD_S):
-        self.groups = groups
-        self.period_s = period_s
-        self.step = 0
+        self.groups, self.period_s, self.step = groups, period_s, 0
         self.stop_event = threading.Event()
         self.store = dist.distributed_c10d._get_default_store() if groups.distributed else None
         self.thread = threading.Thread(target=self._run, name="lockstep-liveness", daemon=True)
@@ -51,12 +50,10 @@ class Liveness:
         out = {}
         for rank in range(self.groups.world_size):
             key = f"lockstep/alive/{rank}"
-            try:
+            with suppress(Exception):
                 if self.store.check([key]):
                     step, stamp = self.store.get(key).decode().split()
                     out[rank] = (int(step), float(stamp))
-            except Exception:
-                pass
         return out
 
     def silent_ranks(self) -> list[tuple[int, int, float]]:

@@ -8,6 +8,7 @@ reply's summed map. Torch-free.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -84,11 +85,10 @@ def merge(maps: list[dict[str, Any]]) -> dict[str, Any]:
         out[key] = sum(m.get(key, 0) for m in maps)
     out["kv_cache_usage_perc"] = sum(m.get("kv_cache_usage_perc", 0.0) for m in maps) / len(maps)
     out["weight_version"] = min(m.get("weight_version", 0) for m in maps)
-    success: dict[str, int] = {}
+    success: Counter = Counter()
     for m in maps:
-        for reason, n in m.get("request_success", {}).items():
-            success[reason] = success.get(reason, 0) + n
-    out["request_success"] = success
+        success.update(m.get("request_success", {}))
+    out["request_success"] = dict(success)
     for _, key, _ in HISTOGRAMS:
         hs = [m[key] for m in maps if m.get(key)]
         if hs:
@@ -99,8 +99,7 @@ def merge(maps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def replica_maps(stats: dict[str, Any]) -> dict[str | None, dict[str, Any]]:
-    """The metrics maps of a `stats` reply: one per replica behind a router (labelled by its index), else the
-    driver's own."""
+    """The metrics maps of a `stats` reply: one per replica behind a router (labelled by its index), or the driver's."""
     if "replicas" in stats:
         return {str(r.get("index", i)): (r.get("stats") or {}).get("metrics", {})
                 for i, r in enumerate(stats["replicas"])}

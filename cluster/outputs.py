@@ -63,10 +63,8 @@ class GenerationOutput:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only, for msgpack between ranks and on the wire."""
-        d = asdict(self)
-        d["status"] = int(self.status)
-        d["lifespan"] = list(self.lifespan)
-        d["weight_versions"] = [list(p) for p in self.weight_versions]
+        d = asdict(self) | {"status": int(self.status), "lifespan": list(self.lifespan),
+                            "weight_versions": [list(p) for p in self.weight_versions]}
         for key in OPTIONAL_KEYS:  # additive on the wire: only sent when set, so old outputs look as they did
             if d[key] in (None, 0):
                 del d[key]
@@ -74,10 +72,8 @@ class GenerationOutput:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GenerationOutput":
-        d = dict(d)
-        d["status"] = RequestStatus(d["status"])
-        d["lifespan"] = tuple(d["lifespan"])
-        d["weight_versions"] = [tuple(p) for p in d.get("weight_versions", [])]
+        d = dict(d) | {"status": RequestStatus(d["status"]), "lifespan": tuple(d["lifespan"]),
+                       "weight_versions": [tuple(p) for p in d.get("weight_versions", [])]}
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in d.items() if k in known})  # fields a newer server adds are skipped
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import suppress
 
 
 class WakePipe:
@@ -20,10 +21,8 @@ class WakePipe:
         with self._lock:
             if self._write < 0:
                 return
-            try:
+            with suppress(BlockingIOError):  # full: the thread is awake anyway
                 os.write(self._write, b"x")
-            except BlockingIOError:  # full: the thread is awake anyway
-                pass
 
     def drain(self) -> None:
         os.read(self.fd, 65536)

@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="restarts of the whole group after a rank fails (default 3; 0: none). The group comes "
                          "back on the same address with the weights it last served, and clients resume their "
                          "requests token-exactly (docs/recovery.md)")
-    sv.add_argument("--run-dir", help="where the group keeps its state across restarts (default: a new "
-                                      "temporary directory)")
+    sv.add_argument("--run-dir", help="where the group keeps its state across restarts (default: a new temporary dir)")
     sv.add_argument("--launcher", choices=["torchrun", "ray"], default="torchrun",
                     help="ray: start the ranks as Ray actors in a placement group (RAY_ADDRESS joins a running Ray)")
     sv.add_argument("--gpu", action="store_true", help="with --launcher ray: one GPU per rank")

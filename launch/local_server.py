@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
@@ -35,18 +35,13 @@ class LocalServer:
         """SIGINT to the group, then SIGKILL to anything the launcher left behind; the launcher's exit code."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
+        self.returncode = None
+        with suppress(subprocess.TimeoutExpired):
             self.returncode = self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.returncode = None
         return self.returncode
 
 
@@ -81,10 +76,9 @@ def local_server(model_dir: str | os.PathLike, tp: int = 1, config: str | None =
     pumper.start()
     server = LocalServer(proc, address, lines)
     try:
-        try:
+        got = None
+        with suppress(queue.Empty):
             got = ready.get(timeout=ready_timeout)
-        except queue.Empty:
-            got = None
         if got is None:
             raise RuntimeError("lockstep serve did not become ready:\n" + "".join(lines)[-4000:])
         server.address = got

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from contextlib import suppress
 from pathlib import Path
 
 SIZES = {
@@ -26,8 +27,7 @@ BOS, EOS = 1, 2
 def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tiny", seed: int = 0,
                tokenizer: bool | None = None, **overrides) -> Path:
     """Write a checkpoint to out_dir and return its path. `tokenizer`: None writes one when the vocabulary can
-    hold a byte-level BPE, True insists (ValueError if it cannot), False writes none.
-    `overrides` change config fields."""
+    hold a byte-level BPE, True insists (ValueError if it cannot), False writes none. `overrides`: config fields."""
     import torch
     import transformers
     from transformers import GenerationConfig
@@ -36,8 +36,7 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tin
         raise ValueError(f"arch {arch!r} is not one of {ARCHS}")
     if size not in SIZES:
         raise ValueError(f"size {size!r} is not one of {tuple(SIZES)}")
-    fields = dict(SIZES[size], bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False,
-                  rms_norm_eps=1e-6)
+    fields = dict(SIZES[size], bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False, rms_norm_eps=1e-6)
     fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
     if arch == "mistral":
         fields["sliding_window"] = None
@@ -76,13 +75,10 @@ def parse_overrides(pairs: list[str]) -> dict:
             raise SystemExit(f"--set expects key=value, got {pair!r}")
         value: object = raw
         for conv in (int, float):
-            try:
+            with suppress(ValueError):
                 value = conv(raw)
                 break
-            except ValueError:
-                pass
-        value = {"true": True, "false": False, "none": None}.get(raw.lower(), value)
-        out[key] = value
+        out[key] = {"true": True, "false": False, "none": None}.get(raw.lower(), value)
     return out
 
 

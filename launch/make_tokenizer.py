@@ -1,12 +1,10 @@
 """A tokenizer made locally for made checkpoints: a byte-level BPE trained on Python's own docstrings.
 
-Nothing is downloaded: the training text is the documentation strings of a fixed list of standard-library
-modules, read in a fixed order, so one Python version always makes the same tokenizer. When those run out of
-merges before `vocab_size` (about 14.8k tokens), the source of the standard library's top-level modules is added
-(about 6 MB in all: 32k tokens), so that a model's every token decodes to text, as a hub tokenizer's do. Ids 0,
-1, 2 are `<pad>`, `<s>`, `</s>`, then the ChatML markers; if even that text runs out, reserved special tokens
-fill the rest, so `len(tokenizer) == vocab_size`. It is saved as a transformers fast tokenizer
-(`AutoTokenizer.from_pretrained` loads it) with a ChatML chat template; encoding prepends `<s>`.
+Nothing is downloaded: the training text is the docstrings of a fixed list of standard-library modules, in a fixed
+order, so one Python version always makes the same tokenizer; past about 14.8k tokens the standard library's source
+is added (32k tokens), so that every token decodes to text, and reserved special tokens fill what is left. Ids 0, 1,
+2 are `<pad>`, `<s>`, `</s>`, then the ChatML markers. Saved as a transformers fast tokenizer with a ChatML chat
+template; encoding prepends `<s>`.
 """
 
 from __future__ import annotations

@@ -15,5 +15,4 @@ def free_port(host: str = "127.0.0.1") -> int:
 def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
     """The command line that runs `python -m module args` on `nproc` local ranks."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            "-m", module, *args]
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module, *args]

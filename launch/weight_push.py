@@ -1,11 +1,9 @@
 """Push new weights from a trainer process into a running cluster (RL loops).
 
-The trainer asks the driver for an update through a normal client, then joins a process group with every
-serving rank for this one push (it is the last member) and broadcasts its tensors in packed buckets of one
-dtype each. The backend is NCCL when the ranks and the trainer's tensors are on CUDA, gloo otherwise (the
-same `push_backend` on both ends; a mismatch is refused, see worker/push.py). Every serving rank keeps only
-its own shard of each bucket, the update is applied on every rank or on none, and the group is torn down
-after the push on every member. Requires torch in the trainer (cluster.Client alone does not)."""
+The trainer asks the driver for an update through a normal client, then joins a process group with every serving
+rank for this one push (as its last member) and broadcasts its tensors in packed buckets of one dtype each (NCCL
+when both ends are on CUDA, else gloo: worker/push.py). The update is applied on every rank or on none. Requires
+torch in the trainer (cluster.Client alone does not)."""
 
 from __future__ import annotations
 
@@ -43,9 +41,8 @@ def bucket_meta(tensors: dict[str, torch.Tensor], groups: list[list[str]]) -> li
 
 def push_weights(client: Client, tensors: dict[str, torch.Tensor], kv_policy: str = "keep",
                  bucket_bytes: int = 64 << 20, host: str = "127.0.0.1", timeout_s: float = 120.0) -> dict[str, Any]:
-    """Send `tensors` (full, unsharded, transformers' names) to the cluster behind `client`; returns the
-    driver's result ({"ok": True, "version", ...}), or raises WeightUpdateError (rank and reason in it) when
-    the cluster refused the update."""
+    """Send `tensors` (full, unsharded, transformers' names) to the cluster behind `client`; the driver's result,
+    or WeightUpdateError (rank and reason in it) when the cluster refused the update."""
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name}: dtype {t.dtype} cannot be pushed")
@@ -68,8 +65,7 @@ def push_weights(client: Client, tensors: dict[str, torch.Tensor], kv_policy: st
 
 
 def trainer_device(tensors: dict[str, torch.Tensor]) -> torch.device:
-    """The trainer's side of the backend choice: CUDA when every tensor is on CUDA (the first one's device),
-    the CPU otherwise (gloo; CUDA tensors are then copied to the CPU one bucket at a time)."""
+    """The trainer's side of the backend choice: CUDA when every tensor is on CUDA, else the CPU (gloo)."""
     devices = {t.device for t in tensors.values()}
     if devices and all(d.type == "cuda" for d in devices):
         return next(iter(tensors.values())).device

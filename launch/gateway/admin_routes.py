@@ -1,10 +1,8 @@
 """The gateway's admin routes for training loops: `/pause`, `/resume`, `/update_weights`, `/weight_version`.
 
-Each needs `Authorization: Bearer <token>` with the token of the preset's `[serve] http_admin_token` (or env
-LOCKSTEP_HTTP_ADMIN_TOKEN, cluster/config.py). A gateway with no token refuses them to everyone (403); a missing
-or wrong token gets 401. Behind the token they are the driver's admin operations, sent by the gateway's own
-ZeroMQ client (which the driver must take as an admin: a loopback or ipc bind, or CURVE admin keys). The pause
-belongs to that client, so any caller holding the token may resume it. Torch-free."""
+Each needs `Authorization: Bearer <token>` with the admin token (cluster/config.py `http_admin_token`): none set,
+403 to everyone; a missing or wrong one, 401. They are the driver's admin operations, sent by the gateway's own
+client (which the driver must take as an admin); the pause is that client's, so any token holder may resume it."""
 
 from __future__ import annotations
 

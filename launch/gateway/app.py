@@ -1,9 +1,5 @@
-"""The OpenAI-compatible HTTP gateway (FastAPI): a client of the driver, through `AsyncClient` only.
-
-Routes: `/v1/completions`, `/v1/chat/completions` (launch/gateway/openai_serving.py), `/v1/models`, `/health`,
-`/metrics` (cluster/metrics_export.py) and the admin routes (launch/gateway/admin_routes.py). Every refusal is
-OpenAI's error body with the status of launch/gateway/errors.py. docs/http.md describes it all. Torch-free (the
-checkpoint's tokenizer is loaded with transformers when it has one)."""
+"""The OpenAI-compatible HTTP gateway (FastAPI): a client of the driver, through `AsyncClient` only (docs/http.md).
+Every refusal is OpenAI's error body with the status of launch/gateway/errors.py. Torch-free."""
 
 from __future__ import annotations
 
@@ -31,9 +27,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 @dataclass
 class GatewaySettings:
-    """`model_dir`: the checkpoint (for its name and tokenizer); None: asked from the server's `health`.
-    `model_name`: the name clients send (default: the directory's name). `admin_token`: None refuses the admin
-    routes."""
+    """`model_dir`: the checkpoint (its name and tokenizer; None: the server's `health` names it). `model_name`: the
+    name clients send (default: the directory's). `admin_token`: None refuses the admin routes."""
 
     model_dir: str | None = None
     model_name: str | None = None

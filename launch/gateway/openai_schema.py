@@ -53,8 +53,7 @@ class _Common(BaseModel):
             raise HttpError(Code.UNSUPPORTED, "logit_bias is not supported", "logit_bias")
 
     def submit_params(self, max_new_tokens: int | None, logprobs: bool, text: bool) -> dict[str, Any]:
-        """The Lockstep submit keywords (cluster.client.client `submit`) this request asks for, the prompt aside.
-        `text`: ask for text outputs (the checkpoint has a tokenizer; without one, answers carry no text)."""
+        """The submit keywords this request asks for, the prompt aside; `text`: ask for text (there is a tokenizer)."""
         self.check_supported()
         # temperature 0 is greedy, as in OpenAI; unset: the checkpoint's generation config
         params = {"max_new_tokens": max_new_tokens, "return_text": text or None,

@@ -1,16 +1,14 @@
 """One weight update for every replica: all end on the new checkpoint, or all stay on what they served.
 
-Each replica's own update is all-or-none across its ranks (docs/recovery.md, README "Hot weight updates"); this
-extends that across replicas. Before anything changes, every replica must be healthy and each one's current
-weights must be loadable again (a checkpoint path, or its model directory for the initial weights), since that
-is where a refused update rolls back to. Then every replica is paused (in-flight requests keep their KV, new
-ones queue), updated one after the other, and resumed. If one refuses, the replicas already updated are updated
-back to their previous weights (new version numbers, the old weights), and the result says `ok` false with
-the refusing replica and its reason. Torch-free."""
+Each replica's own update is all-or-none across its ranks (docs/recovery.md); this extends that across replicas.
+Every replica must be healthy and its current weights loadable again (where a refused update rolls back to); then
+all are paused, updated one after the other, and resumed. If one refuses, those already updated load their previous
+weights again (new version numbers), and the result says `ok` false with the refusing replica. Torch-free."""
 
 from __future__ import annotations
 
 import time
+from contextlib import suppress
 from typing import Any, Protocol
 
 from cluster.errors import ClientError, WeightUpdateError
@@ -73,15 +71,12 @@ def update_all(clients: list[ReplicaAdmin], path: str, kv_policy: str = "keep",
                 "seconds": time.monotonic() - start}
     finally:
         for c in paused:
-            try:
+            with suppress(ClientError):  # its group restarted meanwhile: a new group is not paused
                 c.resume()
-            except ClientError:  # its group restarted meanwhile: a new group is not paused
-                pass
 
 
 def rollback(clients: list[ReplicaAdmin], previous: list[str], kv_policy: str) -> tuple[list[int], list[str]]:
-    """Load each client's previous weights again: the new version of each, and the errors of those that refused
-    (then the replicas no longer serve the same weights, and the result says so)."""
+    """Load each client's previous weights again: the new version of each, and the errors of those that refused."""
     versions, errors = [], []
     for i, c in enumerate(clients):
         try:

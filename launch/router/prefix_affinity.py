@@ -1,10 +1,8 @@
 """Which replica holds which prompt prefix in its KV cache, as the router learned it from what it routed.
 
-A replica's block manager finds a cached prefix by the chained hash of each full page of the prompt
-(driver/engine/block_manager.py `chain_hash`). The router hashes the prompts it routes the same way and keeps a
-bounded LRU of hash -> replica: a new prompt goes preferably to the replica that was sent the longest run of
-its leading pages. An entry carries the replica's epoch (bumped when the replica restarts or its weights
-change, which empties its prefix cache), so stale entries are ignored. Torch-free."""
+The router hashes the prompts it routes as a block manager does (driver/engine/block_manager.py `chain_hash`) and
+keeps a bounded LRU of hash -> replica, each entry with the replica's epoch then (a restart or new weights empty
+its prefix cache: stale entries are ignored). Torch-free."""
 
 from __future__ import annotations
 
@@ -35,9 +33,8 @@ class PrefixAffinity:
         return out
 
     def holders(self, hashes: list[bytes], epochs: dict[int, int]) -> dict[int, int]:
-        """Replica -> how many leading pages of the prompt it holds (a hash chains the whole prefix before it,
-        so the deepest page sent to a replica counts). Entries whose epoch is not the replica's current one in
-        `epochs` are stale and skipped."""
+        """Replica -> how many leading pages of the prompt it holds (a hash chains the whole prefix before it, so the
+        deepest page counts); entries of an epoch other than the replica's in `epochs` are skipped."""
         depth: dict[int, int] = {}
         for i, h in enumerate(hashes):
             replica, epoch = self.entries.get(h, (None, None))
