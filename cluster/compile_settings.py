@@ -1,7 +1,5 @@
-"""The seed's `varlen_compile_config`, `decode_compile_config` and `default_compile_level` resolved to the
-torch.compile arguments of the two forwards (worker/compiled.py applies them), as transformers'
-`resolve_compile_configs` does: an explicit config wins, else the level's default; level 0: eager. Torch- and
-transformers-free: a transformers CompileConfig is read through its attributes."""
+"""The seed's compile configs and `default_compile_level` resolved to the torch.compile arguments of the two forwards
+(worker/compiled.py applies them), as transformers' `resolve_compile_configs` does. Torch- and transformers-free."""
 
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ class CompileSettings:
 
     @classmethod
     def from_any(cls, obj: Any) -> "CompileSettings | None":
-        """Accept None, ours, transformers' CompileConfig (or anything with its attributes) or a dict (a TOML
-        inline table). Raise ValueError on unknown keys, TypeError on a value of the wrong type."""
+        """Accept None, ours, transformers' CompileConfig (or anything with its attributes) or a dict (TOML)."""
         if obj is None or isinstance(obj, cls):
             return obj
         names = [f.name for f in dataclasses.fields(cls)]
@@ -56,7 +53,6 @@ class CompileSettings:
         return self.mode in CUDAGRAPH_MODES
 
     def torch_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of torch.compile."""
         return {"fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend, "mode": self.mode,
                 "options": self.options}
 
@@ -77,9 +73,8 @@ def default_compile_settings(level: int) -> CompileSettings | None:
 
 def compile_decision(varlen_config: Any, decode_config: Any, level: int, *, use_flash_attn: bool
                      ) -> tuple[CompileSettings | None, CompileSettings | None, list[str]]:
-    """(varlen, decode) compile settings and notes, as transformers resolves them: an explicit config wins;
-    otherwise `default_compile_level`'s default, except for the varlen forward on the flash-attn path (its
-    max_seqlen values change every step, so every step would recompile)."""
+    """(varlen, decode) compile settings and notes: an explicit config wins, else the level's default, except for the
+    varlen forward on the flash-attn path (its max_seqlen values change every step: every step would recompile)."""
     notes: list[str] = []
     default = default_compile_settings(level)
     varlen = CompileSettings.from_any(varlen_config)

@@ -1,10 +1,6 @@
-"""Configuration in one place: the seed's ContinuousBatchingConfig (every field of transformers' class with the
-same name and default, plus Lockstep's own, `LOCKSTEP_FIELDS`), its validation, and its resolution.
-
-`resolve_config` turns it into `ResolvedConfig`: plain numbers that the driver, the workers and the static buffers
-are sized from. A field that cannot apply on this hardware resolves to its effective value, the reasons in
-`ResolvedConfig.notes` (the manager reports them in one log line).
-"""
+"""ContinuousBatchingConfig (transformers' fields and defaults, plus `LOCKSTEP_FIELDS`), its validation, and
+`resolve_config`: the plain numbers every rank is sized from, a field that cannot apply here resolved to its
+effective value with the reason in `ResolvedConfig.notes`."""
 
 from __future__ import annotations
 
@@ -39,8 +35,7 @@ def _is_int(v: Any) -> bool:
 
 @dataclass
 class ContinuousBatchingConfig:
-    """Every field of transformers' ContinuousBatchingConfig, same names and defaults (see shared/seed), then
-    Lockstep's own (LOCKSTEP_FIELDS)."""
+    """Every field of transformers' ContinuousBatchingConfig (shared/seed), then Lockstep's own (LOCKSTEP_FIELDS)."""
 
     page_size: int = 256
     num_blocks: int | None = None
@@ -206,10 +201,8 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
                    kv_bytes_per_token: int, free_bytes: int | None, flash_available: bool,
                    dtype: Any = None, head_dim: int | None = None, system_ram: int | None = None) -> ResolvedConfig:
     """Fill in what the user left to us. `kv_bytes_per_token`: this rank's K+V bytes per token, all layers;
-    `system_ram` (bytes; None: unknown) caps the host KV pool at cpu_offload_space_safety_threshold of it;
-    `dtype` (a torch dtype or its name) and `head_dim` decide whether flash-attn can run (`flash_decision`; left
-    out, it stays off). A computed `num_blocks` is this rank's proposal: the group takes the minimum (`agree_min`).
-    """
+    `system_ram` (None: unknown) caps the host KV pool; `dtype` and `head_dim` decide flash-attn (left out: off).
+    A computed `num_blocks` is this rank's proposal: the group takes the minimum (`agree_min`)."""
     notes: list[str] = []
     page = cfg.page_size
     max_batch_tokens = cfg.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS[device_kind]
@@ -264,8 +257,7 @@ GIB = 1 << 30
 
 
 def host_pool_pages(cfg: ContinuousBatchingConfig, page_bytes: int, system_ram: int | None, notes: list[str]) -> int:
-    """Pages of this rank's shard the host KV pool holds: cpu_offload_space GiB (None or 0: off), capped at
-    cpu_offload_space_safety_threshold of the system's RAM when that is known."""
+    """Pages of the host KV pool: cpu_offload_space GiB (0: off), capped at its safety threshold of the RAM."""
     want = int((cfg.cpu_offload_space or 0) * GIB)
     if want and system_ram is not None and want > cfg.cpu_offload_space_safety_threshold * system_ram:
         capped = int(cfg.cpu_offload_space_safety_threshold * system_ram)
@@ -318,8 +310,7 @@ def flash_decision(*, device_kind: str, flash_available: bool, wanted: bool, dty
 
 
 def read_preset(preset: dict | str | os.PathLike | None) -> dict[str, Any]:
-    """A preset as a dict: given as one (the Ray launcher ships it that way, so no file has to exist on the
-    actor's node), read from a TOML path, or empty."""
+    """A preset as a dict: given as one (as the Ray launcher ships it), read from a TOML path, or empty."""
     if preset is None or isinstance(preset, dict):
         return preset or {}
     with open(preset, "rb") as f:
@@ -337,8 +328,7 @@ HTTP_SERVE_KEYS = ("http_admin_token",)  # [serve] keys the HTTP gateway reads (
 
 
 def http_admin_token(serve_table: dict[str, Any] | None) -> str | None:
-    """The bearer token of the HTTP admin routes: env LOCKSTEP_HTTP_ADMIN_TOKEN, else the preset's [serve]
-    `http_admin_token`; None (admin routes refused to everyone) when neither is set or it is empty."""
+    """The HTTP admin routes' bearer token: env LOCKSTEP_HTTP_ADMIN_TOKEN, else [serve] `http_admin_token`, or None."""
     token = os.environ.get(HTTP_ADMIN_TOKEN_ENV) or (serve_table or {}).get("http_admin_token")
     if token is not None and not isinstance(token, str):
         raise ValueError("[serve] http_admin_token must be a string")

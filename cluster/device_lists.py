@@ -8,8 +8,7 @@ import torch
 
 
 def on_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list or array as a tensor on `device` without waiting for the device: on CUDA it goes through pinned
-    memory and is copied in stream order (torch keeps the pinned block until the copy has run), so queuing a step's
-    sampling or a graph replay behind forwards still in flight never blocks the host."""
+    """A host list or array as a tensor on `device` without waiting for it: on CUDA through pinned memory, copied in
+    stream order (torch keeps the pinned block until the copy ran), so queuing work never blocks the host."""
     host = torch.tensor(values, dtype=dtype, device="cpu")  # on the host whatever the default device
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)

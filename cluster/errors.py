@@ -1,6 +1,5 @@
-"""Typed errors with codes, one catalogue for the engine, the wire and the clients: every error that can reach
-a user carries a `code` from `Code`; callers branch on the type or the code, never on message text. Torch-free.
-"""
+"""Typed errors with codes, one catalogue for the engine, the wire and the clients: callers branch on the type or
+the `code`, never on message text. Torch-free."""
 
 from __future__ import annotations
 
@@ -87,8 +86,7 @@ class ServerGone(ClientError):
 
 
 class WeightUpdateError(ClientError):
-    """A weight update was refused; nothing changed on any rank. `rank` is the first rank that refused
-    (None when unknown) and `reason` what it said."""
+    """A weight update was refused; nothing changed on any rank. `rank`: the first that refused, `reason` its word."""
 
     def __init__(self, reason: str, rank: int | None = None, result: dict | None = None):
         where = f"rank {rank}: " if rank is not None and not reason.startswith("rank ") else ""
@@ -97,9 +95,8 @@ class WeightUpdateError(ClientError):
 
 
 class RequestLost(ClientError):
-    """The server lost a request and the client did not resume it. `code` is the failure's (rank_failed,
-    driver_failed, server_gone ...); `reason` why there was no resume (one of the names below);
-    `tokens_delivered` the generated tokens this client received; `resumes` the resumes the server accepted."""
+    """The server lost a request and the client did not resume it. `code` is the failure's; `reason` why there was
+    no resume (one of the names below); `tokens_delivered` and `resumes` what this client received and made."""
 
     RESUME_OFF = "resume_off"  # the client was made with resume=False
     MAX_RESUMES = "max_resumes"  # it was lost again after max_resumes resumes

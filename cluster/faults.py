@@ -1,9 +1,6 @@
-"""Fault injection for the chaos tests: named points in the engine that raise when the environment asks.
-
-`LOCKSTEP_FAULTS` holds comma-separated rules `point[:key=value...]`, e.g. `driver_step:step=5`,
-`sample:request=r7` or `worker_execute:rank=1:step=3`: a point raises `InjectedFault` when every key of a rule
-equals (as text) the value passed at the call. Unset (always, outside tests), `hit` only reads and returns.
-"""
+"""Fault injection for the chaos tests. `LOCKSTEP_FAULTS` holds comma-separated rules `point[:key=value...]`, e.g.
+`worker_execute:rank=1:step=3`: a point raises `InjectedFault` when every key of a rule equals (as text) the value
+passed at the call. Unset (always, outside tests), `hit` only reads and returns."""
 
 from __future__ import annotations
 

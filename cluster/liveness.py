@@ -1,6 +1,5 @@
-"""Who is still alive: each rank stamps (step, time) into the process group's key-value store from a small
-thread, so that when a collective fails the driver can name the rank that died or stopped answering (a
-broken gloo group cannot say which peer it lost)."""
+"""Who is still alive: each rank stamps (step, time) into the group's store from a small thread, so that when a
+collective fails the driver can name the rank that died (a broken gloo group cannot say which peer it lost)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Prometheus text for the driver's `metrics` map (driver/api/serving_metrics.py, in the `stats` reply).
-
-Names follow vLLM's under a `lockstep:` prefix, labelled with `model_name`, so existing dashboards need only the
-prefix changed (`gpu_cache_usage_perc` and `time_per_output_token_seconds` are vLLM's older names). Behind a
-replica router (launch/router/router.py) every series also has a `replica` label; `merge` gives the `stats`
-reply's summed map. Torch-free.
-"""
+"""Prometheus text for the driver's `metrics` map (driver/api/serving_metrics.py, in the `stats` reply). Names are
+vLLM's under a `lockstep:` prefix, so dashboards need only the prefix changed; behind a replica router every series
+also has a `replica` label, and `merge` gives the summed map. Torch-free."""
 
 from __future__ import annotations
 
@@ -43,8 +39,7 @@ HISTOGRAMS = (
 
 
 class MetricsSnapshot(Collector):
-    """The families of one or more `metrics` maps (collected once per scrape): {replica label: map}, with the
-    label None for a single driver (no `replica` label then)."""
+    """The families of {replica label: `metrics` map} (label None: a single driver, no `replica` label)."""
 
     def __init__(self, maps: dict[str | None, dict[str, Any]], model_name: str):
         self.maps, self.model_name = maps, model_name

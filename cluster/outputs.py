@@ -26,11 +26,8 @@ OPTIONAL_KEYS = ("resumes", "text", "finish_reason", "stop_string")  # in to_dic
 
 @dataclass
 class GenerationOutput:
-    """One request's result (or, when streaming, its state so far).
-
-    `weight_versions` is compact: a list of (index into generated_tokens, version) pairs, one per change, so
-    token i was produced by the last pair whose index is <= i.
-    """
+    """One request's result (or, when streaming, its state so far). `weight_versions` is compact: (index into
+    generated_tokens, version) pairs, one per change; token i comes from the last pair whose index is <= i."""
 
     request_id: str
     prompt_ids: list[int] = field(default_factory=list)

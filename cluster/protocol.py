@@ -1,10 +1,5 @@
-"""The wire format between clients and the driver's front door: msgpack maps over ZeroMQ, versioned.
-
-Every message is one ZeroMQ frame holding a msgpack map with `v` (PROTOCOL_VERSION), `kind`, and `mid`
-(the client's message id, echoed in the reply). docs/protocol.md is the written contract; this module is
-its only implementation, shared by the server and every client. Decoding is strict (size limits, map keys
-must be strings) and never runs code: nothing is pickled.
-"""
+"""The wire format between clients and the front door: one msgpack map a ZeroMQ frame with `v`, `kind` and `mid`.
+docs/protocol.md is the contract; this module its only implementation. Decoding is strict and never runs code."""
 
 from __future__ import annotations
 
@@ -207,8 +202,7 @@ def check_store(value: Any, mid: Any = None) -> str:
 
 
 def check_buckets(value: Any, mid: Any = None) -> list[list[list[Any]]]:
-    """Buckets of a push: a list of non-empty lists of [name (str), shape (list of ints >= 0), dtype], one dtype a
-    bucket, dtype one of PUSH_DTYPES."""
+    """Buckets of a push: non-empty lists of [name, shape (ints >= 0), dtype], one dtype of PUSH_DTYPES a bucket."""
     if not isinstance(value, list) or not value:
         raise _bad("buckets must be a non-empty list of buckets", mid)
     for b, bucket in enumerate(value):

@@ -1,8 +1,5 @@
-"""Waking a thread that sleeps in `zmq.Poller.poll` (the front door, the client's I/O thread, the router).
-
-Register `fd` for POLLIN; any thread calls `wake`; the poller calls `drain` when `fd` fired. `close` closes both
-ends once; a later `wake` does nothing (never writing to a closed descriptor's number, maybe reused). Torch-free.
-"""
+"""Waking a thread that sleeps in `zmq.Poller.poll`: register `fd` for POLLIN; any thread calls `wake`; the poller
+calls `drain` when `fd` fired. After `close`, `wake` does nothing (a closed descriptor's number may be reused)."""
 
 from __future__ import annotations
 

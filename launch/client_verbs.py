@@ -1,8 +1,6 @@
-"""CLI verbs that talk to a running cluster: `submit`, `stats`, `health`, `update-weights`.
-
-A refused call prints `{"error": code, "message": ...}` on stderr and exits 2; a refused weight update
-(WeightUpdateError) prints the cluster's result on stdout, adds its `rank` and `reason` and exits 1. A server
-that stops answering ends the call with `server_gone` after `--server-timeout` seconds of silence."""
+"""CLI verbs that talk to a running cluster: `submit`, `stats`, `health`, `update-weights`. A refused call prints
+`{"error": code, "message": ...}` on stderr and exits 2; a refused weight update also prints the cluster's result
+on stdout, adds its `rank` and `reason` and exits 1."""
 
 from __future__ import annotations
 

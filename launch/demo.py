@@ -1,9 +1,5 @@
-"""The main job: every rank loads its shard and runs one generate_batch; rank 0 prints what came out.
-
-Run through `lockstep run` (which starts the ranks with torchrun), or directly:
-`torchrun --nproc-per-node 2 -m launch.demo --model models/tiny-llama`. With a tokenizer beside the weights
-(`lockstep make-model` writes one) the prompts are text and the outputs print as text beside their ids.
-"""
+"""The main job (`lockstep run`, or `torchrun --nproc-per-node 2 -m launch.demo --model DIR`): every rank loads its
+shard and runs one generate_batch; rank 0 prints what came out, as text too when the checkpoint has a tokenizer."""
 
 from __future__ import annotations
 

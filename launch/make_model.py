@@ -1,9 +1,5 @@
-"""`lockstep make-model`: a randomly initialised checkpoint written by transformers' own classes.
-
-Nothing is downloaded: the config is built here, the weights are drawn from a seeded generator, and
-`save_pretrained` writes config.json, generation_config.json and model.safetensors; a tokenizer of the model's
-vocabulary size is trained and written next to them (launch/make_tokenizer.py) when the vocabulary can hold one.
-"""
+"""`lockstep make-model`: a randomly initialised checkpoint written by transformers' own classes from a seeded
+generator (nothing is downloaded), with a tokenizer of its vocabulary size (launch/make_tokenizer.py)."""
 
 from __future__ import annotations
 

@@ -4,12 +4,7 @@ A PACK placement group reserves one bundle per rank (so the gloo/NCCL traffic st
 actor sets torchrun's environment (MASTER_ADDR: rank 0's node IP) and runs `launch.serve.serve_rank` in a thread:
 a Ray actor must not install signal handlers or `os._exit`, so stopping is an event and ending it is `ray.kill`.
 A failed group restarts in the same bundles (`--max-restarts`, docs/recovery.md). Only these few strings and
-integers cross through Ray; the ranks talk over their own process groups, and clients over ZeroMQ.
-
-    handle = start_ray_cluster("models/tiny-llama", tp=2)
-    print(handle.client().generate([1, 2, 3], max_new_tokens=8).generated_tokens)
-    handle.shutdown()
-"""
+integers cross through Ray; the ranks talk over their own process groups, and clients over ZeroMQ (README)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The I/O thread behind a client: it alone owns the ZeroMQ DEALER socket; calls hand it frames (`call`,
-`track`) and wait on futures.
+"""The I/O thread behind a client: it alone owns the ZeroMQ DEALER socket; calls hand it frames and wait on futures.
 
 While anything is outstanding (a request, a reply, a held pause) it pings the server every second; a server
 silent for `server_timeout_s` is gone (`ServerGone`). The pong names the server (an id new at each start), like

@@ -1,6 +1,5 @@
-"""A submitted request as its client sees it: a future for the final output, a queue of streamed outputs (the
-last one final, or the error that ended it), and what a resume needs: the submit's fields, the tokens delivered
-with their weight versions, the resume count (docs/recovery.md). Torch-free."""
+"""A submitted request as its client sees it: a future for the final output, a queue of streamed outputs (the last
+one final, or the error that ended it), and what a resume needs (docs/recovery.md). Torch-free."""
 
 from __future__ import annotations
 

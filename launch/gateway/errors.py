@@ -1,7 +1,5 @@
-"""The HTTP gateway's errors: every Lockstep error code mapped to an HTTP status, in OpenAI's error body.
-
-`{"error": {"message", "type", "param", "code"}}`; `code` is the Lockstep code (cluster/errors.py `Code`) or one
-of the gateway's own below. Torch-free."""
+"""The HTTP gateway's errors: every Lockstep error code (or the gateway's own, below) mapped to an HTTP status, in
+OpenAI's error body. Torch-free."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""OpenAI's request bodies for /v1/completions and /v1/chat/completions (pydantic, OpenAI's field names), and
-what each asks of a Lockstep submit. Unknown fields are ignored, as OpenAI-compatible servers do; known fields
-this server cannot honour are refused with `unsupported`. Torch-free."""
+"""OpenAI's request bodies (pydantic) and what each asks of a Lockstep submit. Unknown fields are ignored, as
+OpenAI-compatible servers do; known fields this server cannot honour are refused with `unsupported`. Torch-free."""
 
 from __future__ import annotations
 

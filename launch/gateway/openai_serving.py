@@ -1,10 +1,9 @@
 """OpenAI completions and chat completions on a Lockstep cluster: each choice is one submit through
 `AsyncClient`; answers are OpenAI's response objects, or Server-Sent Events chunks ending with `data: [DONE]`.
 
-A caller that goes away cancels its requests: a non-streaming call's waiting task is cancelled (the gateway
-watches the connection) and sends `cancel`; a stream closed early ends its `AsyncClient.stream`, which cancels.
-A seeded call samples the same tokens each time: a request's own seed alone keys the sampler's noise, and
-choice i > 0 of a call gets a seed derived from (seed, i), so its n choices differ. Torch-free."""
+A caller that goes away cancels its requests (the gateway watches the connection; a stream closed early ends its
+`AsyncClient.stream`, which cancels). Choice i > 0 of a seeded call gets a seed derived from (seed, i), so its n
+choices differ and each samples the same tokens each time. Torch-free."""
 
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ class Choice:
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
-    """Choice `index`'s seed: the call's for the first choice, one derived from (seed, index) for the others, so
-    the n choices of a seeded call differ and a call made again samples each of them the same."""
+    """Choice `index`'s seed: the call's for the first choice, one derived from (seed, index) for the others."""
     if seed is None or index == 0:
         return seed
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
@@ -165,8 +163,7 @@ class OpenAIServing:
 
     async def _stream(self, choices: list[Choice], params: dict[str, Any]
                       ) -> AsyncIterator[tuple[Choice, GenerationOutput] | None]:
-        """None once every choice was accepted (a refusal raises first), then every output of every choice as it
-        comes; leaving early cancels what still runs."""
+        """None once every choice was accepted (or a refusal raises), then every output as it comes."""
         opened = await asyncio.gather(*(self._open_stream(c, params) for c in choices), return_exceptions=True)
         failed = [o for o in opened if isinstance(o, BaseException)]
         if failed:

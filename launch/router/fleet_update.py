@@ -37,8 +37,8 @@ def restorable(weights: dict[str, Any], fallback: str | None) -> str | None:
 
 def update_all(clients: list[ReplicaAdmin], path: str, kv_policy: str = "keep",
                fallbacks: list[str | None] | None = None) -> dict[str, Any]:
-    """Update every replica from the checkpoint at `path`, all or none. `fallbacks[i]`: replica i's model
-    directory (its initial weights). Returns {ok, versions, seconds} or {ok: false, error, replica, ...}."""
+    """Update every replica from `path`, all or none (`fallbacks[i]`: replica i's model directory, its initial
+    weights): {ok, versions, seconds} or {ok: false, error, replica, ...}."""
     start = time.monotonic()
     fallbacks = fallbacks or [None] * len(clients)
     previous: list[str] = []

@@ -3,12 +3,7 @@
 Each replica is a whole group as `lockstep serve --launcher ray` starts it (launch/ray_launcher.py), with its own
 placement group, front door, weights record and supervision thread (docs/replicas.md). `spread=True` pins each
 group to a different node through a sliver of its `node:<ip>` resource; the replicas then bind every interface so
-that the router (launch/router/router.py, in this process) can reach them.
-
-    fleet = start_replicas("models/tiny-llama", tp=1, replicas=2)
-    print(fleet.client().generate([1, 2, 3], max_new_tokens=8).generated_tokens)
-    fleet.shutdown()
-"""
+that the router (launch/router/router.py, in this process) can reach them."""
 
 from __future__ import annotations
 
@@ -100,10 +95,9 @@ def start_replicas(model_dir: str | os.PathLike, tp: int | list[int] = 1, replic
                    spread: bool = False, gpu: bool = False, max_restarts: int = 3, ready_timeout: float = 300.0,
                    ray_init: dict | None = None, run_dir: str | None = None, policy: str | None = None,
                    service_name: str | None = None) -> Replicas:
-    """Start `replicas` groups of `tp` ranks (or one group per entry of a list of TP sizes) and the router bound
-    to `address` (default tcp://127.0.0.1:5555); returns once every replica is healthy. `config`: the preset
-    (its `[router]` table sets RouterConfig fields). Ray is initialised with `ray_init` if it is not yet.
-    `service_name`: publish a ServiceHandle actor of that name (namespace `lockstep`) for Ray jobs."""
+    """Start `replicas` groups of `tp` ranks (or one per entry of a list of TP sizes) and the router at `address`;
+    returns once every replica is healthy. The preset's `[router]` table sets RouterConfig fields; `service_name`:
+    publish a ServiceHandle actor of that name (namespace `lockstep`) for Ray jobs."""
     import ray
 
     tps = list(tp) if isinstance(tp, list) else [tp] * replicas

@@ -1,15 +1,10 @@
 """One front door for several replicas: a ZeroMQ ROUTER socket speaking the driver's protocol (docs/protocol.md).
 
-Clients connect to the router exactly as to one group's front door. Each submit is checked (cluster/protocol.py
-`parse_submit`) and sent to one replica (launch/router/replica_pool.py `choose`) through that replica's client,
-always streaming, so the router holds the tokens a resume needs; `accepted`, `rejected`, `tokens`, `final` and
-`error` go back under the client's own request id. A request whose replica dies is resumed on another one
-(launch/router/failover.py): the client sees one uninterrupted answer. `health` and `stats` are answered here
-(launch/router/stats.py); `update_weights` updates every replica, all or none (launch/router/fleet_update.py);
-`pause` and `resume` are refused with `unsupported`. Sends never block (driver/frontdoor/client_outbox.py). A
-client that says `bye`, goes quiet for `client_timeout_s` or disconnects has its requests cancelled.
-
-One thread owns the socket; the replicas' I/O threads and the helpers hand it events through a queue. Torch-free."""
+Clients connect to the router exactly as to one group's front door (docs/replicas.md). Each submit goes to one
+replica (replica_pool.py `choose`) through that replica's client, always streaming, so the router holds the tokens
+a resume needs (failover.py); `health`, `stats` and `update_weights` are answered here (stats.py); `pause` and
+`resume` are refused with `unsupported`. A client that says `bye`, goes quiet or disconnects has its requests
+cancelled. One thread owns the socket; other threads hand it events through a queue. Torch-free."""
 
 from __future__ import annotations
 
@@ -81,8 +76,8 @@ class Counters:
 
 class Router:
     def __init__(self, addresses: list[str], config: RouterConfig, fallback_paths: list[str | None] | None = None):
-        """`addresses`: each replica's front door. `fallback_paths`: each replica's model directory, the
-        weights a fleet update rolls back to when a replica still serves its initial weights."""
+        """`addresses`: each replica's front door; `fallback_paths`: each one's model directory (a fleet update's
+        rollback to the initial weights)."""
         from launch.router.stats import RouterStats
 
         self.config = config
