@@ -195,7 +195,7 @@ def test_generated_blocks_become_shareable_while_bursting(make_checkpoint):
     runner, rc, groups = model.build_runner(burst_config(allow_block_sharing=True))
     engine = Engine(runner, rc, groups, seed=None)
     req = Request("r", list(range(3, 23)), max_new_tokens=60)
-    engine.add(req)
+    engine.scheduler.add(req)
     while len(req.generated) < 40:
         engine.step()
     assert engine.num_burst_forwards > 0 and req.num_computed > req.num_tokens
@@ -232,7 +232,7 @@ def run_burst_engine(make_checkpoint, on_forward=None, between=None):
     prompts = mixed_prompts(2048)[3:6]
     reqs = [Request(f"r{i}", p, max_new_tokens=14) for i, p in enumerate(prompts)]
     for r in reqs:
-        engine.add(r)
+        engine.scheduler.add(r)
     while engine.has_work():
         engine.step()
         if between is not None:

@@ -83,7 +83,7 @@ def run_engine(runner, rc, groups, prompts, limits) -> tuple[list[list[int]], li
     runner.launch = lambda plan: plans.append(plan) or launch(plan)
     reqs = [Request(f"r{i}", p, max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, limits))]
     for r in reqs:
-        engine.add(r)
+        engine.scheduler.add(r)
     while engine.has_work():
         engine.step()
     assert engine.in_flight is None and engine.blocks.num_free == rc.num_blocks

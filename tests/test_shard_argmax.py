@@ -60,7 +60,7 @@ def test_the_engine_chooses_on_shards_only_for_plain_greedy_rows_without_logprob
             Request("logprobs", prompts[2], 4, return_logprobs=True),
             Request("sampled", prompts[3], 8, sampling=SamplingParams(do_sample=True, temperature=5.0, seed=1))]
     for r in reqs:
-        engine.add(r)
+        engine.scheduler.add(r)
     while engine.has_work():
         engine.step()
     reference = hf_greedy(model_dir, prompts)

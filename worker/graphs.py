@@ -87,10 +87,6 @@ class DecodeGraphs:
         self.addresses: dict[str, int] = {}
         self.stats: dict[str, Any] = {"captured_buckets": [], "replays": 0, "eager_steps": 0}
 
-    @property
-    def captured(self) -> bool:
-        return bool(self.graphs)
-
     def capture_all(self, prepare: Callable[[int], tuple[Callable[[], torch.Tensor], dict[str, torch.Tensor]]],
                     reads: Callable[[], dict[str, int]]) -> None:
         """Capture every bucket, largest first (smaller ones reuse the shared pool), then snapshot the

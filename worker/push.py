@@ -133,9 +133,8 @@ def preflight(model: CausalLM, buckets: list[list[list[Any]]]) -> str:
 
 def receive_buckets(model: CausalLM, pg: Any, buckets: list[list[list[Any]]], root: int, device: torch.device,
                     rank: int = 0) -> tuple[Staged, str]:
-    """(staged, error): every bucket from `root` into one buffer, keeping this rank's slices. A rank that fails
-    on a bucket still receives the rest, so every member runs the same broadcasts. Every serving rank of the
-    update group calls it while the trainer runs `send_buckets`."""
+    """(staged, error): every bucket from `root` into one buffer, keeping this rank's slices. A rank that fails on
+    a bucket still receives the rest, so every member runs the same broadcasts (while the trainer `send_buckets`)."""
     buf = receive_buffer(max(bucket_bytes(b) for b in buckets), device)
     staged: Staged = []
     error = ""
@@ -158,9 +157,8 @@ def receive_buckets(model: CausalLM, pg: Any, buckets: list[list[list[Any]]], ro
 
 
 def stage_pushed(model: CausalLM, rank: int, tp: int, device: torch.device, call: Any) -> Staged:
-    """This rank's shard of the trainer's push (`call`: an UpdateCall with source "push"); the model is not
-    touched. Every serving rank calls it while the trainer runs `launch.weight_push.push_weights`. Holds at most
-    its shard plus one bucket; on any problem raises ValueError (naming the rank) once any group is torn down."""
+    """This rank's shard of the trainer's push; the model is not touched. Every serving rank calls it while the
+    trainer runs `launch.weight_push.push_weights`; on any problem raises ValueError once any group is torn down."""
     world, trainer = tp + 1, tp
     store = open_store(call.store, world, call.timeout_s)
     try:
@@ -183,29 +181,19 @@ def stage_pushed(model: CausalLM, rank: int, tp: int, device: torch.device, call
         del store
 
 
-def wait_verdicts(store: Any, tp: int, deadline: float, gave_up: Callable[[], bool]) -> list[dict] | None:
-    """The trainer's wait for every rank's verdict: None when `gave_up()` (the cluster answered already, e.g.
-    refused before dialling the store); TimeoutError past `deadline`."""
-    keys = [verdict_key(r) for r in range(tp)]
-    while not store.check(keys):
-        if gave_up():
-            return None
+def send_buckets(store: Any, tp: int, tensors: dict[str, torch.Tensor], groups: list[list[str]],
+                 device: torch.device, timeout_s: float, gave_up: Callable[[], bool] = lambda: False) -> bool:
+    """The trainer's side of one push (rank tp of the update group), once the update call went out: wait for the
+    verdicts, then, if the ranks agreed, broadcast each bucket and agree. True when every member took every bucket;
+    False when the push was refused or a rank failed (the cluster's answer says why)."""
+    keys, deadline = [verdict_key(r) for r in range(tp)], time.monotonic() + timeout_s
+    while not store.check(keys):  # every rank's verdict
+        if gave_up():  # the cluster answered already (e.g. refused before dialling the store)
+            return False
         if time.monotonic() > deadline:
             raise TimeoutError("the serving ranks did not answer the push within its timeout")
         time.sleep(0.01)
-    return read_verdicts(store, tp)
-
-
-def send_buckets(store: Any, tp: int, tensors: dict[str, torch.Tensor], groups: list[list[str]],
-                 device: torch.device, timeout_s: float, gave_up: Callable[[], bool] = lambda: False) -> bool:
-    """The trainer's side of one push (rank tp of the update group), once its device type is in the store and
-    the update call went out: wait for the verdicts, then, if the ranks agreed, broadcast each bucket on the
-    backend's device and agree. True when every member took every bucket; False when the push was refused or a
-    rank failed (the cluster's answer says why). The group is torn down on return."""
-    verdicts = wait_verdicts(store, tp, time.monotonic() + timeout_s, gave_up)
-    if verdicts is None:
-        return False
-    backend, _ = agreed_backend(verdicts, device.type)
+    backend, _ = agreed_backend(read_verdicts(store, tp), device.type)
     if not backend:
         return False
     local = backend_device(backend, device)

@@ -94,7 +94,7 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture every bucket's decode step. Every rank calls it at once (all-reduces): `execute`, the first time."""
-        if self.graphs is None or self.graphs.captured:
+        if self.graphs is None or self.graphs.graphs:  # none, or captured already
             return
 
         def prepare(bucket: int):

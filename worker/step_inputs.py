@@ -44,7 +44,7 @@ class StaticBuffers:
         self._staging: list[torch.Tensor] = []  # made on first use (never for the meta device)
         self._events: list[object | None] = [None, None]
         self.turn = 0  # which staging buffer (0 or 1) the current or last step was laid out in
-        self._host: np.ndarray | None = None
+        self._host: np.ndarray | None = None  # the staging buffer being laid out, and how far
         self._cursor = 0
 
     def begin(self) -> None:
@@ -97,12 +97,9 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
                  bucket: int | None = None, row_views: bool = False) -> tuple[torch.Tensor, AttnMeta, int]:
     """Lay `plan` out in the static buffers. Returns (input ids, attention metadata, real logit rows).
 
-    `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes (rows, KV width, one logit row
-    per bucket row); None: the eager layout, padded only as far as this step needs. A burst plan (`burst` > 1)
-    widens the decode key-slot lists by `burst - 1` positions and lays their slots out last (`dec_ahead`): the
-    lists hold the scratch slot there until the burst's forwards reach them (ModelRunner._advance), so a page's
-    stale K/V (a NaN) is never read, not even masked. `row_views` (an eager float32 CPU forward): a plan of one
-    forward lists each decode row's pages (`AttnMeta.dec_rows`) instead of its key slots."""
+    `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes; None: padded only as far as this
+    step needs. A burst's later key slots (`dec_ahead`): docs/architecture.md, "Multi-step decode". `row_views`
+    (an eager float32 CPU forward): a plan of one forward lists each decode row's pages (`AttnMeta.dec_rows`)."""
     page, flash_on, tables = rc.page_size, rc.use_flash_attn, plan.block_tables
     scratch = scratch_block * page
     q_lens, kv_lens = plan.q_lens.astype(np.int64), plan.kv_lens.astype(np.int64)

@@ -21,9 +21,8 @@ class Handle(Generic[T]):
 
     def __init__(self) -> None:
         self._done = threading.Event()
-        self._value: Any = None
         self._error: BaseException | None = None
-        self._event: Any = None  # a CUDA event recorded after the function's device work
+        self._value = self._event = None  # _event: a CUDA event recorded after the function's device work
 
     def _set(self, value: Any = None, error: BaseException | None = None) -> None:
         self._value, self._error = value, error

@@ -1,13 +1,9 @@
 """Rank 0's loop thread: the only thread of the driver that talks on the control group while it runs.
 
-Each pass: take what users left in the inbox (adds, cancels, weight updates), park for a pause, run one engine
-step, and make sure some plan reaches the workers at least every IDLE_HEARTBEAT_S, whatever the inbox does (a
-worker waiting in `recv_plan` longer than `cpu_group_timeout` would take the group down).
-
-When the loop dies it decides whose fault it was: a rank that stopped stamping liveness (named, `rank_failed`),
-or the driver itself (`driver_failed`: the healthy workers get a best-effort STOP). Either way every outstanding
-request ends with that error, the manager refuses new ones, and the process exits non-zero (launch/serve.py).
-"""
+Each pass: take what users left in the inbox, park for a pause, run one engine step, and make sure some plan reaches
+the workers at least every IDLE_HEARTBEAT_S, whatever the inbox does (a worker waiting in `recv_plan` longer than
+`cpu_group_timeout` would take the group down). How a dying loop names the fault: docs/architecture.md, "The
+lockstep rules"."""
 
 from __future__ import annotations
 
@@ -118,7 +114,7 @@ class DriverLoop:
         kind, arg = item
         if kind == "add":
             if not arg.is_finished:  # a cancel that overtook its add already ended it
-                self.engine.add(arg)
+                self.engine.scheduler.add(arg)
         elif kind == "update":
             call, local, fut = arg
             self._send(Command.CALL, call=call.to_dict())
@@ -152,8 +148,7 @@ class DriverLoop:
         """Outputs owed to the workers (and `extra` keys, such as a call), packed for the next plan."""
         if not self.outbox and not extra:
             return b""
-        data = msgpack.packb({"outputs": self.outbox, **extra})
-        self.outbox = []
+        data, self.outbox = msgpack.packb({"outputs": self.outbox, **extra}), []
         return data
 
     # ------------------------------------------------------------------ endings

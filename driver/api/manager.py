@@ -111,9 +111,8 @@ class ContinuousBatchingManager:
         self.requests: dict[str, Request] = {}  # live requests by id (driver)
         self.thread: threading.Thread | None = None
         self.stop_event = threading.Event()
-        self.hard = False
+        self.hard = self.destroyed = False
         self.held = False  # scheduling held by a client's pause: requests queue, nothing steps
-        self.destroyed = False
         self.loop_error: BaseException | None = None
         self.failure: str | None = None  # what the loop died of, naming the rank when it can
         self.failure_code: str | None = None  # cluster.errors.Code of that failure (rank_failed, driver_failed)
@@ -136,8 +135,7 @@ class ContinuousBatchingManager:
         if self.is_running():
             return
         self.stop_event.clear()
-        self.hard = False
-        self.loop_error = None
+        self.hard, self.loop_error = False, None
         self.failure = self.failure_code = None
         if self.liveness is None and self.groups.distributed:
             self.liveness = Liveness(self.groups).start()
@@ -151,9 +149,7 @@ class ContinuousBatchingManager:
 
     def loop_answers(self, deadline_s: float) -> bool:
         """The loop runs and came round within `deadline_s`, or a pause parks it (a pause may last any time)."""
-        if not self.is_running():
-            return False
-        return self.gate.parked or time.monotonic() - self.loop_beat < deadline_s
+        return self.is_running() and (self.gate.parked or time.monotonic() - self.loop_beat < deadline_s)
 
     def warmup(self) -> None:
         """One padded step on the scratch block (first-request costs paid now). Every rank calls it, before `start`."""
@@ -238,9 +234,8 @@ class ContinuousBatchingManager:
                              resume_versions=resume_versions, resumes=resumes)
 
     def submit(self, req: Request, sink: Callable[[GenerationOutput], None] | None = None) -> str:
-        """Queue a built request (driver only). `sink`, when given, receives every output of it on the loop
-        thread (it must be quick); otherwise outputs go to the result router. Raises RequestRejected
-        (duplicate id), QueueFull or ManagerStopped; never queues a request no loop will run."""
+        """Queue a built request (driver only); `sink` receives its outputs on the loop thread (else the result
+        router). Raises RequestRejected (duplicate id), QueueFull or ManagerStopped; never queues what no loop runs."""
         rid = req.request_id
         req.sink = sink
         with self._lock:  # the inbox put is under the lock too, so a cancel can never overtake its add
@@ -343,8 +338,7 @@ class ContinuousBatchingManager:
 
 def run_worker_side(m: ContinuousBatchingManager) -> None:
     """The loop thread of a non-driver rank: execute every plan (worker/loop.py) and act on what plans carry for
-    this rank's callers (outputs they read, weight-update calls); returns at STOP or when the loop fails. A loop that
-    dies stops stamping liveness at once, so the driver's failing collective names this rank."""
+    this rank's callers. A loop that dies stops stamping liveness at once, so the driver names this rank."""
     try:
         for plan in worker_loop(m.runner, m.groups, m.gate, m.barrier, lambda: m.wants_results, m.liveness):
             data = msgpack.unpackb(plan.data)

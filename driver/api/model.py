@@ -56,9 +56,8 @@ class ClusterModel:
     # ---------------------------------------------------------------- what transformers scripts touch
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """(transformers name, this rank's shard) for every tensor of the checkpoint, as Parameters sharing storage
-        with the weights the forward reads, so in-place changes (inside `with manager.pause():` while a manager
-        runs) are what the next requests use. A tied lm_head appears once (remove_duplicate=False adds it)."""
+        """(transformers name, this rank's shard) for every checkpoint tensor, as Parameters sharing storage with
+        the live weights (worker/named_shards.py). A tied lm_head appears once (remove_duplicate=False adds it)."""
         if self._params is None:  # views never move: the parameters' storage is fixed for the model's life
             self._params = {n: nn.Parameter(t, requires_grad=False)
                             for n, t in named_shards(self.model, with_tied=True).items()}
@@ -68,8 +67,7 @@ class ClusterModel:
                 yield prefix + name, p
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
-            yield p
+        return (p for _, p in self.named_parameters())
 
     def state_dict(self, *args: Any, prefix: str = "", keep_vars: bool = False, **kwargs: Any) -> dict[str, Any]:
         """This rank's shard of every tensor under transformers' names (lm_head.weight included when tied),

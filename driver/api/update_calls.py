@@ -2,13 +2,9 @@
 
 The driver decides when: a user's `update_weights` (or the front door's) goes into the inbox, and the loop thread
 sends a CALL plan and runs its share. A worker rank's caller waits here for its share's result, which the worker
-loop computes when that CALL plan arrives (with the tensors the caller handed in). Inside a pause, or with no loop
-running, the calling thread itself may use the groups and runs the update at once.
-
-Every rank keeps the weight version it holds (`version`) and checks it against the CALL plan's (the driver's). A
-refused update raises `WeightUpdateError` on every rank alike; a rank that fails while copying makes every rank
-raise `WeightsDiverged`, which ends the loop (and every later update on this manager raises it again).
-"""
+loop computes when that CALL plan arrives. Inside a pause, or with no loop running, the calling thread itself may
+use the groups and runs the update at once. A rank that fails while copying makes every rank raise
+`WeightsDiverged`, which ends the loop (and every later update on this manager raises it again)."""
 
 from __future__ import annotations
 
@@ -36,13 +32,11 @@ class WeightUpdates:
         self.diverged: WeightsDiverged | None = None
 
     def update_weights(self, source: Any, kv_policy: str = "keep", timeout: float | None = None) -> dict[str, Any]:
-        """Swap the weights at one step boundary on every rank, all or none, and bump the weight version.
-        Every rank calls it. `source` is a checkpoint directory (each rank reads its slices) or a dict of full
-        tensors with transformers' names. Inside `pause()` it runs at once; otherwise at the next boundary.
-        In-flight requests keep their KV (kv_policy="keep") or recompute it under the new weights
-        ("recompute"). Returns {"ok": True, "version", "tensors", "seconds"}. Raises, on every rank alike,
-        WeightUpdateError (nothing changed anywhere; `rank` is the first rank that refused) or WeightsDiverged
-        (a rank failed while copying: the loop ends)."""
+        """Swap the weights at one step boundary on every rank, all or none, and bump the weight version. Every rank
+        calls it. `source`: a checkpoint directory or a dict of full tensors with transformers' names. In-flight
+        requests keep their KV (kv_policy="keep") or recompute it ("recompute"). Returns {"ok": True, "version",
+        "tensors", "seconds"}; raises, on every rank alike, WeightUpdateError (nothing changed anywhere; `rank` is
+        the first rank that refused) or WeightsDiverged (a rank failed while copying: the loop ends)."""
         m = self.m
         if kv_policy not in ("keep", "recompute"):
             raise ValueError(f"kv_policy={kv_policy!r}: must be 'keep' or 'recompute'")
@@ -96,8 +90,7 @@ class WeightUpdates:
             if local is not None:
                 self.tensors.append(local)
                 self.cond.notify_all()
-            mine = self.taken
-            self.taken += 1
+            mine, self.taken = self.taken, self.taken + 1
             while len(self.results) <= mine:
                 if not m.is_running():
                     raise ManagerStopped("the loop stopped before the driver ran this weight update")
@@ -186,9 +179,8 @@ class WeightUpdates:
         return result | {"version": e.weight_version}
 
     def worker_call(self, call: UpdateCall, plan_version: int) -> None:
-        """A worker's share of an update the driver started (the worker loop thread, after a CALL plan whose
-        weight_version is `plan_version`); tensors come from this rank's caller. An exception goes to the
-        caller and ends the loop."""
+        """A worker's share of an update the driver started (the worker loop thread, after its CALL plan); tensors
+        come from this rank's caller. An exception goes to the caller and ends the loop."""
         local = None
         if call.source == "tensors":
             with self.cond:

@@ -1,5 +1,4 @@
-"""transformers' generation options as three batch-wise edits of the logits: a sparse bias, a forced row, banned
-tokens.
+"""transformers' generation options as three batch-wise edits of the logits: a sparse bias, a forced row, bans.
 
 transformers applies, in `_get_logits_processor`'s order: sequence bias, repetition penalty, no-repeat n-gram, bad
 words, min length, min new tokens, forced BOS, forced EOS, suppressed tokens, tokens suppressed at the beginning.

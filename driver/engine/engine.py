@@ -47,9 +47,6 @@ class Engine:
         self.rank_states = None  # every rank's state row, as of the last plan (see cluster.plan.S)
         self.in_flight: InFlight | None = None  # overlapped: the step launched last, not collected yet
 
-    def add(self, req: Request) -> None:
-        self.scheduler.add(req)
-
     def has_work(self) -> bool:
         return self.in_flight is not None or self.scheduler.has_work()
 
@@ -90,10 +87,9 @@ class Engine:
         `data` (outputs owed to the workers) rides with the plan, or with a PUBLISH plan when nothing can run."""
         batch, events = self.scheduler.schedule()
         for req in events:  # validation refuses these at add time; a request built by hand can still get here
-            self.end(req, RequestStatus.FAILED,
-                     f"request {req.request_id} needs {self.blocks.blocks_for(req.num_computed + 1)} or more KV "
-                     f"pages of {self.rc.page_size} tokens; the cache holds {self.rc.num_blocks}",
-                     Code.EXCEEDS_KV_CACHE)
+            need = self.blocks.blocks_for(req.num_computed + 1)
+            self.end(req, RequestStatus.FAILED, f"request {req.request_id} needs {need} or more KV pages of "
+                     f"{self.rc.page_size} tokens; the cache holds {self.rc.num_blocks}", Code.EXCEEDS_KV_CACHE)
         if not batch:
             events += self.flush()
             if data:
@@ -215,8 +211,7 @@ class Engine:
         """The STEP plan of a batch; a token still in flight is input id -(1 + its row in the step in flight)."""
         ids: list[int] = []
         row_of = self.in_flight.row_of if self.in_flight is not None else {}
-        n = len(batch)
-        q_lens, kv_lens, sample = [0] * n, [0] * n, [0] * n
+        q_lens, kv_lens, sample = [0] * len(batch), [0] * len(batch), [0] * len(batch)
         width = max(len(s.req.block_ids) for s in batch)
         for i, s in enumerate(batch):  # one pass: at hundreds of sequences a step, every pass costs
             r = s.req

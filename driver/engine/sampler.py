@@ -96,8 +96,7 @@ def to_host(picks: Picks) -> tuple[torch.Tensor, object]:
     stacked = torch.stack([picks.tokens.double(), picks.logprobs.double(), picks.invalid.double()])
     if stacked.device.type != "cuda":
         return stacked, None
-    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-    host.copy_(stacked, non_blocking=True)
+    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True).copy_(stacked, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
     return host, event
@@ -144,9 +143,8 @@ class Sampler:
 
     def launch(self, logits: torch.Tensor | ShardArgmax, early: list[Draw | None], live: list[int],
                rows: list[SampleRow], plain: bool = False, offset: int = 0) -> Launched:
-        """The device half: pick every live row and start the transfer, without waiting on the device (unless
-        some row breaks the batch: then the rows are sampled one at a time, here). `plain`, `offset`: see
-        `pick`. ShardArgmax instead of logits: the ranks chose the (plain greedy) tokens already."""
+        """The device half: pick every live row and start the transfer, without waiting on the device (unless some
+        row breaks the batch: then one row at a time, here). ShardArgmax: the ranks chose the tokens already."""
         chosen = isinstance(logits, ShardArgmax)
         device = logits.tokens.device if chosen else logits.device
         n = len(early)

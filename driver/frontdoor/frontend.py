@@ -1,10 +1,6 @@
-"""The front door on the driver: a ZeroMQ ROUTER socket in front of the manager, owned by one thread.
-
-Client messages are decoded strictly (cluster/protocol.py): every bad one gets a `rejected` reply with a specific
-code. Requests are the desk's (driver/frontdoor/request_desk.py). Sends never block (client_outbox.py): a client
-that stops reading has its requests cancelled (`slow_client`), as has one that goes quiet (no message within
-`client_timeout_s`), says `bye` or disconnects, and its pause is released. Admin rights: driver/frontdoor/admin.py.
-"""
+"""The front door on the driver: a ZeroMQ ROUTER socket in front of the manager, owned by one thread. Client
+messages are decoded strictly (cluster/protocol.py): every bad one gets a `rejected` reply with a specific code.
+Requests are the desk's (request_desk.py), sends never block (client_outbox.py), admin rights: admin.py."""
 
 from __future__ import annotations
 
@@ -35,9 +31,8 @@ class FrontendConfig:
     address: str = P.DEFAULT_ADDRESS
     max_frame_bytes: int = P.DEFAULT_MAX_FRAME_BYTES
     client_timeout_s: float = 30.0
-    # CURVE: on when server_secret_file is set (a zmq certificate with the secret key, made by
-    # zmq.auth.create_certificates); only clients whose public certificates lie in allowed_clients_dir or
-    # admin_clients_dir get in, and only the latter may pause, resume and update weights
+    # CURVE: on when server_secret_file is set (a zmq certificate with the secret key); only clients whose public
+    # certificates lie in allowed_clients_dir or admin_clients_dir get in (docs/protocol.md, "Admin operations")
     curve_server_secret_file: str | None = None
     curve_allowed_clients_dir: str | None = None
     curve_admin_clients_dir: str | None = None
@@ -51,11 +46,9 @@ class Frontend:
                  model_path: str | None = None):
         """`weights`: the WeightsRecord (driver/frontdoor/served_weights.py) applied updates are written to;
         `model_path`: the checkpoint directory served (in `health`, for the HTTP gateway's tokenizer)."""
-        self.manager = manager
+        self.manager, self.config, self.tokenizer = manager, config, tokenizer
         self.model_path = os.path.abspath(model_path) if model_path else None
         self.weights = weights if weights is not None else WeightsRecord(None)
-        self.config = config
-        self.tokenizer = tokenizer
         self.replies: deque[tuple[bytes, Any, dict]] = deque()  # (ident, mid, data) from other threads, sent here
         self.waker = WakePipe()
         self.stop_event = threading.Event()
@@ -205,8 +198,7 @@ class Frontend:
     def _update_weights(self, ident: bytes, msg: dict, mid: Any) -> None:
         from worker.weights import UpdateCall
 
-        source = P.field(msg, "source", str, "checkpoint")
-        kv_policy = P.field(msg, "kv_policy", str, "keep")
+        source, kv_policy = P.field(msg, "source", str, "checkpoint"), P.field(msg, "kv_policy", str, "keep")
         if kv_policy not in ("keep", "recompute"):
             raise P.ProtocolError(Code.BAD_FIELD, "kv_policy must be 'keep' or 'recompute'", mid)
         if source == "checkpoint":

@@ -1,13 +1,10 @@
-"""The front door's requests: who owns which request id, from `accepted` to `final`.
+"""The front door's requests: who owns which request id, from `accepted` to `final` (docs/protocol.md, "Limits,
+fairness and slow readers").
 
 Every accepted submit becomes a ticket (an identity: a request id reused after its owner left is another ticket);
 its outputs come back from the loop through the ticket's own sink, and those of a gone owner are dropped. An id
-stays taken until the loop has let its request go. Tickets wait in per-client queues (Admission) and reach the
-manager round-robin while its queue is short. If the step loop dies or stops coming round (cpu_group_timeout +
-LOOP_GRACE_S), the desk fails what it holds itself. A ticket whose text is on turns its outputs into text here
-(text_output.py): a stop string ends it and its owner gets the trimmed final. Only the front door's thread calls
-the desk, except `on_output` (the loop thread).
-"""
+stays taken until the loop has let its request go. Only the front door's thread calls the desk, except `on_output`
+(the loop thread)."""
 
 from __future__ import annotations
 
@@ -97,11 +94,6 @@ class Admission:
         self.size -= len(q)
         return list(q)
 
-    def drain(self) -> None:
-        """Forget every queued ticket (the loop is not answering: the front door fails them)."""
-        self.queues.clear()
-        self.size = 0
-
 
 @dataclass
 class ClientState:
@@ -115,9 +107,7 @@ class RequestDesk:
                  tokenizer: Any = None):
         """`send(ident, kind, **fields)` queues a message; `send_once(ident, frame)` tries one send, no backlog;
         `wake()` wakes the front door's thread; `tokenizer` makes the text of the requests that want text."""
-        self.manager = manager
-        self.tokenizer = tokenizer
-        self.max_inflight_per_client = max_inflight_per_client
+        self.manager, self.tokenizer, self.max_inflight_per_client = manager, tokenizer, max_inflight_per_client
         self.send, self.send_once, self.wake = send, send_once, wake
         self.counters = counters
         self.server_id = os.urandom(8).hex()  # new at each start: `accepted` and `pong` carry it (a restart shows)
@@ -302,10 +292,9 @@ class RequestDesk:
         self.drain_outputs()  # what a dying loop emitted comes first, with its own codes
         if answers:
             return
-        self.admission.drain()  # queued tickets are in self.tickets too
+        self.admission = Admission()  # forget the queued tickets: they are in self.tickets too, failed below
         owed = [t for t in self.tickets.values() if not t.answered and t.ident is not None]
-        code = self.failure_code()
-        m = self.manager
+        code, m = self.failure_code(), self.manager
         message = (m.failure or f"the driver's step loop has not answered for "
                    f"{time.monotonic() - m.loop_beat:.1f}s (deadline {self.loop_deadline_s:.0f}s)")
         if owed:

@@ -123,8 +123,7 @@ class TextOutput:
 
     def _end(self, out: GenerationOutput, n: int) -> None:
         """End `out` at a stop string completed by its token n - 1."""
-        out.generated_tokens = out.generated_tokens[:n]
-        out.logprobs = out.logprobs[:n]
+        out.generated_tokens, out.logprobs = out.generated_tokens[:n], out.logprobs[:n]
         if out.timestamps is not None:
             out.timestamps = out.timestamps[:n]
         out.weight_versions = versions_between(out.weight_versions, 0, n)
