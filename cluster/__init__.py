@@ -12,12 +12,9 @@ from cluster.outputs import GenerationOutput, RequestStatus
 __all__ = ["load", "ContinuousBatchingConfig", "ContinuousBatchingManager", "GenerationOutput", "RequestStatus",
            "Client", "AsyncClient", "ClientError", "LockstepError", "RequestLost", "ServerGone", "WeightUpdateError"]
 
-_LAZY = {
-    "Client": ("cluster.client", "Client"),
-    "AsyncClient": ("cluster.client", "AsyncClient"),
-    "load": ("launch.load", "load"),
-    "ContinuousBatchingManager": ("driver.api.manager", "ContinuousBatchingManager"),
-}
+_LAZY = {"Client": ("cluster.client", "Client"), "AsyncClient": ("cluster.client", "AsyncClient"),
+         "load": ("launch.load", "load"),
+         "ContinuousBatchingManager": ("driver.api.manager", "ContinuousBatchingManager")}
 
 
 def __getattr__(name: str) -> Any:

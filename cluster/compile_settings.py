@@ -28,8 +28,7 @@ class CompileSettings:
             return obj
         names = [f.name for f in dataclasses.fields(cls)]
         if isinstance(obj, dict):
-            unknown = set(obj) - set(names)
-            if unknown:
+            if unknown := set(obj) - set(names):
                 raise ValueError(f"unknown compile field(s) {sorted(unknown)} (known: {names})")
             data = dict(obj)
         else:
@@ -62,21 +61,15 @@ class CompileSettings:
                 + (f" options={self.options}" if self.options else ""))
 
 
-def default_compile_settings(level: int) -> CompileSettings | None:
-    """transformers' default CompileConfig of `default_compile_level`: 0 none; 1 inductor mode "default", dynamic
-    shapes; 2 mode "max-autotune-no-cudagraphs", dynamic; 3 the same, static. fullgraph=False at every level."""
-    if level <= 0:
-        return None
-    return CompileSettings(fullgraph=False, dynamic=level <= 2, backend="inductor",
-                           mode="max-autotune-no-cudagraphs" if level >= 2 else "default")
-
-
 def compile_decision(varlen_config: Any, decode_config: Any, level: int, *, use_flash_attn: bool
                      ) -> tuple[CompileSettings | None, CompileSettings | None, list[str]]:
     """(varlen, decode) compile settings and notes: an explicit config wins, else the level's default, except for the
     varlen forward on the flash-attn path (its max_seqlen values change every step: every step would recompile)."""
     notes: list[str] = []
-    default = default_compile_settings(level)
+    # transformers' default CompileConfig of the level: 0 none; 1 inductor mode "default", dynamic shapes;
+    # 2 mode "max-autotune-no-cudagraphs", dynamic; 3 the same, static
+    default = None if level <= 0 else CompileSettings(fullgraph=False, dynamic=level <= 2, backend="inductor",
+                                                      mode="max-autotune-no-cudagraphs" if level >= 2 else "default")
     varlen = CompileSettings.from_any(varlen_config)
     if varlen is None and default is not None:
         if use_flash_attn:

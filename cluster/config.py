@@ -94,8 +94,7 @@ class ContinuousBatchingConfig:
         for name in ("num_blocks", "max_batch_tokens", "max_requests_per_batch"):
             if (v := getattr(self, name)) is not None and not (_is_int(v) and v > 0):
                 bad(name, "must be a positive integer or None")
-        mbr = self.max_blocks_per_request
-        if mbr is not None and (not isinstance(mbr, int) or mbr < 0):
+        if (mbr := self.max_blocks_per_request) is not None and (not isinstance(mbr, int) or mbr < 0):
             bad("max_blocks_per_request", "must be a non-negative integer or None")
         if self.max_memory_percent is not None and not 0 < self.max_memory_percent <= 1:
             bad("max_memory_percent", "must be in (0, 1]")
@@ -142,8 +141,7 @@ class ContinuousBatchingConfig:
                 data.pop(name, None)
             if "page_size" not in data and getattr(obj, "block_size", None) is not None:
                 data["page_size"] = obj.block_size  # transformers before page_size existed (5.17 ...)
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
+        if unknown := set(data) - {f.name for f in dataclasses.fields(cls)}:
             raise ValueError(f"ContinuousBatchingConfig: unknown field(s) {sorted(unknown)}")
         return cls(**data)
 
@@ -171,10 +169,8 @@ class ResolvedConfig:
     # torch.compile settings of the varlen (prefill, mixed) and decode forwards; None: eager (`compile_decision`)
     varlen_compile: CompileSettings | None = None
     decode_compile: CompileSettings | None = None
-    # elements one paged SDPA attention chunk may gather (keys, values, scores); bounds the attention workspace
-    attn_chunk_elements: int = ATTN_CHUNK_ELEMENTS["cpu"]
-    # pages of the pinned host pool preempted requests' KV is swapped to (cpu_offload_space); 0: recompute.
-    # This rank's proposal; the group takes the minimum (cluster.dist.agree_min)
+    attn_chunk_elements: int = ATTN_CHUNK_ELEMENTS["cpu"]  # a paged SDPA chunk's gather: bounds the attention workspace
+    # the pinned host pool's pages for preempted requests' KV (cpu_offload_space; 0: recompute); the group's minimum
     num_host_blocks: int = 0
     overlap: bool = False  # use_async_batching: step N+1 is scheduled, broadcast and prepared while step N runs
     decode_burst: int = 1  # the most forwards one decode-only plan runs; 1 unless overlap is on

@@ -96,8 +96,7 @@ def pick_device(local_rank: int, device: str | torch.device | None = None) -> to
 def init_groups(cpu_group_timeout: float | None = 300.0, device: str | torch.device | None = None) -> Groups:
     """Join the groups torchrun (or the Ray launcher) describes in the environment. Every rank calls it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(local_rank, device)
     if world == 1:
         return Groups(rank=0, world_size=1, local_rank=0, device=dev)

@@ -93,16 +93,12 @@ def merge(maps: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def replica_maps(stats: dict[str, Any]) -> dict[str | None, dict[str, Any]]:
-    """The metrics maps of a `stats` reply: one per replica behind a router (labelled by its index), or the driver's."""
-    if "replicas" in stats:
-        return {str(r.get("index", i)): (r.get("stats") or {}).get("metrics", {})
-                for i, r in enumerate(stats["replicas"])}
-    return {None: stats.get("metrics", {})}
-
-
 def render(stats: dict[str, Any], model_name: str) -> bytes:
     """The Prometheus text exposition of a `stats` reply's metrics (a driver's, or a router's per replica)."""
+    maps: dict[str | None, dict[str, Any]] = {None: stats.get("metrics", {})}
+    if "replicas" in stats:  # one map per replica, labelled by its index
+        maps = {str(r.get("index", i)): (r.get("stats") or {}).get("metrics", {})
+                for i, r in enumerate(stats["replicas"])}
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(MetricsSnapshot(replica_maps(stats), model_name))
+    registry.register(MetricsSnapshot(maps, model_name))
     return generate_latest(registry)

@@ -51,7 +51,6 @@ class GenerationOutput:
         return self.status >= RequestStatus.FINISHED
 
     def version_of_token(self, i: int) -> int:
-        """The weight version that produced generated token i."""
         version = self.weight_version
         for start, v in self.weight_versions:
             if start <= i:

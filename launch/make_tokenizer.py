@@ -61,10 +61,9 @@ def source_corpus() -> list[str]:
 
 def _doc(obj: object) -> str:
     try:
-        doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None
+        return (inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None) or ""
     except Exception:  # a member whose attributes raise
         return ""
-    return doc or ""
 
 
 def min_vocab_size() -> int:

@@ -113,10 +113,7 @@ class Client:
         # additive fields, sent only when used (an older server ignores what it does not know)
         fields |= {k: v for k, v in (("stop", list(stop) if stop is not None else None), ("return_text", return_text),
                                      ("logprobs", logprobs)) if v}
-        if text is not None:
-            fields["text"] = text
-        else:
-            fields["input_ids"] = list(input_ids) if input_ids is not None else None
+        fields |= {"text": text} if text is not None else {"input_ids": None if input_ids is None else list(input_ids)}
         io = self.io
         req = PendingRequest(rid, input_ids, dict(fields), resumable=self.auto_resume)
         if resume_tokens or resumes:

@@ -112,8 +112,7 @@ class Resumer:
 
     @property
     def client(self) -> Any:
-        client = self._client()
-        if client is None:
+        if (client := self._client()) is None:
             raise ClientDropped(f"the client of {self.address} was dropped")
         return client
 

@@ -52,6 +52,5 @@ class HttpError(Exception):
         return status_of(self.code)
 
     def body(self) -> dict:
-        status = self.status
-        kind = _TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        kind = _TYPE.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}

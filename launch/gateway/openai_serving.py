@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from cluster.client import AsyncClient
@@ -50,7 +51,6 @@ class Choice:
     last: GenerationOutput | None = None
 
     def params(self, params: dict[str, Any]) -> dict[str, Any]:
-        """The call's submit keywords with this choice's seed."""
         return params if self.seed is None else params | {"seed": self.seed}
 
     def advance(self, out: GenerationOutput) -> tuple[str, list[int], list[float]]:
@@ -77,8 +77,7 @@ def finish_reason(out: GenerationOutput, max_new_tokens: int | None) -> str:
     reason = getattr(out, "finish_reason", None)
     if reason in ("stop", "length"):
         return reason
-    limit = max_new_tokens if max_new_tokens is not None else float("inf")
-    return "length" if len(out.generated_tokens) >= limit else "stop"
+    return "length" if max_new_tokens is not None and len(out.generated_tokens) >= max_new_tokens else "stop"
 
 
 def sse(data: dict | str) -> str:
@@ -112,10 +111,8 @@ class OpenAIServing:
             raise HttpError(MODEL_NOT_FOUND, f"the model {body.model!r} does not exist; this server serves "
                                              f"{self.model.name!r}", "model")
         params = body.params(self.model.tokenizer is not None)
-        if chat:
-            sources = [{"input_ids": self.chat_prompt(body)}]
-        else:
-            sources = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in body.prompts()]
+        sources = ([{"input_ids": self.chat_prompt(body)}] if chat
+                   else [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in body.prompts()])
         base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return [Choice(p * body.n + i, src, f"{base}-{p * body.n + i}", choice_seed(body.seed, p * body.n + i))
                 for p, src in enumerate(sources) for i in range(body.n)], params
@@ -213,10 +210,7 @@ class OpenAIServing:
             return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
                                  "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode())}]
                                  if body.top_logprobs else []} for s, lp in zip(texts, logprobs)]}
-        offsets, at = [], offset
-        for s in texts:
-            offsets.append(at)
-            at += len(s)
+        offsets = list(accumulate(map(len, texts), initial=offset))[:len(texts)]
         return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets,
                 "top_logprobs": [{s: lp} for s, lp in zip(texts, logprobs)] if body.logprobs >= 1 else None}
 

@@ -26,15 +26,6 @@ class ReplicaAdmin(Protocol):
     def update_weights(self, path: str, kv_policy: str = ...) -> dict: ...
 
 
-def restorable(weights: dict[str, Any], fallback: str | None) -> str | None:
-    """The checkpoint that loads a replica's current weights again, or None when they cannot be (pushed)."""
-    if weights.get("source") == "checkpoint":
-        return weights.get("path")
-    if weights.get("source") == "initial":
-        return fallback
-    return None
-
-
 def update_all(clients: list[ReplicaAdmin], path: str, kv_policy: str = "keep",
                fallbacks: list[str | None] | None = None) -> dict[str, Any]:
     """Update every replica from `path`, all or none (`fallbacks[i]`: replica i's model directory, its initial
@@ -49,10 +40,11 @@ def update_all(clients: list[ReplicaAdmin], path: str, kv_policy: str = "keep",
             return refused(i, f"replica {i} did not answer health: {e}")
         if health.get("ok") is not True:
             return refused(i, f"replica {i} is not healthy: {health.get('failure')}")
-        back = restorable(health.get("weights") or {}, fallbacks[i])
+        weights = health.get("weights") or {}  # the checkpoint that loads them again; pushed ones cannot be
+        back = {"checkpoint": weights.get("path"), "initial": fallbacks[i]}.get(weights.get("source"))
         if back is None:
             return refused(i, f"replica {i} serves weights that cannot be loaded again "
-                              f"({(health.get('weights') or {}).get('source')}): an update could not be rolled back")
+                              f"({weights.get('source')}): an update could not be rolled back")
         previous.append(back)
     paused: list[ReplicaAdmin] = []
     try:

@@ -25,8 +25,7 @@ class PrefixAffinity:
     def hashes(self, prompt: list[int]) -> list[bytes]:
         """The chained hashes of the prompt's full pages that a block manager could reuse: the last token is
         always computed, so a page ending at the prompt's last token is not counted (as in `match_prefix`)."""
-        out: list[bytes] = []
-        h = b""
+        out, h = [], b""
         for i in range((len(prompt) - 1) // self.page_size):
             h = chain_hash(h, prompt[i * self.page_size:(i + 1) * self.page_size])
             out.append(h)

@@ -199,8 +199,7 @@ class Router:
                                       "update_weights needs a router bound to loopback or ipc", mid)
             if P.field(msg, "source", str, "checkpoint") != "checkpoint":
                 raise P.ProtocolError(Code.UNSUPPORTED, "the router updates replicas from a checkpoint only", mid)
-            path = P.field(msg, "path", str, required=True)
-            kv_policy = P.field(msg, "kv_policy", str, "keep")
+            path, kv_policy = P.field(msg, "path", str, required=True), P.field(msg, "kv_policy", str, "keep")
             self._in_thread(ident, mid, lambda: self.stats.update_weights(path, kv_policy))
 
     def _in_thread(self, ident: bytes, mid: Any, fn: Callable[[], dict]) -> None:

@@ -34,10 +34,9 @@ class RouterStats:
         """ok while some replica is healthy; the summed world size and restarts; each replica's line."""
         replicas = self.router.pool.reports()
         healthy = [r for r in replicas if r["healthy"]]
-        weights = (healthy or replicas)[0]["weights"]
         return {"ok": bool(healthy), "world_size": sum(r["world_size"] for r in replicas),
                 "restart_count": sum(r["restart_count"] for r in replicas),
-                "failure": None if healthy else "no replica is healthy", "weights": weights,
+                "failure": None if healthy else "no replica is healthy", "weights": (healthy or replicas)[0]["weights"],
                 "router": True, "replicas": replicas}
 
     def stats(self) -> dict[str, Any]:
