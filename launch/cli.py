@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from driver.frontdoor.served_weights import weights_record_path
 from launch import client_verbs, make_model
 from launch.gateway import server as http_gateway
+from launch.serve import weights_record_path
 from launch.torchrun import torchrun_command
 
 DEFAULT_MODEL = Path("models/tiny-llama")

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from typing import Callable
@@ -26,6 +27,18 @@ def frontend_config(preset: dict, address: str | None):
         raise ValueError(f"[serve] table: unknown key(s) {sorted(unknown)} "
                          f"(known: {sorted(FrontendConfig.__dataclass_fields__)})")
     return FrontendConfig(**table | ({"address": address} if address else {}))
+
+def weights_record_path(run_dir: str | None) -> str:
+    """The record of the weights served (driver/frontdoor/served_weights.py) in `run_dir` (made, or a new temporary
+    directory), emptied: a fresh `lockstep serve` starts from its --model, a restarted group from the record."""
+    if run_dir:
+        os.makedirs(run_dir, exist_ok=True)
+    else:
+        run_dir = tempfile.mkdtemp(prefix="lockstep-run-")
+    path = os.path.join(os.path.abspath(run_dir), "weights.json")
+    if os.path.exists(path):
+        os.unlink(path)
+    return path
 
 
 def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, address: str | None = None,

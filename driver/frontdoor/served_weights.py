@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -98,15 +97,3 @@ def restore(manager: Any, record: WeightsRecord) -> ServedWeights:
     if manager.groups.is_driver:
         record.write(served)
     return served
-
-def weights_record_path(run_dir: str | None) -> str:
-    """The record of the weights served (driver/frontdoor/served_weights.py) in `run_dir` (made, or a new temporary
-    directory), emptied: a fresh `lockstep serve` starts from its --model, a restarted group from the record."""
-    if run_dir:
-        os.makedirs(run_dir, exist_ok=True)
-    else:
-        run_dir = tempfile.mkdtemp(prefix="lockstep-run-")
-    path = os.path.join(os.path.abspath(run_dir), "weights.json")
-    if os.path.exists(path):
-        os.unlink(path)
-    return path

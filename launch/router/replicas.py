@@ -16,8 +16,8 @@ from typing import Any
 
 from cluster.client import Client
 from cluster.config import ContinuousBatchingConfig, read_preset
-from driver.frontdoor.served_weights import weights_record_path
 from launch.router.router import Router, RouterConfig
+from launch.serve import weights_record_path
 from launch.ray_launcher import RayCluster, serve_until_stopped, start_ray_cluster
 
 NODE_SLIVER = 0.001  # of a node's `node:<ip>` resource, per bundle: pins a group to that node
