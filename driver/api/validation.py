@@ -80,8 +80,7 @@ def _where(request_id: str | None) -> str:
 
 def check_sampling_value(name: str, value: Any, request_id: str | None, vocab_size: int | None = None) -> Any:
     """The value to use for sampling parameter or generation option `name`, or RequestRejected (bad_field) naming
-    it and its range. `request_id` None: the value comes from the generation config; `vocab_size` None: token
-    ids are not checked against the vocabulary yet."""
+    it and its range. `request_id` None: from the generation config; `vocab_size` None: ids are not checked yet."""
     if name in OPTION_CHECKS:
         return check_option(name, value, vocab_size, _where(request_id), request_id)
     normalise, allowed = SAMPLING_RANGES[name]
@@ -191,9 +190,8 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
                   record_timestamps: bool, eos_token_id: Any, kwargs: dict[str, Any],
                   strict_processors: bool = False, resume_tokens: Any = None, resume_versions: Any = None,
                   resumes: Any = 0) -> Request:
-    """A validated Request from add_request's arguments and the manager's generation config. With
-    `resume_tokens` (or `resumes` > 0) it is a ResumedRequest: prompt + resume_tokens are prefilled and it
-    continues at token index len(resume_tokens); `max_new_tokens` counts the resumed tokens too."""
+    """A validated Request from add_request's arguments and the manager's generation config; with `resume_tokens`
+    (or `resumes` > 0) a ResumedRequest, whose `max_new_tokens` counts the resumed tokens too."""
     rc, gen = manager.effective_config, manager.generation_config
     request_id = check_request_id(request_id)
     vocab = manager.model.config.vocab_size

@@ -87,10 +87,9 @@ def top_p_drops(probs: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor) -
 
 def ranked_drops(probs: torch.Tensor, top_p: torch.Tensor, least: int,
                  tries: tuple[int, ...] = CANDIDATES) -> torch.Tensor:
-    """top_p_drops, ranking as few tokens as exactness allows: each row's top-k (`least`, when every row has
-    one); else, on the CPU (where reading a value waits on nothing), the `tries[0]` most probable tokens of the rows
-    where they hold more than top_p and, for the other rows, the next tries, then the whole sorted vocabulary;
-    on other devices the whole sorted vocabulary."""
+    """top_p_drops, ranking as few tokens as exactness allows: each row's top-k (`least`, when every row has one);
+    else, on the CPU (where reading a value waits on nothing), the `tries[0]` most probable tokens where they hold
+    more than top_p, then the next tries, then the whole sorted vocabulary (on other devices, at once)."""
     vocab = probs.shape[-1]
     if least < vocab:
         return top_p_drops(probs, torch.topk(probs, least, dim=-1).indices, top_p)
