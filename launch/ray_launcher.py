@@ -184,11 +184,9 @@ def start_ray_cluster(model_dir: str | os.PathLike, tp: int = 2, config: dict | 
                       ray_init: dict | None = None, state_file: str | None = None,
                       bundle_extra: dict[str, float] | None = None, name: str | None = None) -> RayCluster:
     """Start `tp` ranks of `lockstep serve` as Ray actors in a PACK placement group; returns once rank 0 serves at
-    `.address`. config: a preset (a TOML path is read here and shipped as a dict); address: rank 0's bind address
-    (tcp://0.0.0.0:PORT for clients on other nodes); `ray_init`: ray.init's arguments if Ray is not initialised.
-    A failure before ready tears everything down (RuntimeError names the rank and its traceback). `state_file`:
-    the weights record (driver/frontdoor/served_weights.py); `bundle_extra`: more resources a bundle asks for
-    (launch/router/replicas.py pins a group to a node so); `name`: the placement group's (default lockstep-<pid>)."""
+    `.address` (a failure before tears everything down: RuntimeError names the rank). config: a preset (a TOML path
+    is read here and shipped as a dict); `ray_init`: ray.init's arguments if Ray is not initialised; `state_file`:
+    the weights record; `bundle_extra`: more resources a bundle asks for (replicas.py pins a group to a node so)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 

@@ -41,8 +41,7 @@ def bucket_meta(tensors: dict[str, torch.Tensor], groups: list[list[str]]) -> li
 
 def push_weights(client: Client, tensors: dict[str, torch.Tensor], kv_policy: str = "keep",
                  bucket_bytes: int = 64 << 20, host: str = "127.0.0.1", timeout_s: float = 120.0) -> dict[str, Any]:
-    """Send `tensors` (full, unsharded, transformers' names) to the cluster behind `client`; the driver's result,
-    or WeightUpdateError (rank and reason in it) when the cluster refused the update."""
+    """Send full `tensors` (transformers' names) to the cluster; its result, or WeightUpdateError if refused."""
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name}: dtype {t.dtype} cannot be pushed")

@@ -32,10 +32,9 @@ def weight_update_result(data: dict) -> dict:
 
 
 class Client:
-    """Blocking client of a Lockstep cluster at `address`. `timeout` bounds every wait; a server silent for
-    `server_timeout_s` while awaited ends calls with ServerGone. `resume`: resubmit the requests the server loses,
-    up to `max_resumes` times each, waiting at most `resume_timeout_s` for a healthy server (else RequestLost).
-    `on_lost(req, cause)` takes lost requests instead of this client's Resumer (the replica router's failover)."""
+    """Blocking client of the cluster at `address`. `timeout` bounds every wait; `resume`: resubmit the requests the
+    server loses, up to `max_resumes` times each, waiting at most `resume_timeout_s` for a healthy server (else
+    RequestLost); `on_lost(req, cause)` takes them instead of this client's Resumer (the router's failover)."""
 
     def __init__(self, address: str = P.DEFAULT_ADDRESS, server_key: bytes | None = None,
                  client_keys: tuple[bytes, bytes] | None = None, timeout: float | None = 600.0,

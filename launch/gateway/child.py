@@ -43,8 +43,7 @@ class GatewayProcess:
         self.stopping = threading.Event()
 
     def start(self, timeout: float = 120.0) -> "GatewayProcess":
-        """Start the child and return once it listens; RuntimeError when it cannot (its last output says why), or
-        when the address stays in use for PORT_WAIT_S (a restarted group's old child may still hold it)."""
+        """Start the child and return once it listens; RuntimeError when it cannot, or the port stays in use."""
         if not port_free(self.listen, PORT_WAIT_S):
             raise RuntimeError(f"the HTTP gateway cannot listen on {self.listen}: the address is in use")
         ok, last = self._spawn(timeout)

@@ -33,8 +33,8 @@ class Lost:
 
 
 class Failover:
-    """`on_moved(request_id, new_req, replica)`: the request goes on there; `on_failed(request_id, error)`: it
-    ended. Both run on this module's thread or a client's I/O thread."""
+    """`on_moved(request_id, new_req, replica)`: it goes on there; `on_failed(request_id, error)`: it ended. Both run
+    on the failover thread or a client's I/O thread."""
 
     def __init__(self, pool: ReplicaPool, on_moved: Callable[[str, PendingRequest, Replica], None],
                  on_failed: Callable[[str, BaseException], None], max_resumes: int = 3,

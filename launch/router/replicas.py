@@ -25,8 +25,7 @@ SERVICE_NAMESPACE = "lockstep"  # where the ServiceHandle actor is named
 
 
 class ServiceHandle:
-    """A named, detached Ray actor: any Ray job of the same Ray cluster finds it (`ray.get_actor(name,
-    namespace=...)`) and gets a `cluster.Client` of the router from `client()`."""
+    """A named, detached Ray actor (`ray.get_actor(name, namespace=...)`) handing Ray jobs a client of the router."""
 
     def __init__(self, address: str):
         self._address = address

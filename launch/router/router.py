@@ -320,9 +320,8 @@ class Router:
             raise P.ProtocolError(Code.UNKNOWN_REQUEST, f"no request {request_id!r} of this client is in flight",
                                   mid, request_id)
         fut = self.pool.replicas[r.replica].client.data_future(P.CANCEL, request_id=request_id)
-        fut.add_done_callback(lambda f: self.later(lambda: self._send(
-            ident, P.REPLY, mid=mid, data={"cancelled": f.exception() is None and bool((f.result() or {}).get(
-                "cancelled"))})))
+        fut.add_done_callback(lambda f: self.later(lambda: self._send(ident, P.REPLY, mid=mid, data={
+            "cancelled": f.exception() is None and bool((f.result() or {}).get("cancelled"))})))
 
     # ------------------------------------------------------------------ clients that leave
     def _drop_client(self, ident: bytes) -> None:
