@@ -20,6 +20,9 @@ from cluster.plan import HEADER_LEN, H, StepPlan, plan_from_parts
 
 DRIVER = 0
 NO_TIMEOUT = timedelta(days=7)
+# how long ranks may take to reach one another when the groups form (imports, checkpoint reads, a loaded host),
+# whatever the collectives' own timeout: a 5 s failure timeout must not fail a start that is merely slow
+JOIN_TIMEOUT = timedelta(seconds=300)
 
 
 class ControlThreadError(RuntimeError):
@@ -103,12 +106,17 @@ def init_groups(cpu_group_timeout: float | None = 300.0, device: str | torch.dev
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     timeout = timedelta(seconds=cpu_group_timeout) if cpu_group_timeout else NO_TIMEOUT
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
+    join = max(timeout, JOIN_TIMEOUT) if set_timeout else timeout
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout,
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=join,
                                 device_id=dev if dev.type == "cuda" else None)
     device_group = dist.group.WORLD
-    control_group = dist.new_group(backend="gloo", timeout=timeout)
+    control_group = dist.new_group(backend="gloo", timeout=join)
+    if join != timeout:  # formed: from now on a collective fails after the configured timeout
+        for group in (device_group, control_group) if owns else (control_group,):
+            set_timeout(timeout, group)
     groups = Groups(rank=rank, world_size=world, local_rank=local_rank, device=dev, device_group=device_group,
                     control_group=control_group, owns_default_group=owns, control_timeout=cpu_group_timeout,
                     owns_control_group=True)

@@ -28,6 +28,7 @@ def frontend_config(preset: dict, address: str | None):
                          f"(known: {sorted(FrontendConfig.__dataclass_fields__)})")
     return FrontendConfig(**table | ({"address": address} if address else {}))
 
+
 def weights_record_path(run_dir: str | None) -> str:
     """The record of the weights served (driver/frontdoor/served_weights.py) in `run_dir` (made, or a new temporary
     directory), emptied: a fresh `lockstep serve` starts from its --model, a restarted group from the record."""

@@ -164,6 +164,7 @@ def test_a_burst_never_reads_stale_kv_at_positions_it_has_not_written(make_check
     assert tokens == [t[:n] for t, n in zip(hf_greedy(model_dir, prompts), limits)]
 
 
+@pytest.mark.slow
 def test_bursts_cut_at_eos_and_limits_with_the_same_tokens_logprobs_and_endings(make_checkpoint):
     """An EOS list that ends requests inside a burst, varied max_new_tokens and logprobs: the same tokens,
     logprobs, statuses and finish reasons as one forward a plan; the tokens a burst drew past an ending are

@@ -33,6 +33,7 @@ def runner(make_checkpoint):
     return r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["decode", "mixed", "decode_bucket", "mixed_in_chunks"])
 def test_forward_compiles_with_fullgraph(runner, kind):
     plan = decode_plan(4, 37, 16) if kind.startswith("decode") else mixed_plan(16)

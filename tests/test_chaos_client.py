@@ -44,6 +44,7 @@ def _ending(call) -> tuple[BaseException | None, float]:
         return e, time.monotonic()
 
 
+@pytest.mark.slow
 def test_killed_driver_ends_every_waiting_call_with_server_gone(make_checkpoint, tmp_path):
     with serve(make_checkpoint("llama"), tp=2, config=CONFIG, tmp_path=tmp_path) as s:
         # resume=False: this is the failure a client sees when it does not resume (tests/test_recovery_chaos.py)
@@ -93,6 +94,7 @@ def test_killed_driver_ends_every_waiting_call_with_server_gone(make_checkpoint,
         streaming.close()
 
 
+@pytest.mark.slow
 def test_io_thread_exception_fails_every_waiting_call(server, monkeypatch):
     c = Client(server.address, timeout=30)
     rid = c.submit([1, 4, 4], max_new_tokens=LONG)
@@ -122,6 +124,7 @@ def test_io_thread_exception_fails_every_waiting_call(server, monkeypatch):
     c.close()
 
 
+@pytest.mark.slow
 def test_duplicate_request_id_keeps_the_original(server, make_checkpoint):
     prompt = [1, 3, 5, 7]
     with Client(server.address, timeout=60) as c:
@@ -136,6 +139,7 @@ def test_duplicate_request_id_keeps_the_original(server, make_checkpoint):
     assert out.generated_tokens == hf_greedy(make_checkpoint("llama"), [prompt], 12)[0]
 
 
+@pytest.mark.slow
 def test_close_delivers_bye(server):
     """close() sends what was queued, the bye last, before it lets go of the socket, so the server cancels
     the client's requests at once (client_timeout_s is 60 s: only the bye can cancel them this soon): a
@@ -168,6 +172,7 @@ def test_close_delivers_bye(server):
         assert took < 2.0, took
 
 
+@pytest.mark.slow
 def test_close_ends_calls_still_waiting(server):
     c = Client(server.address, timeout=15)
     rid = c.submit([1, 9, 9], max_new_tokens=LONG)
@@ -183,6 +188,7 @@ def test_close_ends_calls_still_waiting(server):
     assert when - closed < 2.0
 
 
+@pytest.mark.slow
 def test_refused_weight_update_raises(server, tmp_path):
     missing = str(tmp_path / "no-such-checkpoint")
     with Client(server.address, timeout=60) as c:
@@ -253,6 +259,7 @@ class StandInServer:
         self.ctx.term()
 
 
+@pytest.mark.slow
 def test_a_held_pause_keeps_pinging():
     fake = StandInServer()
     try:
@@ -310,6 +317,7 @@ def test_run_clients_fails_at_once_when_a_child_dies():
     assert time.monotonic() - t0 < 60  # not the sleeper's 120 s nor the 100 s timeout
 
 
+@pytest.mark.slow
 def test_cli_reports_a_silent_server():
     address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.monotonic()

@@ -61,6 +61,7 @@ def settled(c: Client, timeout: float = 30) -> dict:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_client_that_stops_reading_does_not_stall_others(server, make_checkpoint):
     ctx = zmq.Context()
     bad = dealer(ctx, server.address, RCVHWM=1, RCVBUF=1024, SNDTIMEO=5000)
@@ -120,6 +121,7 @@ def resubmit_until_accepted(sock: zmq.Socket, rids: list[str], prompt: list[int]
     return about
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("leave", ["bye", "vanish"])
 def test_request_id_reused_after_its_owner_left(server, make_checkpoint, leave):
     rids = [f"reused-{leave}-{k}" for k in range(8)]
@@ -154,6 +156,7 @@ def test_request_id_reused_after_its_owner_left(server, make_checkpoint, leave):
         assert c.generate(PROMPT, max_new_tokens=4).status == RequestStatus.FINISHED
 
 
+@pytest.mark.slow
 def test_one_client_flood_does_not_delay_another(server):
     with Client(server.address, timeout=120) as a, Client(server.address, timeout=120) as b:
         futures = [a.submit_future([1, 2 + k % 40, 3], max_new_tokens=4) for k in range(3000)]
@@ -178,6 +181,7 @@ def test_one_client_flood_does_not_delay_another(server):
         assert s["running"] == s["waiting"] == 0 and s["free_blocks"] == s["num_blocks"], s
 
 
+@pytest.mark.slow
 def test_admin_disabled(server):
     with Client(server.address, timeout=30) as c:
         for call in (c.pause, c.resume, lambda: c.update_weights("/nonexistent")):
@@ -187,6 +191,7 @@ def test_admin_disabled(server):
         assert c.generate(PROMPT, max_new_tokens=2).status == RequestStatus.FINISHED
 
 
+@pytest.mark.slow
 def test_stuck_loop_fails_requests_at_the_front_door(make_checkpoint, tmp_path):
     """A weight push whose store accepts the connection and never answers holds every rank's loop; the front
     door fails what it holds within cpu_group_timeout + a few seconds (driver_failed)."""
@@ -219,6 +224,7 @@ def test_stuck_loop_fails_requests_at_the_front_door(make_checkpoint, tmp_path):
         listener.close()
 
 
+@pytest.mark.slow
 def test_backlog_flushes_to_a_slow_but_live_reader(server):
     """A client that reads slowly (under the backlog limit) still gets every reply, in order."""
     ctx = zmq.Context()

@@ -29,6 +29,7 @@ def run_scenarios(tmp_path, make_checkpoint, scenarios: str, env: dict | None = 
     return read_json(f"{base}.rank0"), read_json(f"{base}.rank1"), proc
 
 
+@pytest.mark.slow
 def test_manager_scenarios_at_tp2(tmp_path, make_checkpoint):
     rec, worker, proc = run_scenarios(tmp_path, make_checkpoint, "heartbeat,pause_gate,add_after_stop,pause_reentry,worker_call")
     log = proc.stdout[-4000:]
@@ -49,6 +50,7 @@ def test_manager_scenarios_at_tp2(tmp_path, make_checkpoint):
     assert wc and wc["ok"] and wc["seconds"] < 15, (wc, log)
 
 
+@pytest.mark.slow
 def test_worker_loop_death_names_the_rank(tmp_path, make_checkpoint):
     rec, worker, proc = run_scenarios(tmp_path, make_checkpoint, "worker_dies",
                                       env={"LOCKSTEP_FAULTS": "worker_execute:rank=1:step=6",
@@ -60,6 +62,7 @@ def test_worker_loop_death_names_the_rank(tmp_path, make_checkpoint):
     assert "InjectedFault" in worker["worker_loop_error"]
 
 
+@pytest.mark.slow
 def test_driver_only_failure_stops_everyone_with_its_own_code(make_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("LOCKSTEP_FAULTS", "driver_step:step=12")
     with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path, extra=NO_RESTART) as s:
@@ -77,6 +80,7 @@ def test_driver_only_failure_stops_everyone_with_its_own_code(make_checkpoint, t
         c.close()
 
 
+@pytest.mark.slow
 def test_stopped_worker_is_named_within_the_timeout(make_checkpoint, tmp_path):
     with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path, extra=NO_RESTART) as s:
         clients = [Client(s.address, timeout=60, resume=False) for _ in range(2)]
@@ -98,6 +102,7 @@ def test_stopped_worker_is_named_within_the_timeout(make_checkpoint, tmp_path):
                 c.close()
 
 
+@pytest.mark.slow
 def test_a_cancel_that_overtakes_its_add_ends_the_request_once(make_checkpoint):
     """Driver-local race, so in process at TP=1: the add is delayed on its way to the inbox (as a slow thread
     would be) and its cancel gets there first; the request must end once, CANCELLED, and never run."""

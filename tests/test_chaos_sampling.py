@@ -74,6 +74,7 @@ HOSTILE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,params", HOSTILE, ids=[f"{n}-{i}" for i, (n, _) in enumerate(HOSTILE)])
 def test_hostile_values_are_bad_field(client, name, params):
     with pytest.raises(ClientError) as e:
@@ -82,6 +83,7 @@ def test_hostile_values_are_bad_field(client, name, params):
     assert name in e.value.message and len(e.value.message) < 300
 
 
+@pytest.mark.slow
 def test_top_k_minus_one_is_accepted_and_means_no_top_k(client):
     def sampled(**top_k):  # the same id and seed: the same random stream, whatever else runs
         return client.generate(PROMPTS[1], request_id="same", max_new_tokens=NEW, do_sample=True, seed=11,
@@ -92,12 +94,14 @@ def test_top_k_minus_one_is_accepted_and_means_no_top_k(client):
     assert len(off) == NEW
 
 
+@pytest.mark.slow
 def test_server_keeps_serving_after_hostile_values(server, client, make_checkpoint):
     greedy_matches_transformers(client, make_checkpoint("llama"))
     assert client.health()["ok"]
     assert "driver loop failed" not in server.log
 
 
+@pytest.mark.slow
 def test_request_larger_than_the_cache_is_refused_at_submit(client, make_checkpoint):
     # 24 pages of 16 tokens: a prompt of 300 and 100 new tokens need the K/V of 399 tokens, 25 pages
     with pytest.raises(ClientError) as e:
@@ -107,6 +111,7 @@ def test_request_larger_than_the_cache_is_refused_at_submit(client, make_checkpo
     greedy_matches_transformers(client, make_checkpoint("llama"))
 
 
+@pytest.mark.slow
 def test_sampling_fault_fails_only_its_own_request(server, client, make_checkpoint):
     with ThreadPoolExecutor(len(PROMPTS) + 1) as pool:  # submitted together, so they share steps
         doomed = pool.submit(client.generate, PROMPTS[2], request_id=DOOMED, max_new_tokens=NEW)
@@ -122,6 +127,7 @@ def test_sampling_fault_fails_only_its_own_request(server, client, make_checkpoi
     assert client.health()["ok"]
 
 
+@pytest.mark.slow
 def test_sampling_parameters_are_refused_where_they_would_be_ignored(make_checkpoint, tmp_path):
     model_dir = make_checkpoint("llama")
     with serve(model_dir, tp=2, config=PRESET.format(prp="false"), tmp_path=tmp_path) as s, \

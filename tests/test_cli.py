@@ -16,6 +16,7 @@ def lockstep(*args, timeout=240, cwd=REPO):
                           timeout=timeout, cwd=cwd, env=None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,model_type", [("llama", "llama"), ("qwen3", "qwen3")])
 def test_make_model_writes_a_loadable_checkpoint(tmp_path, arch, model_type):
     from transformers import AutoModelForCausalLM
@@ -31,12 +32,14 @@ def test_make_model_writes_a_loadable_checkpoint(tmp_path, arch, model_type):
     assert 2_000_000 < n < 5_000_000
 
 
+@pytest.mark.slow
 def test_same_seed_same_weights(tmp_path):
     for name in ("a", "b"):
         assert lockstep("make-model", str(tmp_path / name), "--seed", "5").returncode == 0
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_main_job_runs_tp2(tmp_path):
     proc = lockstep("run", "--model", str(tmp_path / "tiny"), "--num-prompts", "8", "--new-tokens", "8")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -94,6 +94,7 @@ def tiny(make_checkpoint):
     return cluster.load(make_checkpoint("llama"))
 
 
+@pytest.mark.slow
 def test_warm_up_compiles_every_bucket_and_steps_take_their_forward(tiny, monkeypatch):
     decode, varlen = CountingBackend(), CountingBackend()
     runner, rc, _ = tiny.build_runner(ContinuousBatchingConfig(
@@ -167,6 +168,7 @@ def short_prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+@pytest.mark.slow
 def test_tp1_inductor_matches_transformers(tiny, make_checkpoint):
     """default_compile_level=1 (inductor), as a user would set it. One sequence at a time, prompts of at most
     32 tokens and 24 new ones: every step has a shape the warm-up compiled, so the test pays for two compiles."""
@@ -184,6 +186,7 @@ def test_tp1_inductor_matches_transformers(tiny, make_checkpoint):
         manager.destroy()
 
 
+@pytest.mark.slow
 def test_tp2_compiled_matches_transformers(make_checkpoint, tmp_path):
     """TP=2: the all-reduces inside the compiled forwards (dynamo, AOT autograd), two sequences at a time with
     mixed steps; both ranks compile the same shapes and produce transformers' tokens."""

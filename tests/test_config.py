@@ -173,6 +173,7 @@ def test_unsupported_processors_dropped_or_refused(make_checkpoint):
                              continuous_batching_config=ContinuousBatchingConfig(drop_unsupported_processors=False))
 
 
+@pytest.mark.slow
 def test_record_timestamps(make_checkpoint):
     model = cluster.load(make_checkpoint("llama"))
     out = model.generate_batch([[5, 6, 7]], max_new_tokens=5, record_timestamps=True)["req_0"]

@@ -254,6 +254,7 @@ def test_served_seeded_tokens_do_not_depend_on_the_batch(tp1_tokens):
     assert len(set(tp1_tokens["all"]["target"])) > 1
 
 
+@pytest.mark.slow
 def test_seeded_tokens_are_the_same_at_tp1_and_tp2(make_checkpoint, tmp_path, tp1_tokens):
     proc = run_ranks("sampling_rank.py", ["mixed", str(make_checkpoint("llama")), str(tmp_path / "rec")], timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -290,6 +291,7 @@ def todays_row_loop(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_batched_sampler_timing_against_todays_row_loop(capsys):
     logits = torch.randn(64, 32000, generator=torch.Generator().manual_seed(0)) * 3
     lines = []

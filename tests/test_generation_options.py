@@ -87,6 +87,7 @@ def model(model_dir):
     return cluster.load(model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 def test_each_option_matches_transformers_per_request(model, cases, overlap):
     cfg = cluster.ContinuousBatchingConfig(per_request_processors=True, page_size=16, use_async_batching=overlap)
@@ -131,6 +132,7 @@ def server(model_dir, tmp_path_factory):
         yield s
 
 
+@pytest.mark.slow
 def test_options_over_the_wire_at_tp2(server, cases):
     names = ["min_new_tokens", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "forced_eos_token_id",
              "begin_after_forced_bos", "all_at_once"]
@@ -179,6 +181,7 @@ def test_forced_tokens_all_suppressed_are_refused(manager):
                                                                                         ((3, 4, 5), 2.0))
 
 
+@pytest.mark.slow
 def test_wire_types_and_the_unsupported_code(model):
     ok = parse_submit({"input_ids": [1], "sampling": {"bad_words_ids": [[1, 2]], "forced_eos_token_id": [2],
                                                       "sequence_bias": [[[3], -1.0]], "min_new_tokens": 3}})

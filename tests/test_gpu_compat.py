@@ -158,6 +158,7 @@ def test_summary_fails_on_a_failed_check_or_a_slow_ratio(tmp_path):
     assert subprocess.run(summary + ["--dry-run"], capture_output=True, text=True, timeout=60).returncode == 1
 
 
+@pytest.mark.slow
 def test_gpu_proof_cpu_dry_run(tmp_path):
     out = tmp_path / "proof"
     r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), "--cpu-dry-run", "--out", str(out)],

@@ -9,6 +9,7 @@ import pytest
 from tests.conftest import read_json, run_ranks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_sums_equal_gloo_and_leave_no_segment(tmp_path, nproc):
     out = tmp_path / "sums.json"
@@ -21,6 +22,7 @@ def test_sums_equal_gloo_and_leave_no_segment(tmp_path, nproc):
     assert rec["left"] == []  # unlinked once every rank mapped it
 
 
+@pytest.mark.slow
 def test_the_environment_keeps_gloo(tmp_path):
     out = tmp_path / "off.json"
     proc = run_ranks("host_all_reduce_rank.py", ["sums", str(out)], env={"LOCKSTEP_HOST_ALL_REDUCE": "0"},
@@ -29,6 +31,7 @@ def test_the_environment_keeps_gloo(tmp_path):
     assert read_json(out)["made"] is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dies", "stalls"])
 def test_a_lost_peer_is_a_collective_error_not_a_hang(tmp_path, mode):
     out = tmp_path / f"{mode}.json"

@@ -100,6 +100,7 @@ def cancelled(server) -> int:
 
 
 # ------------------------------------------------------------------ completions and chat
+@pytest.mark.slow
 def test_completions_text_equals_transformers(oai, tok, model_dir):
     text_prompt = tok.decode(PROMPT_IDS[1:])
     for prompt, ids in ((PROMPT_IDS, PROMPT_IDS), (text_prompt, tok(text_prompt)["input_ids"])):
@@ -285,6 +286,7 @@ def gateway_pids(listen: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_a_killed_gateway_process_comes_back(server, model_dir):
     """`lockstep serve --http` runs the gateway as a child of rank 0; killed outright, it is started again and
     serves the same address (this test runs last in the module: the gateway is briefly away)."""
@@ -305,6 +307,7 @@ def test_a_killed_gateway_process_comes_back(server, model_dir):
     assert gateway_pids(listen) not in ([], [pid])
 
 
+@pytest.mark.slow
 def test_the_gateway_process_leaves_with_its_parent(model_dir):
     """`--exit-with-parent`: a gateway whose parent is killed outright stops and lets its port go."""
     port = free_port()
@@ -334,6 +337,7 @@ def test_the_gateway_process_leaves_with_its_parent(model_dir):
             pass
 
 
+@pytest.mark.slow
 def test_a_gateway_on_a_taken_address_says_so(model_dir):
     """`lockstep http` on an address in use exits 1 with one line that says so (not uvicorn's traceback), and
     rank 0's GatewayProcess refuses at once, naming the address."""

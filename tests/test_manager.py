@@ -4,6 +4,7 @@ transformers token for token."""
 
 from __future__ import annotations
 
+import pytest
 
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy, read_json, run_ranks
@@ -37,6 +38,7 @@ def check(rec: dict, dir_a, dir_b, vocab: int) -> None:
     assert all("hard_stop" in e for _, e in rec["hard_stop"])
 
 
+@pytest.mark.slow
 def test_manager_tp1(make_checkpoint):
     from tests.scripts.manager_rank import run
 
@@ -45,6 +47,7 @@ def test_manager_tp1(make_checkpoint):
     check(rec, dir_a, dir_b, 2048)
 
 
+@pytest.mark.slow
 def test_manager_tp2(make_checkpoint, tmp_path):
     dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
     base = tmp_path / "rec"

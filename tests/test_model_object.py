@@ -22,6 +22,7 @@ def run(make_checkpoint, tmp_path_factory):
     return [read_json(f"{out}.rank{r}") for r in range(2)], dir_a, dir_b, proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key,code,text", [
     ("too_long", "bad_max_new_tokens", "request inputs[1]: max_new_tokens=100"),
     ("unknown_kwarg", "bad_field", "unknown generation parameter(s) ['foo']")])
@@ -34,6 +35,7 @@ def test_batch_checks_raise_alike_on_every_rank(run, key, code, text):
         assert text in rec[key]["message"], rec[key]
 
 
+@pytest.mark.slow
 def test_batch_larger_than_queue_is_fed(run):
     """5 prompts with max_queue_size=2: every rank gets all 5, equal to transformers."""
     recs, dir_a = run[0], run[1]
@@ -42,6 +44,7 @@ def test_batch_larger_than_queue_is_fed(run):
         assert rec["small_queue"]["tokens"] == hf_greedy(dir_a, PROMPTS, 8)
 
 
+@pytest.mark.slow
 def test_parameters_are_this_ranks_shards_under_transformers_names(run):
     recs = run[0]
     names = recs[0]["state_dict_names"]
@@ -58,6 +61,7 @@ def test_parameters_are_this_ranks_shards_under_transformers_names(run):
         assert rec["shard_mismatch"] == [] and rec["shard_of_mismatch"] == []
 
 
+@pytest.mark.slow
 def test_in_place_changes_inside_pause_are_used(run):
     recs, dir_a, dir_b, proc = run
     assert recs[0]["before"] == hf_greedy(dir_a, PROMPTS, 8)

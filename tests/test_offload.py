@@ -171,6 +171,7 @@ def test_streamed_outputs_share_one_prompt_copy():
     assert first.prompt_ids == r.prompt_ids and first.generated_tokens == [5] and second.generated_tokens == [5, 6]
 
 
+@pytest.mark.slow
 def test_small_pool_swaps_some_and_recomputes_others(make_checkpoint):
     """A pool of 6 pages: some victims fit it, others are recomputed; outputs still match transformers."""
     model_dir = make_checkpoint("llama")

@@ -67,6 +67,7 @@ def test_overlap_same_tokens_tp1(make_checkpoint):
     check_modes(run(str(model_dir)), model_dir, VOCAB)
 
 
+@pytest.mark.slow
 def test_overlap_same_tokens_tp2(make_checkpoint, tmp_path):
     model_dir = make_checkpoint("llama", vocab_size=VOCAB)
     proc = run_ranks("overlap_rank.py", [str(model_dir), str(tmp_path / "rec")], timeout=600)
@@ -149,6 +150,7 @@ def test_shared_token_ids_resolve_on_the_device(make_checkpoint):
     assert np.array_equal(runner.shared_tokens[:3].numpy(), [11, 22, 33])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head", ["device", "gloo"])
 def test_control_plane_benchmark_prints_one_line_per_configuration(head):
     """A reduced run of benchmarks/control_plane.py (2 ranks, 8 sequences, a few steps), for its output format,

@@ -35,6 +35,7 @@ def check_scenario(name: str, tokens: list[list[int]], status: list[int], stats:
         assert stats["recomputed_tokens"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp1_matches_transformers(arch, mode, make_checkpoint):
@@ -66,6 +67,7 @@ def tp2_outputs(make_checkpoint, tmp_path_factory):
     return prefix, dirs, proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,mode", TP2_RUNS)
 def test_tp2_matches_transformers(case, mode, tp2_outputs):
     prefix, dirs, proc = tp2_outputs
@@ -82,6 +84,7 @@ def test_tp2_matches_transformers(case, mode, tp2_outputs):
         assert rank1[f"{name}/{mode}"] == r["tokens"], "rank 1 got different results from rank 0"
 
 
+@pytest.mark.slow
 def test_tp2_launch_exits_cleanly(tp2_outputs):
     out = tp2_outputs[2].stdout
     assert tp2_outputs[2].returncode == 0, out[-4000:]
@@ -101,6 +104,7 @@ def test_sliding_window_matches_transformers(make_checkpoint):
     assert [o.generated_tokens for o in out.values()] == hf_greedy(model_dir, prompts)
 
 
+@pytest.mark.slow
 def test_cached_references_are_transformers_own(make_checkpoint):
     """tests/references only spares the work: a few prompts generated afresh equal the cached answers."""
     model_dir = make_checkpoint("qwen3")

@@ -83,6 +83,7 @@ def cpus_free() -> bool:
     return ray.available_resources().get("CPU", 0) == 2
 
 
+@pytest.mark.slow
 def test_client_handle_in_ray_tasks_and_actor(ray_session, make_checkpoint, tmp_path):
     model = make_checkpoint("llama")
     want = hf_greedy(model, prompts(), NEW)
@@ -116,6 +117,7 @@ def test_client_handle_in_ray_tasks_and_actor(ray_session, make_checkpoint, tmp_
         wait_until(lambda: io_threads() == before, 10, "a dropped client's I/O thread ended")
 
 
+@pytest.mark.slow
 def test_ranks_as_ray_actors(ray_session, make_checkpoint):
     model = make_checkpoint("llama")
     want = hf_greedy(model, prompts(), NEW)
@@ -141,6 +143,7 @@ def test_ranks_as_ray_actors(ray_session, make_checkpoint):
     wait_until(cpus_free, 30, "both CPUs back in Ray")
 
 
+@pytest.mark.slow
 def test_rank_failure_before_ready_is_reported(ray_session, tmp_path):
     """A rank that cannot load raises in start_ray_cluster with its traceback, and nothing stays behind."""
     with pytest.raises(RuntimeError, match="no config.json"):
@@ -148,6 +151,7 @@ def test_rank_failure_before_ready_is_reported(ray_session, tmp_path):
     wait_until(cpus_free, 30, "both CPUs back in Ray after the failed launch")
 
 
+@pytest.mark.slow
 def test_cli_launcher_ray(ray_session, make_checkpoint, tmp_path, monkeypatch):
     """`lockstep serve --launcher ray` joins the running Ray (RAY_ADDRESS), serves, and on SIGINT exits 0
     and gives the actors' CPUs back."""

@@ -90,6 +90,7 @@ def reference(make_checkpoint, tmp_path_factory):
         return all_requests(s.address)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [1, 0], ids=["worker", "driver"])
 def test_a_killed_rank_costs_seconds_not_requests(make_checkpoint, tmp_path, reference, rank):
     assert len(reference) == CLIENTS * PER_CLIENT and all(r["status"] == RequestStatus.FINISHED
@@ -124,6 +125,7 @@ def assert_resumed_exactly(got: dict, reference: dict) -> None:
     assert all(r["resumes"] == 1 for r in resumed)
 
 
+@pytest.mark.slow
 def test_the_restarted_group_serves_the_checkpoint_it_last_loaded(make_checkpoint, tmp_path):
     dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
     prompt = [1, 9, 42, 7]

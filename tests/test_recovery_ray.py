@@ -63,6 +63,7 @@ def kill_actor_mid_generation(handle, rank: int, more_tokens: int, done: list) -
     done.append(f"killed rank {rank}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [1, 0], ids=["worker", "driver"])
 def test_a_killed_rank_actor_costs_seconds_not_requests(supervised, rank):
     handle, reference, restarted = supervised

@@ -38,6 +38,7 @@ def generate(m, prompt: list[int]):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pushed", [False, True], ids=["checkpoint", "push_after_it"])
 def test_a_restart_serves_the_last_checkpoint_under_its_version(manager, make_checkpoint, tmp_path, pushed):
     dir_b = make_checkpoint("llama", seed=1)

@@ -22,6 +22,7 @@ def client(make_checkpoint, tmp_path_factory):
             yield c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [{}, SAMPLED], ids=["greedy", "seeded"])
 def test_resume_over_the_wire_continues_exactly(client, params):
     prompt = [1, 40, 41, 42]
@@ -39,6 +40,7 @@ def test_resume_over_the_wire_continues_exactly(client, params):
         assert got == whole.generated_tokens and out.resumes == 1 and out.weight_versions == [(0, 0)]
 
 
+@pytest.mark.slow
 def test_bad_resume_is_refused_with_its_code(client):
     with pytest.raises(ClientError) as e:
         client.submit([1, 2, 3], max_new_tokens=4, resume_tokens=[5, 6, 7, 8])
@@ -48,6 +50,7 @@ def test_bad_resume_is_refused_with_its_code(client):
     assert e.value.code == "token_out_of_vocab"
 
 
+@pytest.mark.slow
 def test_no_server_within_the_bound_is_a_typed_error():
     address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     with Client(address, server_timeout_s=1.0, resume_timeout_s=3.0) as c:
@@ -70,6 +73,7 @@ def test_a_request_not_resumed_says_why(kwargs, reason):
     assert e.value.reason == reason and e.value.code == "server_gone" and f"not resumed: {reason}" in str(e.value)
 
 
+@pytest.mark.slow
 def test_closing_the_client_ends_a_waiting_resume():
     address = f"tcp://127.0.0.1:{free_port()}"
     c = Client(address, server_timeout_s=1.0, resume_timeout_s=60.0)

@@ -111,6 +111,7 @@ def assert_all_exact(results: dict[str, dict], model_dir, n: int = REQUESTS) -> 
         assert r["tokens"] == want[r["prompt"]], rid
 
 
+@pytest.mark.slow
 def test_many_requests_from_several_clients_match_transformers(fleet, make_checkpoint):
     results = run_load(fleet.address)
     assert_all_exact(results, make_checkpoint("llama"))
@@ -122,6 +123,7 @@ def test_many_requests_from_several_clients_match_transformers(fleet, make_check
     assert sum(r["stats"]["tokens_generated"] for r in stats["replicas"]) == stats["tokens_generated"]
 
 
+@pytest.mark.slow
 def test_the_http_gateway_in_front_of_the_router(fleet, make_checkpoint):
     """One front door over HTTP too (`lockstep serve --replicas R --http ...` runs this gateway): text, streamed
     text with logprobs and stop strings pass through the router as through one driver."""
@@ -169,6 +171,7 @@ def test_the_http_gateway_in_front_of_the_router(fleet, make_checkpoint):
         gateway.stop()
 
 
+@pytest.mark.slow
 def test_prefix_affinity_routes_a_shared_prefix_to_one_replica(fleet):
     """4 families of 4 prompts sharing 100 to 250 tokens, one at a time: each family's first prompt goes to the
     least loaded replica, the other three follow it there and reuse its cached pages."""
@@ -184,6 +187,7 @@ def test_prefix_affinity_routes_a_shared_prefix_to_one_replica(fleet):
     assert hits >= shared_pages, (hits, shared_pages)
 
 
+@pytest.mark.slow
 def test_a_killed_replica_costs_no_request_and_comes_back(fleet, make_checkpoint):
     group = fleet.groups[0]
     done: list[str] = []
@@ -218,6 +222,7 @@ def test_a_killed_replica_costs_no_request_and_comes_back(fleet, make_checkpoint
         assert all(r["routed"] > k for r, k in zip(c.stats()["replicas"], routed))
 
 
+@pytest.mark.slow
 def test_weight_update_across_replicas_under_load(fleet, make_checkpoint):
     new, bad = make_checkpoint("llama", seed=1), make_checkpoint("llama", seed=2, intermediate_size=96)
     with fleet.client() as c:
@@ -243,6 +248,7 @@ def test_weight_update_across_replicas_under_load(fleet, make_checkpoint):
     assert_all_exact(run_load(fleet.address, n=16, tag="n"), new, n=16)  # every replica serves the new weights
 
 
+@pytest.mark.slow
 def test_spread_needs_as_many_nodes_as_replicas(fleet, make_checkpoint):
     with pytest.raises(ValueError, match="spread: 2 replicas need 2 nodes"):
         start_replicas(make_checkpoint("llama"), tp=1, replicas=2, config=PRESET, spread=True)
@@ -261,6 +267,7 @@ def submit_job(jobs, entry: str, timeout: float = 90.0) -> str:
             time.sleep(1.0)
 
 
+@pytest.mark.slow
 def test_a_ray_job_takes_the_service_handle_and_gets_correct_outputs(ray_head, fleet, make_checkpoint):
     """A script submitted with Ray's JobSubmissionClient finds the ServiceHandle actor by name and generates."""
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -280,6 +287,7 @@ def test_a_ray_job_takes_the_service_handle_and_gets_correct_outputs(ray_head, f
     assert json.loads(line[len("JOB-RESULT "):]) == hf_greedy(served, prompts(), NEW)[:4]
 
 
+@pytest.mark.slow
 def test_one_tp2_replica_next_to_one_tp1(ray_head, fleet, make_checkpoint):
     """Last: the 2 x TP=1 fleet makes room for a TP=2 replica and a TP=1 one behind one router."""
     fleet.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ def sample_once(model, seed, **cfg):
     return [o.generated_tokens for o in out.values()], out
 
 
+@pytest.mark.slow
 def test_seeded_sampling_repeats(make_checkpoint):
     model = cluster.load(make_checkpoint("llama"))
     a, _ = sample_once(model, 1234)
@@ -32,6 +34,7 @@ def test_seeded_sampling_repeats(make_checkpoint):
     assert all(len(t) == 16 for t in a)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_repeats_across_processes(make_checkpoint):
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import cluster; "
             "from tests.test_sampling import sample_once; "
@@ -69,6 +72,7 @@ def assert_logprobs_match(tokens, logprobs, prompts, model_dir):
         assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4, (got, ref)
 
 
+@pytest.mark.slow
 def test_logprobs_match_transformers_scores_tp1(make_checkpoint):
     model_dir = make_checkpoint("llama")
     model = cluster.load(model_dir)
@@ -79,6 +83,7 @@ def test_logprobs_match_transformers_scores_tp1(make_checkpoint):
                           model_dir)
 
 
+@pytest.mark.slow
 def test_logprobs_match_transformers_scores_tp2(make_checkpoint, tmp_path):
     model_dir = make_checkpoint("llama")
     proc = run_ranks("sampling_rank.py", ["logprobs", str(model_dir), str(tmp_path / "rec")], timeout=240)
@@ -136,6 +141,7 @@ def test_sampler_returns_each_rows_failure():
 
 
 # ---------------------------------------------------------------- outputs owed to workers on a no-forward step
+@pytest.mark.slow
 def test_results_owed_to_a_worker_survive_a_step_with_only_impossible_requests(make_checkpoint, tmp_path):
     proc = run_ranks("sampling_rank.py", ["publish", str(make_checkpoint("llama")), str(tmp_path / "rec")],
                      timeout=240)

@@ -43,6 +43,7 @@ def server(make_checkpoint, tmp_path_factory):
         yield s
 
 
+@pytest.mark.slow
 def test_outputs_match_transformers(server, make_checkpoint):
     prompts = mixed_prompts(2048)
     with Client(server.address) as c:
@@ -84,6 +85,7 @@ def test_async_client(server, make_checkpoint):
     assert streamed[-1].status == RequestStatus.FINISHED
 
 
+@pytest.mark.slow
 def test_disconnected_client_is_cancelled(server):
     p = mp.get_context("spawn").Process(target=abandon, args=(server.address,))
     p.start()
@@ -99,6 +101,7 @@ def test_disconnected_client_is_cancelled(server):
         assert s["running"] == 0 and s["free_blocks"] == s["num_blocks"]
 
 
+@pytest.mark.slow
 def test_thousand_requests_from_eight_clients(server):
     done = run_clients(hammer, [(server.address, k, 125) for k in range(8)], timeout=600)
     assert done == [125] * 8
@@ -168,6 +171,7 @@ def test_pause_resume_and_health(server, make_checkpoint):
         assert h["ok"] and h["world_size"] == 2 and h["restart_count"] == 0
 
 
+@pytest.mark.slow
 def test_killed_worker_fails_every_request_naming_it(make_checkpoint, tmp_path):
     # no restart, no resume: the failure itself (its recovery: tests/test_recovery_chaos.py)
     with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path, extra=["--max-restarts", "0"]) as s:
@@ -188,6 +192,7 @@ def test_killed_worker_fails_every_request_naming_it(make_checkpoint, tmp_path):
         assert "exitcode  : 3" in s.log or "exitcode: 3" in s.log
 
 
+@pytest.mark.slow
 def test_cli_submit_and_stats(server):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-m", "launch.cli", "submit", "--address", server.address, "--input-ids",

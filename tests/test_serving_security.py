@@ -82,6 +82,7 @@ def hostile_frames(rng: random.Random, n: int):
         yield rng.choice(makers)()
 
 
+@pytest.mark.slow
 def test_fuzz_then_serve_correctly(make_checkpoint, tmp_path):
     model = make_checkpoint("llama")
     with serve(model, tp=2, config=SMALL_FRAMES, tmp_path=tmp_path) as s:
@@ -137,6 +138,7 @@ def test_fuzz_then_serve_correctly(make_checkpoint, tmp_path):
         ctx.destroy(0)
 
 
+@pytest.mark.slow
 def test_curve_admits_only_allowed_clients_and_admins_alone_pause(make_checkpoint, tmp_path):
     from zmq.auth import create_certificates, load_certificate
 
@@ -209,6 +211,7 @@ def test_admin_needs_a_local_bind_without_curve():
         assert not binds_locally(address), address
 
 
+@pytest.mark.slow
 def test_two_launcher_agents_serve(make_checkpoint, tmp_path):
     """`lockstep serve --nnodes 2`: two agents on this machine, one rank each, c10d rendezvous."""
     model = make_checkpoint("qwen2")

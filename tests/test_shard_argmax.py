@@ -34,6 +34,7 @@ def test_one_shard_chooses_what_the_sampler_does():
     assert tokens[:2] == [2, 7] and tokens[4] == 5 and invalid[2:5] == [True, True, True]
 
 
+@pytest.mark.slow
 def test_two_ranks_choose_what_the_sampler_does_on_the_gathered_logits(tmp_path):
     out = tmp_path / "argmax.json"
     proc = run_ranks("shard_argmax_rank.py", [str(out)], nproc=2, timeout=120)
@@ -46,6 +47,7 @@ def test_two_ranks_choose_what_the_sampler_does_on_the_gathered_logits(tmp_path)
     assert [not math.isfinite(b) for b in rec["best"]] == invalid  # rank 0 knows the invalid rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_engine_chooses_on_shards_only_for_plain_greedy_rows_without_logprobs(make_checkpoint, overlap):
     model_dir = make_checkpoint("llama")

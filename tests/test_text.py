@@ -68,6 +68,7 @@ def test_made_tokenizer_loads_round_trips_and_chats(tok):
     assert tok.decode(ids) == chat and ids[0] == tok.convert_tokens_to_ids("<|im_start|>") == 3
 
 
+@pytest.mark.slow
 def test_a_32k_made_tokenizer_gives_nearly_every_id_text(tmp_path):
     """The small model's vocabulary: the docstrings alone run out of merges at about 14.8k tokens, so the stdlib's
     sources are learnt too; a random model's tokens then decode to text, as a hub tokenizer's do (before, 17k of
@@ -81,6 +82,7 @@ def test_a_32k_made_tokenizer_gives_nearly_every_id_text(tmp_path):
     assert empty <= 20, f"{empty} of 2000 ids decode to no text"
 
 
+@pytest.mark.slow
 def test_make_model_writes_a_tokenizer_unless_told_not_to(tmp_path, capsys):
     from transformers import AutoConfig, AutoTokenizer
 
@@ -183,6 +185,7 @@ def reference(model):
     return ids, tokens, tok.decode(tokens, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_text_submit_matches_transformers(server, reference):
     ids, tokens, text = reference
     with Client(server.address) as c:
@@ -193,6 +196,7 @@ def test_text_submit_matches_transformers(server, reference):
     assert plain.generated_tokens == tokens and plain.text is None and plain.finish_reason == out.finish_reason
 
 
+@pytest.mark.slow
 def test_streamed_text_grows_to_the_final_text(server, reference):
     _, tokens, text = reference
     with Client(server.address) as c:
@@ -203,6 +207,7 @@ def test_streamed_text_grows_to_the_final_text(server, reference):
     assert all(o.text is not None and not o.text.endswith("\ufffd") for o in outs[:-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("streaming", [False, True])
 def test_stop_strings_end_and_trim(server, reference, model, streaming):
     from transformers import AutoTokenizer
@@ -230,6 +235,7 @@ def test_stop_strings_end_and_trim(server, reference, model, streaming):
         assert c.generate(text=PROMPT, max_new_tokens=2, request_id="stopped").generated_tokens == tokens[:2]
 
 
+@pytest.mark.slow
 def test_finish_reasons_and_logprobs(server, reference, model):
     ids, tokens, _ = reference
     with Client(server.address) as c:

@@ -3,6 +3,7 @@ Lockstep (TP=1 and TP=2) and prints the same tokens."""
 
 from __future__ import annotations
 
+import pytest
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ def last_json(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
+@pytest.mark.slow
 def test_same_script_same_tokens(make_checkpoint):
     path = str(make_checkpoint("llama"))
     runs = {}

@@ -46,6 +46,7 @@ def push(address: str, dir_b: str, drop: str = "") -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_trainer_pushes_weights_tp2(make_checkpoint, tmp_path):
     dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
     with serve(dir_a, tp=2, tmp_path=tmp_path) as s, Client(s.address) as c:
@@ -97,6 +98,7 @@ def proc_status(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
+@pytest.mark.slow
 def test_a_push_stages_a_shard_plus_one_bucket(big):
     """Each rank's peak resident memory during a push (VmHWM, reset just before) grows by about its shard of
     the model plus one bucket, not by the whole model received into new tensors."""
@@ -123,6 +125,7 @@ def proc_counts(pid: int | str) -> tuple[int, int]:
     return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.mark.slow
 def test_pushes_in_a_row_leave_nothing_behind(big):
     """Eight pushes from this process (the trainer) into a TP=2 server: the update group is torn down on
     every member after each push, so no rank and not the trainer keeps its threads or sockets; each push
@@ -142,6 +145,7 @@ def test_pushes_in_a_row_leave_nothing_behind(big):
         [t[:8] for t in hf_greedy(dirs[1], PROMPTS, 8)]
 
 
+@pytest.mark.slow
 def test_offline_generate_from_jsonl(make_checkpoint, tmp_path):
     model = make_checkpoint("qwen3")
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -4,6 +4,7 @@ right, and a bad update (on any rank) changes nothing."""
 
 from __future__ import annotations
 
+import pytest
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy, read_json, run_ranks
 from tests.scripts.update_rank import N_INFLIGHT, prompts
@@ -55,6 +56,7 @@ def check(rec: dict, dir_a, dir_b, world: int) -> None:
     assert rec["stats"]["weight_version"] == 2
 
 
+@pytest.mark.slow
 def test_updates_tp1(make_checkpoint, tmp_path):
     from tests.scripts.update_rank import run
 
@@ -62,6 +64,7 @@ def test_updates_tp1(make_checkpoint, tmp_path):
     check(run(str(dir_a), str(dir_b), str(tmp_path)), dir_a, dir_b, 1)
 
 
+@pytest.mark.slow
 def test_updates_tp2_under_load(make_checkpoint, tmp_path):
     dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
     proc = run_ranks("update_rank.py", [str(dir_a), str(dir_b), str(tmp_path)], timeout=400)

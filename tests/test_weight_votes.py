@@ -29,17 +29,20 @@ def refused_by_rank_1(r: dict, text: str) -> None:
     assert r["rank"] == 1 and f"rank 1: {text}" in r["message"], r
 
 
+@pytest.mark.slow
 def test_empty_message_votes_against(run):
     """A tensor whose values raise ValueError() (no message) on rank 1: refused on every rank, not "ok"."""
     for rec in run[0]:
         refused_by_rank_1(rec["no_message"], "ValueError (no message)")
 
 
+@pytest.mark.slow
 def test_front_door_gets_a_refused_dict_naming_the_rank(run):
     r = run[0][0]["async"]
     assert r["ok"] is False and r["rank"] == 1 and "rank 1: InjectedFault" in r["error"], r
 
 
+@pytest.mark.slow
 def test_refusal_raises_the_same_error_on_every_rank(run):
     recs = run[0]
     for rec in recs:
@@ -48,11 +51,13 @@ def test_refusal_raises_the_same_error_on_every_rank(run):
     assert recs[0]["refused"]["message"] == recs[1]["refused"]["message"]
 
 
+@pytest.mark.slow
 def test_a_rank_holding_another_version_votes_against(run):
     for rec in run[0]:
         refused_by_rank_1(rec["version"], "this rank holds weight version 7, the plan carries 0")
 
 
+@pytest.mark.slow
 def test_versions_move_on_every_rank_and_refusals_change_nothing(run):
     recs, dir_a, dir_b, _ = run
     for rec in recs:
@@ -65,12 +70,14 @@ def test_versions_move_on_every_rank_and_refusals_change_nothing(run):
     assert recs[0]["after_a"] == recs[0]["still_a"]
 
 
+@pytest.mark.slow
 def test_an_update_right_after_a_pause_runs_through_the_loop(run):
     for rec in run[0]:
         assert [r["raised"] for r in rec["after_pause"]] == [None] * 5, rec["after_pause"]
         assert [r["result"]["version"] for r in rec["after_pause"]] == [2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_copy_failure_raises_weights_diverged_everywhere_and_ends_the_loop(run):
     recs, proc = run[0], run[3]
     for rec in recs:
