@@ -47,3 +47,17 @@ def test_main_job_runs_tp2(tmp_path):
     assert "req_0: prompt" in proc.stdout
     assert "    'Return the number of' -> '" in proc.stdout  # the made tokenizer: text beside the ids
     assert "requests finished: 100%" in proc.stderr and "tokens generated" in proc.stderr  # what the bar counts
+
+
+def test_free_ports_lie_below_the_ephemeral_range():
+    """Ports handed to a process to bind later come from below the kernel's ephemeral range, where no outgoing
+    connection can take them meanwhile (parallel test workers start many servers at once)."""
+    import socket
+
+    from launch.torchrun import free_port
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= p < low for p in ports) and len(ports) > 10
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # and it is free

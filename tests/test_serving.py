@@ -202,3 +202,27 @@ def test_cli_submit_and_stats(server):
     out = subprocess.run([sys.executable, "-m", "launch.cli", "stats", "--address", server.address],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0 and '"step"' in out.stdout
+
+
+def test_the_router_in_front_of_two_replicas(server):
+    """The replicas' router (launch/router/), in this process, in front of the shared server twice over: what
+    it routes equals what the server answers directly, streams arrive token by token, health and stats speak for
+    both replicas, and a prompt's second submit follows its prefix to the replica that holds it."""
+    from launch.router.router import Router, RouterConfig
+
+    prompt = mixed_prompts(2048)[7]
+    with Client(server.address) as direct:
+        want = direct.generate(prompt, max_new_tokens=8).generated_tokens
+    router = Router([server.address, server.address], RouterConfig(address="tcp://127.0.0.1:*", page_size=16)).start()
+    try:
+        with Client(router.address) as c:
+            assert c.generate(prompt, max_new_tokens=8).generated_tokens == want
+            outs = list(c.stream(prompt, max_new_tokens=5))
+            assert [len(o.generated_tokens) for o in outs] == [1, 2, 3, 4, 5] and outs[-1].generated_tokens == want[:5]
+            health = c.health()
+            assert health["ok"] and health["router"] and len(health["replicas"]) == 2
+            stats = c.stats()
+            assert len(stats["replicas"]) == 2 and stats["router"]["policy"] == "affinity"
+            assert stats["router"]["prefix_routed"] >= 1 and stats["router"]["affinity_entries"] >= 1
+    finally:
+        router.close()
