@@ -88,3 +88,27 @@ def test_bad_resumes_are_refused(manager, resume, why):
     with pytest.raises(RequestRejected) as e:
         manager.build_request([1, 2, 3], "bad", 14, **resume)
     assert why in e.value.message
+
+
+def test_a_failed_manager_refuses_new_requests_with_its_failure_code(make_checkpoint, monkeypatch):
+    """A submit that reaches a manager whose loop died (a rank lost, the driver failed) is refused with the
+    failure's own code, not `stopped`: a resuming client resumes what is refused so (cluster/client/io_thread.py,
+    RESUMABLE) once the restarted group serves, as it resumes what was in flight."""
+    import cluster
+    from cluster import faults
+    from cluster.errors import Code, ManagerStopped
+
+    monkeypatch.setattr(faults, "RULES", [("driver_step", {"step": "3"})])
+    m = cluster.load(make_checkpoint("llama")).init_continuous_batching(
+        continuous_batching_config=cluster.ContinuousBatchingConfig(page_size=16))
+    m.start()
+    try:
+        rid = m.add_request([1, 17, 33, 9, 250], max_new_tokens=14)
+        out = m.get_result(rid, timeout=60)
+        assert out is not None and out.status == RequestStatus.FAILED
+        with pytest.raises(ManagerStopped, match="the manager is stopped") as refused:
+            m.add_request([1, 2, 3], max_new_tokens=2)
+        assert refused.value.code == Code.DRIVER_FAILED == m.failure_code
+    finally:
+        m.stop()
+        m.destroy()

@@ -240,8 +240,8 @@ class ContinuousBatchingManager:
         req.sink = sink
         with self._lock:  # the inbox put is under the lock too, so a cancel can never overtake its add
             if self.closed:
-                raise ManagerStopped(f"request {rid}: the manager is stopped"
-                                     + (f" ({self.failure})" if self.failure else ""), request_id=rid)
+                raise ManagerStopped(f"request {rid}: the manager is stopped"  # a failure's code: clients resume
+                                     + (f" ({self.failure})" if self.failure else ""), self.failure_code, rid)
             if rid in self.requests:
                 raise RequestRejected(f"request {rid}: a request with this id is already in flight",
                                       Code.DUPLICATE_REQUEST_ID, rid)

@@ -139,6 +139,7 @@ def start_replicas(model_dir: str | os.PathLike, tp: int | list[int] = 1, replic
         fleet.service = ray.remote(ServiceHandle).options(name=service_name, namespace=SERVICE_NAMESPACE,
                                                           lifetime="detached", num_cpus=0,
                                                           max_restarts=-1).remote(router.address)
+        ray.get(fleet.service.client.remote(), timeout=ready_timeout)  # named and answering before a job looks
     return fleet
 
 
