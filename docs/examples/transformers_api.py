@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
 
 def load(engine: str, path: str):
@@ -35,14 +35,16 @@ def wait_for(manager, request_id):
 def main(engine: str, path: str) -> None:
     model = load(engine, path)
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=2, pad_token_id=0)
+    # a KV cache the size of the job (both engines otherwise size theirs from free memory: GBs on a CPU host)
+    cache = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
     prompts = [[1, 5, 9, 13, 17], [1, 7, 7, 7], [1, 300, 200, 100, 50, 25]]
 
     # 1. one call for a whole batch
-    batch = model.generate_batch(prompts, generation_config=gen)
+    batch = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cache)
     tokens = {"batch": [out.generated_tokens for out in batch.values()]}
 
     # 2. the manager: requests one by one, then a pause (where weights could be updated in place)
-    with model.continuous_batching_context_manager(generation_config=gen) as manager:
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cache) as manager:
         rid = manager.add_request([1, 4, 4, 4, 4], max_new_tokens=6)
         if rid is not None:  # the TP driver
             tokens["request"] = wait_for(manager, rid).generated_tokens
