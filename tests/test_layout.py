@@ -112,7 +112,8 @@ def test_the_circle_finder_finds_one():
 
 def test_import_cluster_and_its_client_stay_light():
     """A client or a Ray task imports `cluster` and its client without torch, transformers or numpy, and so does
-    the CLI (`lockstep submit` and the other client verbs start in a fraction of a second); the heavy public names (`cluster.load`, the manager) resolve on first use, by name (cluster/__init__.py)."""
+    the CLI (`lockstep submit` and the other client verbs start in a fraction of a second); the heavy public names
+    (`cluster.load`, the manager) resolve on first use, by name (cluster/__init__.py)."""
     code = ("import sys, cluster, cluster.client, cluster.protocol, launch.cli\n"
             "heavy = sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules)\n"
             "print(heavy)\n"
