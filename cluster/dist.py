@@ -41,13 +41,14 @@ class Groups:
     control_timeout: float | None = 300.0
     owns_control_group: bool = False
     # the lockstep rule "only the loop thread talks on the control group", checked by every call below:
-    control_owner: int | None = None  # the loop thread's ident while a loop runs (None: whoever calls)
+    control_owner: threading.Thread | None = None  # the loop thread while a loop runs (None: whoever calls)
     control_lent: bool = False  # a pause lends the channel to the callers holding it, between its barriers
 
     @contextmanager
     def owned_by_this_thread(self) -> Iterator[None]:
-        """Make the calling thread (a manager's loop) the only one allowed on the control group."""
-        self.control_owner = threading.get_ident()
+        """Make the calling thread (a manager's loop) the only one allowed on the control group. Its starter
+        names it owner before it starts (`control_owner = thread`), so no caller slips in before it runs."""
+        self.control_owner = threading.current_thread()
         try:
             yield
         finally:
@@ -65,7 +66,7 @@ class Groups:
     def check_control_thread(self) -> None:
         """Raise if this thread may not talk on the control group now (see docs/architecture.md)."""
         owner = self.control_owner
-        if owner is not None and owner != threading.get_ident() and not self.control_lent:
+        if owner is not None and owner is not threading.current_thread() and not self.control_lent:
             raise ControlThreadError(f"rank {self.rank}: thread {threading.current_thread().name!r} used the control "
                                      f"group while the loop thread owns it: only the loop thread sends or receives "
                                      f"plans and agreements, or a pause's holders while the loop is parked")

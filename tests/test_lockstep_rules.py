@@ -49,3 +49,21 @@ def test_an_update_that_moves_graph_storage_stops_the_loop(make_checkpoint):
     finally:
         m.stop()
         m.destroy()
+
+
+def test_the_loop_owns_the_control_group_from_start_on(make_checkpoint, monkeypatch):
+    """The channel is the loop's as soon as `start()` returns, even before its thread first runs (a loaded host)."""
+    import threading
+
+    model = cluster.load(make_checkpoint("llama"))
+    m = model.init_continuous_batching(continuous_batching_config=cluster.ContinuousBatchingConfig(page_size=16))
+    late, run_loop = threading.Event(), m._run_loop
+    monkeypatch.setattr(m, "_run_loop", lambda: (late.wait(10), run_loop()))
+    m.start()
+    try:
+        with pytest.raises(ControlThreadError, match="only the loop thread"):
+            agree_all_ok(True, m.groups)
+    finally:
+        late.set()
+        m.stop()
+        m.destroy()

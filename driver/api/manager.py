@@ -142,6 +142,7 @@ class ContinuousBatchingManager:
         with self._lock:
             self.closed = False
         self.thread = threading.Thread(target=self._run_loop, name="lockstep-loop", daemon=True)
+        self.groups.control_owner = self.thread  # the loop's from here on, before it even runs
         self.thread.start()
 
     def is_running(self) -> bool:
