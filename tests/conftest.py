@@ -21,18 +21,23 @@ from tests.workloads import NEW_TOKENS  # noqa: E402
 
 _MODELS: dict[tuple, Path] = {}
 
-# The longest modules first (seconds on a clean run here, longest first), the rest in file order: with each module
-# on one worker (pyproject's `--dist loadfile --no-loadscope-reorder`), longest-first keeps the three workers
-# busy to the end instead of leaving one module running alone. Refresh from `--durations` when they drift.
-LONGEST_FIRST = ("test_parity", "test_recovery_chaos", "test_gpu_compat", "test_replicas", "test_ray", "test_compile",
-                 "test_recovery_ray", "test_chaos_loop", "test_overlap", "test_http", "test_weight_push",
-                 "test_serving_security", "test_chaos_client", "test_chaos_frontend", "test_cli",
-                 "test_transformers_script", "test_serving")
+# Each module's tests run on one xdist worker (pyproject: `--dist loadgroup`, a group a module), so its shared server
+# starts once; the Ray modules share one group, since local Ray clusters started at once on one host confuse each
+# other (a job of one failed to find an actor of its own cluster). Groups go out longest first (seconds on a clean
+# run here), the rest in file order, so the three workers finish together. Refresh from `--durations` when they drift.
+RAY_MODULES = ("test_replicas", "test_ray", "test_recovery_ray")
+LONGEST_FIRST = (*RAY_MODULES, "test_parity", "test_recovery_chaos", "test_gpu_compat", "test_compile",
+                 "test_chaos_loop", "test_overlap", "test_http", "test_weight_push", "test_serving_security",
+                 "test_chaos_client", "test_chaos_frontend", "test_cli", "test_transformers_script", "test_serving")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))  # a stable sort
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        item.add_marker(pytest.mark.xdist_group("ray" if module in RAY_MODULES else module))
 
 
 @pytest.fixture(scope="session")
