@@ -34,10 +34,10 @@ LONGEST_FIRST = (*RAY_MODULES, "test_parity", "test_recovery_chaos", "test_gpu_c
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))  # a stable sort
+    module = {item: item.module.__name__.rsplit(".", 1)[-1] for item in items}
+    items.sort(key=lambda item: rank.get(module[item], len(rank)))  # a stable sort
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group("ray" if module in RAY_MODULES else module))
+        item.add_marker(pytest.mark.xdist_group("ray" if module[item] in RAY_MODULES else module[item]))
 
 
 @pytest.fixture(scope="session")
