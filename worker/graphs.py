@@ -78,25 +78,46 @@ def tensor_addresses(model: torch.nn.Module, extra: dict[str, torch.Tensor]) -> 
 
 
 class DecodeGraphs:
-    """The decode graphs of one runner (a step takes `bucket_for` its rows): capture of them all, replay, counters."""
+    """The decode graphs of one runner (a step takes `bucket_for` its rows among the captured ones): capture up to a
+    batch cap, replay, counters. A runner lives across managers (driver/api/model.py), so a later, larger cap
+    captures only the buckets it adds."""
 
     def __init__(self, buckets: list[int], factory: GraphFactory):
         self.buckets, self.factory = sorted(buckets), factory
         self.graphs: dict[int, Captured] = {}
         self.static: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
         self.addresses: dict[str, int] = {}
-        self.stats: dict[str, Any] = {"captured_buckets": [], "replays": 0, "eager_steps": 0}
+        # captures: graphs captured in this runner's life; pool_bytes: device memory the captures took (CUDA)
+        self.stats: dict[str, Any] = {"captured_buckets": [], "replays": 0, "eager_steps": 0, "captures": 0,
+                                      "pool_bytes": 0, "output_bytes": 0}
+
+    @property
+    def captured(self) -> list[int]:
+        return sorted(self.graphs)
+
+    def missing(self, cap: int) -> list[int]:
+        """The buckets a batch of up to `cap` sequences could take that are not captured yet."""
+        top = bucket_for(min(cap, self.buckets[-1]), self.buckets)
+        return [b for b in self.buckets if top is not None and b <= top and b not in self.graphs]
 
     def capture_all(self, prepare: Callable[[int], tuple[Callable[[], torch.Tensor], dict[str, torch.Tensor]]],
-                    reads: Callable[[], dict[str, int]]) -> None:
-        """Capture every bucket, largest first (smaller ones reuse the shared pool), then snapshot the
-        addresses the graphs read. Every rank of the device group calls it (the forward all-reduces)."""
-        for b in sorted(self.buckets, reverse=True):
+                    reads: Callable[[], dict[str, int]], cap: int | None = None) -> None:
+        """Capture every bucket up to the one holding `cap` sequences (None: all) not captured yet, largest first
+        (smaller ones reuse the shared pool), then snapshot the addresses the graphs read. Every rank of the device
+        group calls it with the same cap (the forward all-reduces)."""
+        todo = self.missing(self.buckets[-1] if cap is None else cap)
+        cuda = isinstance(self.factory, CudaGraphFactory)
+        before = torch.cuda.memory_reserved(self.factory.device) if cuda and todo else 0
+        for b in sorted(todo, reverse=True):
             fn, static = prepare(b)
             self.graphs[b] = self.factory.capture(fn, static)
             self.static[b] = {k: (t.data_ptr(), tuple(t.shape)) for k, t in static.items()}
+            self.stats["captures"] += 1
+            self.stats["output_bytes"] += self.graphs[b].output.numel() * self.graphs[b].output.element_size()
+        if cuda and todo:
+            self.stats["pool_bytes"] += torch.cuda.memory_reserved(self.factory.device) - before
         self.addresses = reads()
-        self.stats["captured_buckets"] = sorted(self.graphs)
+        self.stats["captured_buckets"] = self.captured
 
     def replay(self, bucket: int, static: dict[str, torch.Tensor]) -> torch.Tensor:
         """Replay `bucket`'s graph on the static inputs the step was laid out in; returns its output.

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from cluster.config import next_pow2
+from worker.graphs import decode_buckets
 from worker.step_inputs import StaticBuffers
 
 DEFAULT_MAX_MEMORY_PERCENT = 0.9  # of the memory free for the cache, as transformers' default
@@ -41,6 +42,17 @@ def static_buffer_bytes(rc: Any) -> int:
 def hidden_peak_bytes(tokens: int, hidden: int, intermediate_local: int, itemsize: int) -> int:
     """The forward's transient memory at `tokens` tokens (a CUDA graph pool holds about this for the largest bucket)."""
     return tokens * (ACTIVATION_FACTOR * hidden + MLP_FACTOR * intermediate_local) * itemsize
+
+
+def graph_pool_bytes(buckets: list[int], hidden: int, intermediate_local: int, vocab_local: int, itemsize: int,
+                     attention_workspace: int = 0) -> int:
+    """What the decode graphs' shared pool holds once every bucket is captured: each bucket's output (its rows'
+    logits shard [bucket, vocab_local], alive between replays) plus one transient peak, the largest bucket's
+    activations and attention workspace (captures share the pool, so their transients overlap)."""
+    if not buckets:
+        return 0
+    outputs = sum(buckets) * vocab_local * itemsize
+    return outputs + hidden_peak_bytes(max(buckets), hidden, intermediate_local, itemsize) + attention_workspace
 
 
 def activation_peak_bytes(max_batch_tokens: int, hidden: int, intermediate_local: int, vocab: int,
@@ -189,10 +201,12 @@ def propose_num_blocks(rc: Any, model_config: Any, tp: int, dtype: torch.dtype, 
     breakdown; `measure` and `ledger` are parameters so tests can feed numbers."""
     itemsize, hidden, inter = dtype.itemsize, model_config.hidden_size, model_config.intermediate_size // tp
     rows = next_pow2(rc.max_requests_per_batch)
+    buckets = decode_buckets(rc.max_requests_per_batch) if rc.use_cuda_graph[1] else []
     return plan_kv_blocks(MemoryInputs(
         free_bytes=measure(device)[0], kv_bytes_per_token=kv_bytes_per_token, page_size=rc.page_size,
         static_bytes=static_buffer_bytes(rc),
-        graph_pool_bytes=hidden_peak_bytes(rows, hidden, inter, itemsize) if any(rc.use_cuda_graph) else 0,
+        graph_pool_bytes=graph_pool_bytes(buckets, hidden, inter, -(-model_config.vocab_size // tp), itemsize,
+                                          attention_workspace_bytes),
         activation_bytes=activation_peak_bytes(rc.max_tokens_padded, hidden, inter, model_config.vocab_size,
                                                rows, itemsize),
         attention_workspace_bytes=attention_workspace_bytes, reclaimable_bytes=ledger.held(device, owner),

@@ -54,6 +54,15 @@ class ModelRunner:
         self.shared_tokens = torch.zeros(rc.max_requests_per_batch, dtype=torch.int64, device=device)
         self.graph_stats: dict[str, Any] = (self.graphs.stats if self.graphs is not None else
                                             {"captured_buckets": [], "replays": 0, "eager_steps": 0})
+        # the most sequences a decode step of this runner's current manager can hold: graphs are captured up to it
+        self.batch_cap = min(rc.max_requests_per_batch, rc.num_blocks)
+
+    def expect_batch(self, num_requests: int | None) -> None:
+        """Cap the decode graphs at what the next manager can run: min(max_requests_per_batch, num_blocks, and
+        `num_requests` when the caller knows them all, as generate_batch does). A later larger cap captures only
+        the buckets it adds. Every rank calls it with the same number, before the manager's first step."""
+        cap = min(self.rc.max_requests_per_batch, self.rc.num_blocks)
+        self.batch_cap = cap if num_requests is None else max(1, min(cap, num_requests))
 
     def prepare(self, plan: StepPlan, bucket: int | None = None) -> tuple[torch.Tensor, AttnMeta, int]:
         """(input ids, attention metadata, real logit rows): `prepare_step` on this runner's buffers."""
@@ -93,8 +102,9 @@ class ModelRunner:
         return tensor_addresses(self.model, extra)
 
     def capture_graphs(self) -> None:
-        """Capture every bucket's decode step. Every rank calls it at once (all-reduces): `execute`, the first time."""
-        if self.graphs is None or self.graphs.graphs:  # none, or captured already
+        """Capture the decode step of every bucket up to `batch_cap` not captured yet. Every rank calls it at once
+        (all-reduces): `execute`, each step (it returns at once when nothing is missing)."""
+        if self.graphs is None or not self.graphs.missing(self.batch_cap):
             return
 
         def prepare(bucket: int):
@@ -102,7 +112,7 @@ class ModelRunner:
             return (lambda: self.forward_fn(ids, meta)), static_inputs(ids, meta)
 
         with torch.inference_mode():
-            self.graphs.capture_all(prepare, self.graph_reads)
+            self.graphs.capture_all(prepare, self.graph_reads, cap=self.batch_cap)
 
     def check_graph_addresses(self) -> list[str]:
         """Names of the tensors captured graphs read whose storage moved since capture (empty: all is well).
@@ -130,7 +140,7 @@ class ModelRunner:
         bucket = None
         if self.graphs is not None:
             self.capture_graphs()
-            bucket = bucket_for(plan.num_seqs, self.graphs.buckets) if plan.num_decode == plan.num_seqs else None
+            bucket = bucket_for(plan.num_seqs, self.graphs.captured) if plan.num_decode == plan.num_seqs else None
         if bucket is None:
             self.graph_stats["eager_steps"] += plan.burst
         ids, meta, n = self.prepare(plan, bucket=bucket)

@@ -180,12 +180,15 @@ class ContinuousBatchingManager:
             self.thread.join(timeout)
 
     def destroy(self) -> None:
-        """Stop, release the cache, and free the process groups this model made. Idempotent."""
+        """Stop, free the process groups this model made, and hand the runner back to the model for the next manager
+        of an equal config (after a clean stop; the ranks agree on reuse when it is taken). Idempotent."""
         if self.destroyed:
             return
         if self.is_running():
             self.stop(block=True, timeout=60)
         self.destroyed = True
+        if self.runner is not None and self.loop_error is None and self.failure is None and not self.is_running():
+            self.model.keep_idle(self.config, self.runner, self.effective_config)
         if getattr(self.model, "persistent_manager", None) is self:
             self.model.persistent_manager = None
         if self.liveness is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -22,9 +22,10 @@ from driver.api.manager import ContinuousBatchingManager
 from worker.attention import attention_workspace_bytes
 from worker.kv_cache import kv_bytes_per_token
 from worker.kv_offload import system_ram_bytes
-from worker.memory import CACHE_LEDGER, describe, host_memory, propose_num_blocks, tensor_bytes, use_device
+from worker.memory import CACHE_LEDGER, ReleasedCache, describe, host_memory, propose_num_blocks, tensor_bytes, use_device
 from worker.model import CausalLM, KVHeads, head_dim_of
 from worker.named_shards import named_shards, shard_of
+from worker.graphs import GraphFactory
 from worker.runner import ModelRunner
 
 
@@ -44,6 +45,10 @@ class ClusterModel:
         self.persistent_manager: ContinuousBatchingManager | None = None
         self.last_stats: dict[str, Any] = {}  # the engine's counters at the end of the last generate_batch
         self._params: dict[str, nn.Parameter] | None = None
+        # the runner of the last manager destroyed cleanly, with the config it was built for: the next manager of an
+        # equal config takes it (KV cache, static buffers, compiled forwards, CUDA graphs) instead of building anew
+        self._idle: tuple[ContinuousBatchingConfig, ModelRunner, ResolvedConfig] | None = None
+        self.graph_factory: Callable[[], GraphFactory] | None = None  # tests: graphs.EagerStandIn on the CPU
 
     @property
     def device(self) -> torch.device:
@@ -84,9 +89,17 @@ class ClusterModel:
         return self
 
     def build_runner(self, cb: ContinuousBatchingConfig) -> tuple[ModelRunner, ResolvedConfig, Groups]:
-        """Size the KV cache (the group agrees on the smallest proposal) and make the runner. Every rank calls it.
-        This model's earlier caches are released before the new one is made, so a second manager gets the same."""
+        """The runner a new manager steps with, its resolved config and its groups. Every rank calls it. The idle
+        runner of an equal config is taken as it is when every rank holds one (the group agrees: nothing is sized,
+        allocated, compiled or captured again); otherwise the KV cache is sized (the group agrees on the smallest
+        proposal) and a runner made, after this model's earlier caches were released, so it gets the same memory."""
         use_device(self.device)
+        idle, self._idle = self._idle, None
+        if agree_min(int(idle is not None and idle[0] == cb), self.groups):
+            _, runner, rc = idle
+            runner.expect_batch(None)
+            return runner, rc, self._control_groups(cb)
+        idle = None  # released below (CUDA) or when nothing refers to it any more
         heads = KVHeads(self.config, self.model.shard)
         d = head_dim_of(self.config)
         per_token = kv_bytes_per_token(self.config.num_hidden_layers, heads.kv_local, d, self.dtype)
@@ -104,15 +117,33 @@ class ClusterModel:
             rc.notes.append(describe(breakdown))
         rc.num_blocks = agree_min(rc.num_blocks, self.groups)
         rc.num_host_blocks = agree_min(rc.num_host_blocks, self.groups)  # the driver's slots exist on every rank
-        groups = self.groups
-        if self.groups.distributed and cb.cpu_group_timeout != self.groups.control_timeout:
-            groups = make_control_group(self.groups, cb.cpu_group_timeout)
+        groups = self._control_groups(cb)
         if cuda:
             CACHE_LEDGER.release_all(self.device, self.model)
-        runner = ModelRunner(self.model, rc, heads.kv_local, d, self.dtype, self.device)
+        runner = ModelRunner(self.model, rc, heads.kv_local, d, self.dtype, self.device,
+                             graph_factory=self.graph_factory() if self.graph_factory else None)
         if cuda:
             CACHE_LEDGER.hold(runner.cache, self.device, self.model, tensor_bytes(runner.cache.k + runner.cache.v))
         return runner, rc, groups
+
+    def _control_groups(self, cb: ContinuousBatchingConfig) -> Groups:
+        """The model's groups, with a control group of its own where `cb` asks for another timeout. Every rank."""
+        if self.groups.distributed and cb.cpu_group_timeout != self.groups.control_timeout:
+            return make_control_group(self.groups, cb.cpu_group_timeout)
+        return self.groups
+
+    def keep_idle(self, cb: ContinuousBatchingConfig, runner: ModelRunner, rc: ResolvedConfig) -> None:
+        """Keep a destroyed manager's runner for the next manager of an equal config (`build_runner`). Called by
+        every rank's manager as it is destroyed after a clean stop. Not one whose cache a newer manager took."""
+        if not isinstance(runner.cache.k, ReleasedCache):
+            self._idle = (cb, runner, rc)
+
+    def release_idle_runner(self) -> None:
+        """Let go of the runner kept for the next call (its KV cache, buffers and graphs are freed once nothing
+        refers to them), e.g. to hand the device memory to something else between generate_batch calls."""
+        if self._idle is not None and self.device.type == "cuda":
+            CACHE_LEDGER.release_all(self.device, self.model)
+        self._idle = None
 
     # ---------------------------------------------------------------- the seed's entry points
     def init_continuous_batching(self, generation_config: Any = None, continuous_batching_config: Any = None,
@@ -167,6 +198,7 @@ class ClusterModel:
                 manager.destroy()
             raise
         manager.wants_results = True  # before start: every rank gets every output of this batch
+        manager.runner.expect_batch(len(inputs))  # decode graphs only up to the bucket this batch can fill
         with self._running(manager, warmup, block=True, timeout=None, persistent_manager=persistent_manager):
             # the driver numbers the requests in input order; workers' add_request would be a no-op
             reqs = [manager.build_request(x, record_timestamps=record_timestamps, **kwargs) for x in inputs] \
