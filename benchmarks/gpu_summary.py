@@ -1,6 +1,6 @@
 """The one summary table of benchmarks/gpu_proof.sh, from the files its steps left in OUT.
 
-    python benchmarks/gpu_summary.py OUT [--min-ratio 1.5] [--limit-s 480] [--dry-run]
+    python benchmarks/gpu_summary.py OUT [--min-ratio 1.5] [--limit-s 420] [--dry-run]
 
 Reads OUT/steps.tsv (step, exit status, seconds, note: written by the shell script), OUT/install.json,
 OUT/parity.json (gpu_parity.py), OUT/tp1.json and OUT/tp2.json (throughput.py --json). Prints one table
@@ -96,7 +96,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out")
     p.add_argument("--min-ratio", type=float, default=1.5)
-    p.add_argument("--limit-s", type=float, default=480)
+    p.add_argument("--limit-s", type=float, default=420, help="the time budget: gpu_proof.sh's LIMIT_S")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
     rows = summary_rows(Path(args.out), None if args.dry_run else args.min_ratio, args.limit_s)
