@@ -77,7 +77,7 @@ def resolved(max_seqs: int, steps: int) -> ResolvedConfig:
                                    max_requests_per_batch=max_seqs, allow_block_sharing=True)
     rc = resolve_config(cfg, device_kind="cpu", max_model_len=2 * CONTEXT, kv_bytes_per_token=64, free_bytes=None,
                         flash_available=False)
-    return dataclasses.replace(rc, use_flash_attn=True)  # the GPU's layout: block tables, varlen metadata
+    return dataclasses.replace(rc, attention="flash_attn")  # the GPU's layout: block tables, varlen metadata
 
 
 class Clock:

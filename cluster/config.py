@@ -160,7 +160,7 @@ class ResolvedConfig:
     q_padding: int
     kv_padding: int
     use_cuda_graph: tuple[bool, bool]
-    use_flash_attn: bool
+    attention: str  # the attention path (ATTENTION_PATHS), from `attention_decision`
     scheduler_type: str
     allow_block_sharing: bool
     safety_margin: float
@@ -174,6 +174,12 @@ class ResolvedConfig:
     num_host_blocks: int = 0
     overlap: bool = False  # use_async_batching: step N+1 is scheduled, broadcast and prepared while step N runs
     decode_burst: int = 1  # the most forwards one decode-only plan runs; 1 unless overlap is on
+
+    @property
+    def paged_kernels(self) -> bool:
+        """Attention runs kernels that read the pages through block tables (flash-attn's or our Triton kernel):
+        the steps carry block tables, kv lens and cu_seqlens instead of [B, L] slot lists and padded query grids."""
+        return self.attention in PAGED_KERNELS
 
     @property
     def max_tokens_padded(self) -> int:
@@ -195,9 +201,11 @@ def next_pow2(x: int) -> int:
 
 def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model_len: int,
                    kv_bytes_per_token: int, free_bytes: int | None, flash_available: bool,
-                   dtype: Any = None, head_dim: int | None = None, system_ram: int | None = None) -> ResolvedConfig:
+                   dtype: Any = None, head_dim: int | None = None, system_ram: int | None = None,
+                   triton_available: bool = False) -> ResolvedConfig:
     """Fill in what the user left to us. `kv_bytes_per_token`: this rank's K+V bytes per token, all layers;
-    `system_ram` (None: unknown) caps the host KV pool; `dtype` and `head_dim` decide flash-attn (left out: off).
+    `system_ram` (None: unknown) caps the host KV pool; `dtype`, `head_dim` and what imports (`flash_available`,
+    `triton_available`) decide the attention path (`attention_decision`; dtype or head_dim left out: paged SDPA).
     A computed `num_blocks` is this rank's proposal: the group takes the minimum (`agree_min`)."""
     notes: list[str] = []
     page = cfg.page_size
@@ -217,10 +225,10 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         # never more than every request at full length could use
         num_blocks = min(max(1, budget // (kv_bytes_per_token * page)), max_requests * max_blocks)
     graphs = graph_decision(cfg.use_cuda_graph, device_kind, notes)
-    use_flash, flash_note = flash_decision(device_kind=device_kind, flash_available=flash_available,
-                                           wanted=cfg.auto_switch_to_flash, dtype=dtype, head_dim=head_dim,
-                                           page_size=page)
-    notes += [flash_note] if flash_note else []
+    attention, attention_note = attention_decision(
+        device_kind=device_kind, flash_available=flash_available, triton_available=triton_available,
+        wanted=cfg.auto_switch_to_flash, dtype=dtype, head_dim=head_dim, page_size=page)
+    notes += [attention_note] if attention_note else []
     # overlapped scheduling hides the host's step work behind an asynchronous forward; the CPU's forward is
     # synchronous, so there it would only add one collective a step
     overlap = cfg.use_async_batching if cfg.use_async_batching is not None else device_kind == "cuda"
@@ -230,7 +238,8 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
                      "(use_async_batching=True)")
     num_host_blocks = host_pool_pages(cfg, kv_bytes_per_token * page, system_ram, notes)
     varlen_compile, decode_compile, compile_notes = compile_decision(
-        cfg.varlen_compile_config, cfg.decode_compile_config, cfg.default_compile_level, use_flash_attn=use_flash)
+        cfg.varlen_compile_config, cfg.decode_compile_config, cfg.default_compile_level,
+        use_flash_attn=attention in PAGED_KERNELS)  # the paged kernels' varlen lengths change every step
     notes += compile_notes
     if graphs[1] and decode_compile is not None and decode_compile.uses_cudagraphs:
         graphs = (False, False)
@@ -241,7 +250,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         max_requests_per_batch=max_requests, max_model_len=max_model_len, max_blocks_per_request=max_blocks,
         q_padding=cfg.q_padding_interval_size or DEFAULT_Q_PADDING[device_kind],
         kv_padding=cfg.kv_padding_interval_size or DEFAULT_KV_PADDING[device_kind],
-        use_cuda_graph=graphs, use_flash_attn=use_flash, scheduler_type=cfg.scheduler_type,
+        use_cuda_graph=graphs, attention=attention, scheduler_type=cfg.scheduler_type,
         allow_block_sharing=cfg.allow_block_sharing,
         safety_margin=cfg.safety_margin if cfg.safety_margin is not None else 0.0,
         cpu_group_timeout=cfg.cpu_group_timeout, notes=notes, attn_chunk_elements=ATTN_CHUNK_ELEMENTS[device_kind],
@@ -282,27 +291,53 @@ def graph_decision(asked: bool | tuple[bool, bool] | None, device_kind: str, not
     return resolved
 
 
+ATTENTION_PATHS = ("flash_attn", "triton_paged", "paged_sdpa")  # in order of preference
+PAGED_KERNELS = ("flash_attn", "triton_paged")  # the paths whose kernels read the pages through block tables
 FLASH_DTYPES = ("float16", "bfloat16")
 FLASH_MAX_HEAD_DIM = 256
 FLASH_PAGE_MULTIPLE = 256
+TRITON_DTYPES = ("float16", "bfloat16", "float32")
+TRITON_MAX_HEAD_DIM = 256  # its tiles hold a query block and a key block of the head dim padded to a power of two
 
 
-def flash_decision(*, device_kind: str, flash_available: bool, wanted: bool, dtype: Any, head_dim: int | None,
-                   page_size: int) -> tuple[bool, str | None]:
-    """Whether attention runs through flash-attn (CUDA, float16/bfloat16, head_dim <= 256, page_size % 256 == 0
-    for its paged kernels; otherwise the paged SDPA attention runs), and the note saying why not when it could."""
-    if device_kind != "cuda" or not wanted:
-        return False, None
+def _why_not_flash(flash_available: bool, wanted: bool, name: str | None, head_dim: int | None,
+                   page_size: int) -> str | None:
+    """Why flash-attn cannot serve (None: it can): CUDA, importable, float16/bfloat16, head_dim <= 256 and
+    page_size % 256 == 0 for its paged kernels."""
+    if not wanted:
+        return "flash-attn off: auto_switch_to_flash=False"
     if not flash_available:
-        return False, "flash-attn not importable: paged SDPA attention"
-    name = None if dtype is None else str(dtype).removeprefix("torch.")
+        return "flash-attn not importable"
     if name not in FLASH_DTYPES:
-        return False, f"flash-attn off: it runs float16/bfloat16 only, the model is {name or 'of unknown dtype'}"
+        return f"flash-attn off: it runs float16/bfloat16 only, the model is {name or 'of unknown dtype'}"
     if head_dim is None or head_dim > FLASH_MAX_HEAD_DIM:
-        return False, f"flash-attn off: it needs head_dim <= {FLASH_MAX_HEAD_DIM}, got {head_dim}"
+        return f"flash-attn off: it needs head_dim <= {FLASH_MAX_HEAD_DIM}, got {head_dim}"
     if page_size % FLASH_PAGE_MULTIPLE:
-        return False, f"flash-attn off: its paged kernels need page_size % {FLASH_PAGE_MULTIPLE} == 0, got {page_size}"
-    return True, None
+        return f"flash-attn off: its paged kernels need page_size % {FLASH_PAGE_MULTIPLE} == 0, got {page_size}"
+    return None
+
+
+def attention_decision(*, device_kind: str, flash_available: bool, triton_available: bool, wanted: bool,
+                       dtype: Any, head_dim: int | None, page_size: int) -> tuple[str, str | None]:
+    """The attention path (ATTENTION_PATHS) and, on CUDA, the note that says which and why. flash-attn's paged
+    kernels where they import and fit (`_why_not_flash`; `wanted`: auto_switch_to_flash); else our Triton kernel
+    (worker/triton_attention.py: any of float16/bfloat16/float32, head_dim <= 256, any page size) where Triton
+    imports; else the paged SDPA attention (worker/attention.py), always on the CPU, where nothing is noted."""
+    if device_kind != "cuda":
+        return "paged_sdpa", None
+    name = None if dtype is None else str(dtype).removeprefix("torch.")
+    why = _why_not_flash(flash_available, wanted, name, head_dim, page_size)
+    if why is None:
+        return "flash_attn", (f"attention -> flash_attn: flash-attn's paged kernels ({name}, head_dim {head_dim}, "
+                              f"page_size {page_size})")
+    if not triton_available:
+        return "paged_sdpa", f"attention -> paged_sdpa: {why}, and Triton is not importable"
+    if name not in TRITON_DTYPES or head_dim is None or head_dim > TRITON_MAX_HEAD_DIM:
+        return "paged_sdpa", (f"attention -> paged_sdpa: {why}, and the Triton kernel needs "
+                              f"float16/bfloat16/float32 and head_dim <= {TRITON_MAX_HEAD_DIM} "
+                              f"(the model is {name or 'of unknown dtype'}, head_dim {head_dim})")
+    return "triton_paged", (f"attention -> triton_paged: {why}; Lockstep's Triton kernel reads the pages in place "
+                            f"({name}, head_dim {head_dim}, page_size {page_size})")
 
 
 def read_preset(preset: dict | str | os.PathLike | None) -> dict[str, Any]:

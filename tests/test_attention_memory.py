@@ -196,7 +196,7 @@ def test_flash_path_matches_sdpa(make_checkpoint, monkeypatch, arch, overrides):
     cfg = ContinuousBatchingConfig(page_size=256, num_blocks=16, max_batch_tokens=1024)
     sdpa, _, _ = model.build_runner(cfg)
     flash, rc, _ = model.build_runner(cfg)
-    rc.use_flash_attn = True  # what resolve_config decides on CUDA for float16/bfloat16
+    rc.attention = "flash_attn"  # what resolve_config decides on CUDA for float16/bfloat16
     fake = fake_flash_attn()  # installed after transformers' imports, which probe for the real package
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     for plan in flash_plans():
@@ -208,7 +208,7 @@ def test_flash_path_matches_sdpa(make_checkpoint, monkeypatch, arch, overrides):
 def test_flash_metadata_built_on_the_host(make_checkpoint):
     model = cluster.load(make_checkpoint("qwen3"))
     runner, rc, _ = model.build_runner(ContinuousBatchingConfig(page_size=256, num_blocks=16, max_batch_tokens=1024))
-    rc.use_flash_attn = True
+    rc.attention = "flash_attn"
     _, meta, _ = runner.prepare(flash_plans()[1])
     scratch = runner.cache.scratch_block
     pre = meta.pre_flash

@@ -109,14 +109,14 @@ def test_rows_with_token_history_or_waiting_requests_run_one_step(make_checkpoin
 @pytest.mark.parametrize("flash", [False, True])
 def test_advancing_on_the_device_lays_out_what_the_next_plan_would(make_checkpoint, flash):
     """A burst's later forward (positions, slots, KV lengths and input ids advanced on the device, in both the
-    SDPA and the flash-attn layouts) reads exactly what preparing the next one-step plan on the host gives."""
+    SDPA and the paged kernels' layouts) reads exactly what preparing the next one-step plan on the host gives."""
     import dataclasses
 
     import torch
 
     model = cluster.load(make_checkpoint("llama"))
     runner, rc, _ = model.build_runner(ContinuousBatchingConfig(page_size=16))
-    rc = dataclasses.replace(rc, use_flash_attn=flash, max_blocks_per_request=8)
+    rc = dataclasses.replace(rc, attention="flash_attn" if flash else "paged_sdpa", max_blocks_per_request=8)
     tables = np.array([[3, 7, 9, 0], [4, 5, 0, 0], [8, 2, 6, 1]], np.int32)
     kv = np.array([17, 30, 40], np.int32)
     one = np.ones(3, np.int32)
@@ -154,7 +154,7 @@ def test_a_burst_never_reads_stale_kv_at_positions_it_has_not_written(make_check
     model_dir = make_checkpoint("llama")
     model = cluster.load(model_dir)
     runner, rc, groups = model.build_runner(burst_config(max_requests_per_batch=4))
-    assert not rc.use_flash_attn
+    assert rc.attention == "paged_sdpa"
     scratch = runner.cache.scratch_block * rc.page_size
     for t in runner.cache.k + runner.cache.v:
         t[:scratch] = float("nan")

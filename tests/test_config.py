@@ -77,40 +77,65 @@ def test_cache_sized_from_memory_when_num_blocks_is_none():
 
 def test_hardware_fields_resolve_with_notes():
     rc = resolved(use_cuda_graph=True, default_compile_level=2)
-    assert rc.use_cuda_graph == (False, False) and not rc.use_flash_attn
+    assert rc.use_cuda_graph == (False, False) and rc.attention == "paged_sdpa"
     text = " ".join(rc.notes)
     for word in ("use_cuda_graph", "compile"):
         assert word in text
 
 
-def on_cuda(flash_available=True, dtype="bfloat16", head_dim=128, **fields):
+def on_cuda(flash_available=True, dtype="bfloat16", head_dim=128, triton_available=False, **fields):
     return resolve_config(ContinuousBatchingConfig(**fields), device_kind="cuda", max_model_len=4096,
                           kv_bytes_per_token=4096, free_bytes=8 << 30, flash_available=flash_available,
-                          dtype=dtype, head_dim=head_dim)
+                          dtype=dtype, head_dim=head_dim, triton_available=triton_available)
+
+
+def path_note(rc) -> str:
+    """The one note that names the attention path."""
+    (note,) = [n for n in rc.notes if n.startswith("attention -> ")]
+    return note
 
 
 def test_flash_only_for_half_precision_small_heads_and_256_pages():
     import torch
 
     for dtype in ("float16", "bfloat16", torch.float16, torch.bfloat16):
-        assert on_cuda(dtype=dtype, page_size=256).use_flash_attn
-    assert on_cuda(page_size=512, head_dim=256).use_flash_attn
+        rc = on_cuda(dtype=dtype, page_size=256)
+        assert rc.attention == "flash_attn" and rc.paged_kernels
+        assert path_note(rc).startswith("attention -> flash_attn")
+    assert on_cuda(page_size=512, head_dim=256).attention == "flash_attn"
     refused = {"float32": on_cuda(dtype=torch.float32, page_size=256),
                "head_dim": on_cuda(head_dim=512, page_size=256),
                "page_size": on_cuda(page_size=128),
                "importable": on_cuda(flash_available=False, page_size=256),
-               "unknown": on_cuda(dtype=None, page_size=256)}
+               "unknown": on_cuda(dtype=None, page_size=256),
+               "auto_switch_to_flash": on_cuda(page_size=256, auto_switch_to_flash=False)}
     for why, rc in refused.items():
-        assert not rc.use_flash_attn, why
-        assert any("flash-attn" in n for n in rc.notes), why
-    assert "float32" in " ".join(refused["float32"].notes)
-    assert "head_dim" in " ".join(refused["head_dim"].notes)
-    assert not on_cuda(page_size=256, auto_switch_to_flash=False).use_flash_attn
-    # the CPU never runs flash-attn, and says nothing about it
+        assert rc.attention == "paged_sdpa" and not rc.paged_kernels, why  # no Triton either
+        assert "flash-attn" in path_note(rc) and "Triton is not importable" in path_note(rc), why
+        assert why.split("_")[0] in path_note(rc) or why == "unknown", why
+    assert "unknown dtype" in path_note(refused["unknown"])
+    # the CPU never runs flash-attn or Triton, and says nothing about either
     cpu = resolve_config(ContinuousBatchingConfig(page_size=256), device_kind="cpu", max_model_len=1024,
                          kv_bytes_per_token=4096, free_bytes=None, flash_available=True, dtype="bfloat16",
-                         head_dim=64)
-    assert not cpu.use_flash_attn and not any("flash" in n for n in cpu.notes)
+                         head_dim=64, triton_available=True)
+    assert cpu.attention == "paged_sdpa" and not any("flash" in n or "Triton" in n for n in cpu.notes)
+
+
+def test_triton_paged_where_flash_cannot_serve():
+    """CUDA without flash-attn (or where it does not fit) takes the Triton kernel where Triton imports: float32
+    included, any page size; flash-attn stays the first choice; paged SDPA where neither serves."""
+    import torch
+
+    assert on_cuda(page_size=256, triton_available=True).attention == "flash_attn"
+    for kw in ({"flash_available": False}, {"dtype": torch.float32}, {"page_size": 16},
+               {"auto_switch_to_flash": False}, {"flash_available": False, "dtype": "float16", "head_dim": 80}):
+        rc = on_cuda(triton_available=True, **{"page_size": 256, **kw})
+        assert rc.attention == "triton_paged" and rc.paged_kernels, kw
+        assert path_note(rc).startswith("attention -> triton_paged: flash-attn"), kw
+    assert "float32" in path_note(on_cuda(dtype=torch.float32, triton_available=True))
+    for kw in ({"head_dim": 512}, {"dtype": None}, {"dtype": torch.float64}):
+        rc = on_cuda(triton_available=True, flash_available=False, **kw)
+        assert rc.attention == "paged_sdpa" and "the Triton kernel needs" in path_note(rc), kw
 
 
 def test_cuda_graphs_resolve_to_decode_only_with_a_note():
@@ -142,6 +167,7 @@ def test_max_requests_per_batch_caps_a_step(make_checkpoint):
         model.generate_batch(prompts, max_new_tokens=4, continuous_batching_config=ContinuousBatchingConfig(
             page_size=16, max_requests_per_batch=cap, allow_block_sharing=False))
         steps[cap] = model.last_stats["step"]
+        assert model.last_stats["attention"] == "paged_sdpa"  # the path stats() names
     assert steps[1] > 3 * steps[6]
 
 

@@ -1,5 +1,5 @@
 """Step inputs (worker/step_inputs.py): one host-to-device copy a step, fixed addresses for fixed shapes,
-alternating staging buffers, and no [B, L] work under flash-attn."""
+alternating staging buffers, and no [B, L] work under the paged kernels (flash-attn, Triton)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def rc_for(flash: bool, max_requests: int = 512, max_model_len: int = 2048):
                                                  max_requests_per_batch=max_requests),
                         device_kind="cpu", max_model_len=max_model_len, kv_bytes_per_token=1024,
                         free_bytes=None, flash_available=False)
-    rc.use_flash_attn = flash
+    rc.attention = "flash_attn" if flash else "paged_sdpa"
     return rc
 
 
@@ -99,6 +99,21 @@ def test_flash_builds_nothing_context_wide():
     for _ in range(20):
         prepare_step(rc, buf, plan, scratch_block=4096)
     assert (time.perf_counter() - t0) / 20 < 0.01
+
+
+def test_triton_takes_the_flash_layout():
+    """The Triton kernel reads flash-attn's layout: the same buffer size, block tables, kv lens and varlen
+    metadata, and the step says whose kernels read them."""
+    flash_rc, triton_rc = rc_for(True, max_requests=16), rc_for(True, max_requests=16)
+    triton_rc.attention = "triton_paged"
+    assert triton_rc.paged_kernels and capacity_entries(triton_rc) == capacity_entries(flash_rc)
+    laid = {}
+    for rc in (flash_rc, triton_rc):
+        _, meta, _ = prepare_step(rc, StaticBuffers(rc, torch.device("cpu")), mixed_plan(), scratch_block=4096)
+        assert meta.attention == rc.attention and meta.dec_kv_slots.numel() == meta.pre_q_gather.numel() == 0
+        laid[rc.attention] = [t.tolist() for t in (meta.dec_block_table, meta.dec_kv_lens, meta.slot_mapping,
+                                                   meta.pre_flash.cu_seqlens_q, meta.pre_flash.block_table)]
+    assert laid["triton_paged"] == laid["flash_attn"]
 
 
 def test_a_step_larger_than_the_buffer_is_refused():

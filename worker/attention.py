@@ -1,12 +1,15 @@
 """Attention over the paged KV cache for mixed prefill and decode batches (docs/architecture.md, "Attention").
 
 The token batch is [decode group | prefill group]: one query token per decoding sequence (padded to a power of
-two), then the other sequences' query tokens back to back. Without flash-attn the gather works in chunks sized from
-the shapes alone, so `attention_workspace_bytes` bounds the workspace whatever the contexts."""
+two), then the other sequences' query tokens back to back. Three paths (`ResolvedConfig.attention`): flash-attn's
+paged kernels (worker/flash.py) and Lockstep's Triton kernel (worker/triton_attention.py) read the pages in place
+through block tables; the paged SDPA path here gathers keys in chunks sized from the shapes alone, so
+`attention_workspace_bytes` bounds its workspace whatever the contexts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +31,17 @@ class AttnMeta:
     pre_kv_slots: torch.Tensor  # [Bp, Lp]
     pre_q_pos: torch.Tensor  # [Bp, Qp]
     logits_idx: torch.Tensor  # [N] tokens whose logits are returned
-    dec_block_table: torch.Tensor | None = None  # [Bd, NB] int32, flash-attn decode path only
-    dec_kv_lens: torch.Tensor | None = None  # [Bd] int32, flash-attn decode path only
+    dec_block_table: torch.Tensor | None = None  # [Bd, NB] int32, paged kernels' decode only
+    dec_kv_lens: torch.Tensor | None = None  # [Bd] int32, paged kernels' decode only
     # [Bd, burst - 1] SDPA decode bursts: each row's later slots, put in dec_kv_slots as the burst reaches them
     dec_ahead: torch.Tensor | None = None
-    pre_flash: flash.VarlenMeta | None = None  # flash-attn prefill path only
-    page_size: int = 0  # tokens a page, for viewing the cache as pages (flash-attn and row-view paths)
+    pre_flash: flash.VarlenMeta | None = None  # paged kernels' prefill only (flash-attn's varlen layout)
+    page_size: int = 0  # tokens a page, for viewing the cache as pages (paged kernels and row-view paths)
     chunk_elements: int = 1 << 22  # work budget of one SDPA chunk (ResolvedConfig.attn_chunk_elements)
     # `row_views` steps only: each real decode row's context length and pages, read in place (dec_kv_slots [Bd, 0])
     dec_rows: list[tuple[int, list[int]]] | None = None
+    # the step's path (ResolvedConfig.attention): "flash_attn" and "triton_paged" read dec_block_table, pre_flash
+    attention: str = "paged_sdpa"
 
     @property
     def num_decode(self) -> int:
@@ -69,11 +74,15 @@ def chunk_shape(b: int, nq: int, length: int, hq: int, hkv: int, d: int, budget:
 
 def attention_workspace_bytes(rc: ResolvedConfig, num_heads: int, num_kv_heads: int, head_dim: int,
                               dtype: torch.dtype) -> int:
-    """Upper bound of the extra memory one layer's attention allocates in a step (this rank's heads): one chunk at
-    the longest context at 8 bytes an element, plus the attention output and its scatter buffer (flash-attn too)."""
+    """Upper bound of the extra memory one layer's attention allocates in a step (this rank's heads): the attention
+    output and its scatter buffer, plus, on the paged SDPA path, one gather chunk at the longest context at 8 bytes
+    an element. The paged kernels (flash-attn, Triton) read the pages in place: no gather workspace."""
+    outputs = 2 * (rc.max_tokens_padded + 1) * num_heads * head_dim * dtype.itemsize
+    if rc.paged_kernels:
+        return outputs
     length = rc.max_kv_padded
     one = _row_cost(length, num_kv_heads, head_dim) + _query_cost(length, num_heads, num_kv_heads, head_dim)
-    return max(rc.attn_chunk_elements, one) * 8 + 2 * (rc.max_tokens_padded + 1) * num_heads * head_dim * dtype.itemsize
+    return max(rc.attn_chunk_elements, one) * 8 + outputs
 
 
 # a step's decode masks, shared by every layer: window size (None: full attention) -> additive mask
@@ -96,7 +105,7 @@ def _bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def step_masks(meta: AttnMeta, windows: list[int | None], dtype: torch.dtype) -> StepMasks:
-    """The step's decode masks, once for all layers (none on the flash-attn and row-view paths)."""
+    """The step's decode masks, once for all layers (none on the paged-kernel and row-view paths)."""
     if not meta.num_decode or meta.dec_block_table is not None or meta.dec_rows is not None:
         return {}
     length = meta.dec_kv_slots.shape[1]
@@ -177,21 +186,31 @@ def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out[:-1]
 
 
+def _paged_kernels(meta: AttnMeta) -> ModuleType:
+    """The module whose `decode` and `prefill` read this step's block tables: worker/flash.py, or
+    worker/triton_attention.py (imported on first use: Triton is needed on that path only)."""
+    if meta.attention == "triton_paged":
+        from worker import triton_attention
+        return triton_attention
+    return flash
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                     window: int | None, scale: float, masks: StepMasks | None = None) -> torch.Tensor:
     """q: [T, Hq, D] for the whole token batch, after this step's K/V were written. Returns [T, Hq, D].
     `masks`: the step's (`step_masks`, computed once for every layer); None: computed here."""
     bd, outs = meta.num_decode, []
     if bd and meta.dec_block_table is not None:
-        outs.append(flash.decode(q[:bd], k_cache, v_cache, meta.dec_block_table, meta.dec_kv_lens,
-                                 meta.page_size, window, scale))
+        outs.append(_paged_kernels(meta).decode(q[:bd], k_cache, v_cache, meta.dec_block_table, meta.dec_kv_lens,
+                                                meta.page_size, window, scale))
     elif bd and meta.dec_rows is not None:
         outs.append(_decode_rows(q[:bd], k_cache, v_cache, meta, window, scale))
     elif bd:
         masks = masks if masks is not None and window in masks else step_masks(meta, [window], q.dtype)
         outs.append(_decode_sdpa(q[:bd], k_cache, v_cache, meta, masks[window], scale))
     if meta.pre_flash is not None:
-        outs.append(flash.prefill(q[bd:], k_cache, v_cache, meta.pre_flash, meta.page_size, window, scale))
+        outs.append(_paged_kernels(meta).prefill(q[bd:], k_cache, v_cache, meta.pre_flash, meta.page_size, window,
+                                                 scale))
     elif meta.pre_q_pos.shape[0]:
         outs.append(_prefill_sdpa(q[bd:], k_cache, v_cache, meta, window, scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,6 +1,7 @@
 """flash-attn's paged kernels, and the host-side metadata its varlen kernel needs (docs/architecture.md,
-"Attention"); used only where `cluster.config.flash_decision` allows. The cache is viewed as pages
-[blocks, page, Hkv, D] and both kernels read a sequence's keys through its block table in place."""
+"Attention"); used where `cluster.config.attention_decision` picks "flash_attn". The cache is viewed as pages
+[blocks, page, Hkv, D] and both kernels read a sequence's keys through its block table in place. The Triton path
+(worker/triton_attention.py) takes the same layout and the same arguments."""
 
 from __future__ import annotations
 

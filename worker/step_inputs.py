@@ -26,9 +26,10 @@ def capacity_entries(rc: ResolvedConfig) -> int:
     """int64 entries the largest step of `rc` can need (each input at its largest, all at once)."""
     t, b, nb = rc.max_tokens_padded, next_pow2(rc.max_requests_per_batch), rc.max_blocks_per_request
     q = round_up(rc.max_batch_tokens, rc.q_padding)
-    wide = 0 if rc.use_flash_attn else rc.max_kv_padded  # the [B, L] slot lists: SDPA path only
-    grid = 0 if rc.use_flash_attn else b * q  # the padded prefill query grids: SDPA path only
-    ahead = 0 if rc.use_flash_attn else b * (rc.decode_burst - 1)  # a burst's later slots: SDPA path only
+    paged = rc.paged_kernels  # flash-attn or Triton: block tables instead of the SDPA path's lists
+    wide = 0 if paged else rc.max_kv_padded  # the [B, L] slot lists: SDPA path only
+    grid = 0 if paged else b * q  # the padded prefill query grids: SDPA path only
+    ahead = 0 if paged else b * (rc.decode_burst - 1)  # a burst's later slots: SDPA path only
     int64 = [t, t, t, b * wide, b, grid, grid, b * wide, grid, b, ahead]
     int32 = [b * nb, b, b + 1, b + 1, b * nb]
     return sum(_entries(n, False) for n in int64) + sum(_entries(n, True) for n in int32)
@@ -100,7 +101,7 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes; None: padded only as far as this
     step needs. A burst's later key slots (`dec_ahead`): docs/architecture.md, "Multi-step decode". `row_views`
     (an eager float32 CPU forward): a plan of one forward lists each decode row's pages (`AttnMeta.dec_rows`)."""
-    page, flash_on, tables = rc.page_size, rc.use_flash_attn, plan.block_tables
+    page, paged, tables = rc.page_size, rc.paged_kernels, plan.block_tables
     scratch = scratch_block * page
     q_lens, kv_lens = plan.q_lens.astype(np.int64), plan.kv_lens.astype(np.int64)
     b, bd = plan.num_seqs, plan.num_decode
@@ -126,8 +127,8 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
 
     # decode group: one query per sequence; padding rows read and write only the scratch block
     ahead = plan.burst - 1
-    rows = row_views and bucket is None and not flash_on and not ahead  # each row's pages, read in place
-    width = 0 if flash_on or rows else rc.max_kv_padded if bucket is not None else \
+    rows = row_views and bucket is None and not paged and not ahead  # each row's pages, read in place
+    width = 0 if paged or rows else rc.max_kv_padded if bucket is not None else \
         round_up(int(kv_lens[:bd].max()) + ahead, rc.kv_padding) if bd else 0
     dec_slots, dec_slots_dev = buf.alloc((bd_pad, width), fill=scratch)
     dec_q_pos, dec_q_pos_dev = buf.alloc((bd_pad,), fill=0)
@@ -138,8 +139,8 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     # prefill group: sequences padded to a common query length (the SDPA path's grids)
     bp = b - bd
     bp_pad = next_pow2(bp) if bp else 0
-    qp_pad = 0 if flash_on or not bp else round_up(int(q_lens[bd:].max()), rc.q_padding)
-    lp_pad = 0 if flash_on or not bp else round_up(int(kv_lens[bd:].max()), rc.kv_padding)
+    qp_pad = 0 if paged or not bp else round_up(int(q_lens[bd:].max()), rc.q_padding)
+    lp_pad = 0 if paged or not bp else round_up(int(kv_lens[bd:].max()), rc.kv_padding)
     gather, gather_dev = buf.alloc((bp_pad * qp_pad,), fill=0)
     scatter, scatter_dev = buf.alloc((bp_pad * qp_pad,), fill=t_pre_pad)  # padding queries: the dropped row
     q_pos, q_pos_dev = buf.alloc((bp_pad, qp_pad), fill=0)
@@ -162,12 +163,12 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     meta = AttnMeta(positions=positions_dev, slot_mapping=slots_dev, dec_kv_slots=dec_slots_dev,
                     dec_q_pos=dec_q_pos_dev, pre_q_gather=gather_dev, pre_q_scatter=scatter_dev,
                     pre_kv_slots=pre_slots_dev, pre_q_pos=q_pos_dev, logits_idx=logits_dev, page_size=page,
-                    chunk_elements=rc.attn_chunk_elements)
+                    chunk_elements=rc.attn_chunk_elements, attention=rc.attention)
     if rows:
         pages = -(-kv_lens[:bd] // page)
         meta.dec_rows = [(int(n), tables[i, :p].tolist()) for i, (n, p) in enumerate(zip(kv_lens[:bd], pages))]
-    if flash_on:
-        _flash_meta(buf, meta, tables, q_lens, kv_lens, bd, bd_pad, rc.max_blocks_per_request, scratch_block)
+    if paged:
+        _block_table_meta(buf, meta, tables, q_lens, kv_lens, bd, bd_pad, rc.max_blocks_per_request, scratch_block)
     elif ahead and bd:  # last: what a graph reads keeps its offsets whatever the burst
         later, meta.dec_ahead = buf.alloc((bd_pad, ahead), fill=scratch)
         j = kv_lens[:bd, None] + np.arange(ahead)
@@ -176,9 +177,10 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     return ids_dev, meta, len(sampled)
 
 
-def _flash_meta(buf: StaticBuffers, meta: AttnMeta, tables: np.ndarray, q_lens: np.ndarray,
-                kv_lens: np.ndarray, bd: int, bd_pad: int, nb: int, scratch_block: int) -> None:
-    """flash-attn's block tables (fixed width max_blocks_per_request) and varlen metadata."""
+def _block_table_meta(buf: StaticBuffers, meta: AttnMeta, tables: np.ndarray, q_lens: np.ndarray,
+                      kv_lens: np.ndarray, bd: int, bd_pad: int, nb: int, scratch_block: int) -> None:
+    """The paged kernels' inputs (flash-attn's layout, the Triton kernel's too): block tables of fixed width
+    max_blocks_per_request (padding rows: the scratch block, one key long), kv lens, varlen metadata."""
     if tables.shape[1] > nb:
         raise ValueError(f"block table of width {tables.shape[1]} exceeds max_blocks_per_request={nb}")
     if bd:

@@ -200,7 +200,7 @@ class ContinuousBatchingManager:
 
     def switch_to_cb_friendly_attn(self, model: Any = None, auto_switch_to_flash: bool = True) -> str:
         """Lockstep's attention is always paged; reports which kernel serves it."""
-        return "flash_attn" if self.effective_config.use_flash_attn else "paged_sdpa"
+        return self.effective_config.attention  # "flash_attn", "triton_paged" or "paged_sdpa"
 
     def stats(self) -> dict[str, Any]:
         """Counters of the driver's engine (empty elsewhere)."""
@@ -212,7 +212,7 @@ class ContinuousBatchingManager:
                 "burst_forwards": e.num_burst_forwards, "running": len(e.scheduler.running), "waiting":
                 len(e.scheduler.waiting), "free_blocks": e.blocks.num_free, "num_blocks": e.blocks.num_blocks,
                 "num_host_blocks": e.scheduler.host.num_slots, **e.scheduler.offload_stats(),
-                "cuda_graphs": dict(self.runner.graph_stats)}
+                "cuda_graphs": dict(self.runner.graph_stats), "attention": self.effective_config.attention}
 
     # ---------------------------------------------------------------- requests (driver)
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,

@@ -37,6 +37,16 @@ def flash_attn_available() -> bool:
         return False
 
 
+def triton_available() -> bool:
+    """Whether Lockstep's Triton attention kernel imports (Triton ships with CUDA builds of torch): the paged path
+    of a CUDA device without flash-attn (cluster.config.attention_decision)."""
+    try:
+        from worker import triton_attention  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
 class ClusterModel:
     def __init__(self, model: CausalLM, config: Any, generation_config: Any, groups: Groups, dtype: torch.dtype,
                  model_dir: str):
@@ -107,7 +117,7 @@ class ClusterModel:
         rc = resolve_config(cb, device_kind=self.device.type, max_model_len=self.max_model_len,
                             kv_bytes_per_token=per_token, free_bytes=None if cuda else host_memory()[0] or None,
                             flash_available=flash_attn_available(), dtype=self.dtype, head_dim=d,
-                            system_ram=system_ram_bytes())
+                            system_ram=system_ram_bytes(), triton_available=cuda and triton_available())
         if cuda and cb.num_blocks is None:
             workspace = attention_workspace_bytes(rc, heads.q_local, heads.kv_local, d, self.dtype)
             rc.num_blocks, breakdown = propose_num_blocks(
