@@ -61,10 +61,10 @@ class CompileSettings:
                 + (f" options={self.options}" if self.options else ""))
 
 
-def compile_decision(varlen_config: Any, decode_config: Any, level: int, *, use_flash_attn: bool
+def compile_decision(varlen_config: Any, decode_config: Any, level: int, *, paged_kernels: bool
                      ) -> tuple[CompileSettings | None, CompileSettings | None, list[str]]:
     """(varlen, decode) compile settings and notes: an explicit config wins, else the level's default, except for the
-    varlen forward on the flash-attn path (its max_seqlen values change every step: every step would recompile)."""
+    varlen forward on the paged kernels' paths (its max_seqlen values change every step: every step would recompile)."""
     notes: list[str] = []
     # transformers' default CompileConfig of the level: 0 none; 1 inductor mode "default", dynamic shapes;
     # 2 mode "max-autotune-no-cudagraphs", dynamic; 3 the same, static
@@ -72,8 +72,8 @@ def compile_decision(varlen_config: Any, decode_config: Any, level: int, *, use_
                                                       mode="max-autotune-no-cudagraphs" if level >= 2 else "default")
     varlen = CompileSettings.from_any(varlen_config)
     if varlen is None and default is not None:
-        if use_flash_attn:
-            notes.append("varlen forward not compiled by default_compile_level: flash-attn's varlen lengths "
+        if paged_kernels:
+            notes.append("varlen forward not compiled by default_compile_level: the paged kernels' varlen lengths "
                          "change every step (set varlen_compile_config to compile it anyway)")
         else:
             varlen = default

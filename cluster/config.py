@@ -239,7 +239,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
     num_host_blocks = host_pool_pages(cfg, kv_bytes_per_token * page, system_ram, notes)
     varlen_compile, decode_compile, compile_notes = compile_decision(
         cfg.varlen_compile_config, cfg.decode_compile_config, cfg.default_compile_level,
-        use_flash_attn=attention in PAGED_KERNELS)  # the paged kernels' varlen lengths change every step
+        paged_kernels=attention in PAGED_KERNELS)
     notes += compile_notes
     if graphs[1] and decode_compile is not None and decode_compile.uses_cudagraphs:
         graphs = (False, False)

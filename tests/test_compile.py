@@ -38,7 +38,7 @@ def test_levels_resolve_as_transformers_does(level, flash):
 
     hf = HFConfig(default_compile_level=level)
     resolve_compile_configs(hf, None, is_flash_attn=flash, decode_fast_path_available=True)
-    varlen, decode, _ = compile_decision(None, None, level, use_flash_attn=flash)
+    varlen, decode, _ = compile_decision(None, None, level, paged_kernels=flash)
     for theirs, ours in ((hf.varlen_compile_config, varlen), (hf.decode_compile_config, decode)):
         assert (theirs is None) == (ours is None)
         if theirs is not None:
@@ -135,13 +135,15 @@ def test_warm_up_compiles_every_bucket_and_steps_take_their_forward(tiny, monkey
 
 def test_decode_graphs_capture_the_compiled_decode_forward(tiny):
     """The CUDA path's bookkeeping, with the CPU stand-in for a graph: capture compiles each bucket at its graph
-    shapes (the full KV width) through the decode forward, and the warm-up does not compile them again."""
+    shapes (one KV width here: 128-token contexts) through the decode forward, and the warm-up does not compile them
+    again."""
     from worker.graphs import EagerStandIn
     from worker.model import KVHeads, head_dim_of
     from worker.runner import ModelRunner
 
     decode = CountingBackend()
     _, rc, _ = tiny.build_runner(ContinuousBatchingConfig(page_size=16, num_blocks=16, max_requests_per_batch=2,
+                                                          max_blocks_per_request=8,
                                                           decode_compile_config={"backend": decode, "mode": None}))
     runner = ModelRunner(tiny.model, rc, KVHeads(tiny.config, tiny.model.shard).kv_local, head_dim_of(tiny.config),
                          tiny.dtype, tiny.device, graph_factory=EagerStandIn())

@@ -11,7 +11,7 @@ import torch
 import cluster
 from cluster.config import ContinuousBatchingConfig
 from cluster.plan import StepPlan
-from worker.graphs import EagerStandIn, GraphInputMoved, bucket_for, decode_buckets
+from worker.graphs import EagerStandIn, GraphInputMoved, bucket_for, decode_buckets, decode_widths
 from worker.loader import apply, stage_checkpoint
 from worker.model import KVHeads, head_dim_of
 from worker.runner import ModelRunner, static_inputs
@@ -19,9 +19,9 @@ from worker.runner import ModelRunner, static_inputs
 CFG = {"page_size": 16, "num_blocks": 64, "max_requests_per_batch": 8, "max_blocks_per_request": 8}
 
 
-def graph_runner(model, factory=None):
+def graph_runner(model, factory=None, **cfg):
     """A runner whose decode graphs are captured by the CPU stand-in, and an eager twin (own caches)."""
-    eager, rc, _ = model.build_runner(ContinuousBatchingConfig(**CFG))
+    eager, rc, _ = model.build_runner(ContinuousBatchingConfig(**{**CFG, **cfg}))
     kv = KVHeads(model.config, model.model.shard).kv_local
     graphs = ModelRunner(model.model, rc, kv, head_dim_of(model.config), model.dtype, model.device,
                          graph_factory=factory or EagerStandIn())
@@ -38,9 +38,10 @@ def prefill_plan(lens: list[int], first_block: int = 0) -> StepPlan:
                     sample=np.ones(len(lens), np.int32), block_tables=tables)
 
 
-def decode_plan(tokens: list[int], kv_lens: list[int], first_block: int = 0, sample=None) -> StepPlan:
+def decode_plan(tokens: list[int], kv_lens: list[int], first_block: int = 0, sample=None, width: int = 8) -> StepPlan:
     n = len(tokens)
-    tables = np.stack([np.arange(first_block + 8 * i, first_block + 8 * i + 8) for i in range(n)]).astype(np.int32)
+    tables = np.stack([np.arange(first_block + width * i, first_block + width * (i + 1))
+                       for i in range(n)]).astype(np.int32)
     return StepPlan(input_ids=np.array(tokens, np.int32), q_lens=np.ones(n, np.int32),
                     kv_lens=np.array(kv_lens, np.int32),
                     sample=np.ones(n, np.int32) if sample is None else np.array(sample, np.int32),
@@ -118,7 +119,29 @@ def test_static_inputs_never_move(model):
     ids, meta, _ = runner.prepare(decode_plan([3], [4]), bucket=1)
     moved = static_inputs(ids, meta) | {"input_ids": ids.clone()}
     with pytest.raises(GraphInputMoved, match="input_ids"):
-        runner.graphs.replay(1, moved)
+        runner.graphs.replay((1, runner.rc.max_kv_padded), moved)
+
+
+def test_gathering_graphs_are_bucketed_by_kv_width(model):
+    assert decode_widths(True, 2048) == [0]  # the paged kernels read block tables: the width does not matter
+    assert decode_widths(False, 2048) == [256, 512, 1024, 2048] and decode_widths(False, 128) == [128]
+    factory = EagerStandIn()
+    runner, eager = graph_runner(model, factory, num_blocks=160, max_blocks_per_request=40)  # 640-token contexts
+    runner.execute(runner.warmup_plan())
+    assert runner.graph_stats["kv_widths"] == [256, 512, 640] and runner.graph_stats["captures"] == 4 * 3
+    lens = [30, 300]
+    for r in (runner, eager):
+        r.execute(StepPlan(
+            input_ids=np.arange(3, 3 + sum(lens), dtype=np.int32) % 200, q_lens=np.array(lens, np.int32),
+            kv_lens=np.array(lens, np.int32), sample=np.ones(2, np.int32),
+            block_tables=np.stack([np.arange(0, 40), np.arange(40, 80)]).astype(np.int32)))
+    for kv, width in [([31, 31], 256), ([31, 301], 512)]:  # the narrowest width that holds the longest row
+        plan = decode_plan([7, 8], kv, width=40)
+        replays = runner.graph_stats["replays"]
+        torch.testing.assert_close(runner.execute(plan), eager.execute(plan), rtol=1e-5, atol=1e-5)
+        assert runner.graph_stats["replays"] == replays + 1
+        assert runner.graphs.key_for(2, max(kv)) == (2, width)
+        assert runner.prepare(plan, 2, width=width)[1].dec_kv_slots.shape == (2, width)
 
 
 def test_padding_rows_point_at_the_scratch_block(model):

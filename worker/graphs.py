@@ -29,6 +29,23 @@ def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= num_seqs), None) if num_seqs > 0 else None
 
 
+GATHER_WIDTH = 256  # the narrowest KV width a gathering decode graph is laid out at
+
+
+def decode_widths(paged_kernels: bool, max_kv_padded: int) -> list[int]:
+    """The KV widths decode graphs are laid out at: none to speak of (0) where the paged kernels read block tables;
+    for the paged SDPA gather 256 x 2^k up to max_kv_padded, so a replay gathers the narrowest that holds its keys."""
+    if paged_kernels:
+        return [0]
+    widths, w = [], GATHER_WIDTH
+    while w < max_kv_padded:
+        widths, w = widths + [w], w * 2
+    return widths + [max_kv_padded]
+
+
+GraphKey = tuple[int, int]  # (batch bucket, KV width) of one captured decode graph
+
+
 @dataclass
 class Captured:
     replay: Callable[[], None]
@@ -78,55 +95,58 @@ def tensor_addresses(model: torch.nn.Module, extra: dict[str, torch.Tensor]) -> 
 
 
 class DecodeGraphs:
-    """The decode graphs of one runner (a step takes `bucket_for` its rows among the captured ones): capture up to a
-    batch cap, replay, counters. A runner lives across managers (driver/api/model.py), so a later, larger cap
-    captures only the buckets it adds."""
+    """The decode graphs of one runner, one per (batch bucket, KV width): capture up to a batch cap, the graph a step
+    takes (`key_for`), replay, counters. A runner lives across managers (driver/api/model.py), so a later, larger
+    cap captures only the buckets it adds."""
 
-    def __init__(self, buckets: list[int], factory: GraphFactory):
-        self.buckets, self.factory = sorted(buckets), factory
-        self.graphs: dict[int, Captured] = {}
-        self.static: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
+    def __init__(self, buckets: list[int], factory: GraphFactory, widths: list[int] = (0,)):
+        self.buckets, self.widths, self.factory = sorted(buckets), sorted(widths), factory
+        self.graphs: dict[GraphKey, Captured] = {}
+        self.static: dict[GraphKey, dict[str, tuple[int, tuple[int, ...]]]] = {}
         self.addresses: dict[str, int] = {}
         # captures: graphs captured in this runner's life; pool_bytes: device memory the captures took (CUDA)
-        self.stats: dict[str, Any] = {"captured_buckets": [], "replays": 0, "eager_steps": 0, "captures": 0,
-                                      "pool_bytes": 0, "output_bytes": 0}
+        self.stats: dict[str, Any] = {"captured_buckets": [], "kv_widths": [], "replays": 0, "eager_steps": 0,
+                                      "captures": 0, "pool_bytes": 0, "output_bytes": 0}
 
-    @property
-    def captured(self) -> list[int]:
-        return sorted(self.graphs)
-
-    def missing(self, cap: int) -> list[int]:
-        """The buckets a batch of up to `cap` sequences could take that are not captured yet."""
+    def missing(self, cap: int) -> list[GraphKey]:
+        """The graphs a batch of up to `cap` sequences could take that are not captured yet."""
         top = bucket_for(min(cap, self.buckets[-1]), self.buckets)
-        return [b for b in self.buckets if top is not None and b <= top and b not in self.graphs]
+        return [(b, w) for b in self.buckets for w in self.widths
+                if top is not None and b <= top and (b, w) not in self.graphs]
 
-    def capture_all(self, prepare: Callable[[int], tuple[Callable[[], torch.Tensor], dict[str, torch.Tensor]]],
+    def key_for(self, num_seqs: int, kv_width: int) -> GraphKey | None:
+        """The captured graph of the fewest rows, then the narrowest width, that holds the step; None: eager."""
+        fits = [k for k in self.graphs if k[0] >= num_seqs > 0 and k[1] >= kv_width]
+        return min(fits, default=None)
+
+    def capture_all(self, prepare: Callable[[GraphKey], tuple[Callable[[], torch.Tensor], dict[str, torch.Tensor]]],
                     reads: Callable[[], dict[str, int]], cap: int | None = None) -> None:
-        """Capture every bucket up to the one holding `cap` sequences (None: all) not captured yet, largest first
+        """Capture every graph up to the bucket holding `cap` sequences (None: all) not captured yet, largest first
         (smaller ones reuse the shared pool), then snapshot the addresses the graphs read. Every rank of the device
         group calls it with the same cap (the forward all-reduces)."""
         todo = self.missing(self.buckets[-1] if cap is None else cap)
         cuda = isinstance(self.factory, CudaGraphFactory)
         before = torch.cuda.memory_reserved(self.factory.device) if cuda and todo else 0
-        for b in sorted(todo, reverse=True):
-            fn, static = prepare(b)
-            self.graphs[b] = self.factory.capture(fn, static)
-            self.static[b] = {k: (t.data_ptr(), tuple(t.shape)) for k, t in static.items()}
+        for key in sorted(todo, reverse=True):
+            fn, static = prepare(key)
+            self.graphs[key] = graph = self.factory.capture(fn, static)
+            self.static[key] = {k: (t.data_ptr(), tuple(t.shape)) for k, t in static.items()}
             self.stats["captures"] += 1
-            self.stats["output_bytes"] += self.graphs[b].output.numel() * self.graphs[b].output.element_size()
+            self.stats["output_bytes"] += graph.output.numel() * graph.output.element_size()
         if cuda and todo:
             self.stats["pool_bytes"] += torch.cuda.memory_reserved(self.factory.device) - before
         self.addresses = reads()
-        self.stats["captured_buckets"] = self.captured
+        self.stats["captured_buckets"] = sorted({b for b, _ in self.graphs})
+        self.stats["kv_widths"] = sorted({w for _, w in self.graphs})
 
-    def replay(self, bucket: int, static: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Replay `bucket`'s graph on the static inputs the step was laid out in; returns its output.
+    def replay(self, key: GraphKey, static: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Replay graph `key` on the static inputs the step was laid out in; returns its output.
         Every rank of the device group calls it (the graph all-reduces)."""
-        want = self.static[bucket]
+        want = self.static[key]
         moved = sorted(k for k, t in static.items() if (t.data_ptr(), tuple(t.shape)) != want.get(k))
         if moved:
-            raise GraphInputMoved(f"decode bucket {bucket}: static inputs {moved} are not where the graph reads")
-        graph = self.graphs[bucket]
+            raise GraphInputMoved(f"decode graph {key}: static inputs {moved} are not where the graph reads")
+        graph = self.graphs[key]
         graph.replay()
         self.stats["replays"] += 1
         return graph.output

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from cluster.config import next_pow2
-from worker.graphs import decode_buckets
+from worker.graphs import decode_buckets, decode_widths
 from worker.step_inputs import StaticBuffers
 
 DEFAULT_MAX_MEMORY_PERCENT = 0.9  # of the memory free for the cache, as transformers' default
@@ -201,7 +201,8 @@ def propose_num_blocks(rc: Any, model_config: Any, tp: int, dtype: torch.dtype, 
     breakdown; `measure` and `ledger` are parameters so tests can feed numbers."""
     itemsize, hidden, inter = dtype.itemsize, model_config.hidden_size, model_config.intermediate_size // tp
     rows = next_pow2(rc.max_requests_per_batch)
-    buckets = decode_buckets(rc.max_requests_per_batch) if rc.use_cuda_graph[1] else []
+    widths = decode_widths(rc.paged_kernels, rc.max_kv_padded)  # one graph a (bucket, width): an output each
+    buckets = [b for b in decode_buckets(rc.max_requests_per_batch) for _ in widths] if rc.use_cuda_graph[1] else []
     return plan_kv_blocks(MemoryInputs(
         free_bytes=measure(device)[0], kv_bytes_per_token=kv_bytes_per_token, page_size=rc.page_size,
         static_bytes=static_buffer_bytes(rc),

@@ -16,7 +16,8 @@ from cluster.dist import DRIVER
 from cluster.plan import StepPlan
 from worker.attention import AttnMeta
 from worker.compiled import ForwardFn
-from worker.graphs import CudaGraphFactory, DecodeGraphs, GraphFactory, bucket_for, decode_buckets, tensor_addresses
+from worker.graphs import (CudaGraphFactory, DecodeGraphs, GraphFactory, GraphKey, decode_buckets, decode_widths,
+                           tensor_addresses)
 from worker.kv_cache import KVCache
 from worker.model import CausalLM
 from worker.shard_argmax import ShardArgmax
@@ -48,7 +49,8 @@ class ModelRunner:
         self.row_views = device.type == "cpu" and dtype == torch.float32 and not self.forwards.compiled
         if graph_factory is None and rc.use_cuda_graph[1] and device.type == "cuda":
             graph_factory = CudaGraphFactory(device)
-        self.graphs = DecodeGraphs(decode_buckets(rc.max_requests_per_batch), graph_factory) if graph_factory else None
+        self.graphs = DecodeGraphs(decode_buckets(rc.max_requests_per_batch), graph_factory,
+                                   decode_widths(rc.paged_kernels, rc.max_kv_padded)) if graph_factory else None
         self.stream: Stream = InlineStream(device)  # the forwards' queue (overlapped: sampling and broadcasts too)
         # overlapped scheduling: the last step's sampled tokens, broadcast from rank 0 (see `share_burst`)
         self.shared_tokens = torch.zeros(rc.max_requests_per_batch, dtype=torch.int64, device=device)
@@ -64,9 +66,10 @@ class ModelRunner:
         cap = min(self.rc.max_requests_per_batch, self.rc.num_blocks)
         self.batch_cap = cap if num_requests is None else max(1, min(cap, num_requests))
 
-    def prepare(self, plan: StepPlan, bucket: int | None = None) -> tuple[torch.Tensor, AttnMeta, int]:
+    def prepare(self, plan: StepPlan, bucket: int | None = None,
+                width: int | None = None) -> tuple[torch.Tensor, AttnMeta, int]:
         """(input ids, attention metadata, real logit rows): `prepare_step` on this runner's buffers."""
-        return prepare_step(self.rc, self.buffers, plan, self.cache.scratch_block, bucket, self.row_views)
+        return prepare_step(self.rc, self.buffers, plan, self.cache.scratch_block, bucket, self.row_views, width)
 
     def warmup_plan(self, num_seqs: int = 1) -> StepPlan:
         """A decode step of `num_seqs` one-token sequences that reads and writes only the scratch block."""
@@ -107,8 +110,8 @@ class ModelRunner:
         if self.graphs is None or not self.graphs.missing(self.batch_cap):
             return
 
-        def prepare(bucket: int):
-            ids, meta, _ = self.prepare(self.warmup_plan(bucket), bucket=bucket)
+        def prepare(key: GraphKey):
+            ids, meta, _ = self.prepare(self.warmup_plan(key[0]), bucket=key[0], width=key[1])
             return (lambda: self.forward_fn(ids, meta)), static_inputs(ids, meta)
 
         with torch.inference_mode():
@@ -135,17 +138,19 @@ class ModelRunner:
         return self.stream.submit(lambda: run(True))
 
     def _prepared(self, plan: StepPlan) -> Callable[[bool], torch.Tensor | ShardArgmax | None]:
-        """Lay the plan out (at its graph bucket's shapes when it has one); returns the function that runs its
+        """Lay the plan out (at its graph's shapes when one holds it); returns the function that runs its
         first forward (KV page copies and shared token ids first) or, for a burst, a later one (`_advance` first)."""
-        bucket = None
+        key = None
         if self.graphs is not None:
             self.capture_graphs()
-            bucket = bucket_for(plan.num_seqs, self.graphs.captured) if plan.num_decode == plan.num_seqs else None
-        if bucket is None:
+            if plan.num_decode == plan.num_seqs:  # the gather's keys: each row's context and the burst's later ones
+                need = 0 if self.rc.paged_kernels else int(plan.kv_lens.max(initial=0)) + plan.burst - 1
+                key = self.graphs.key_for(plan.num_seqs, need)
+        if key is None:
             self.graph_stats["eager_steps"] += plan.burst
-        ids, meta, n = self.prepare(plan, bucket=bucket)
+        ids, meta, n = self.prepare(plan, *(key or (None, None)))
         refs = bool(plan.num_tokens) and int(plan.input_ids.min()) < 0
-        rows = None if bucket is None else on_device(np.nonzero(plan.sample)[0], torch.int64, self.device)
+        rows = None if key is None else on_device(np.nonzero(plan.sample)[0], torch.int64, self.device)
 
         def run(first: bool) -> torch.Tensor | ShardArgmax | None:
             if first:
@@ -154,8 +159,8 @@ class ModelRunner:
                     self._resolve_ids(ids)
             else:
                 self._advance(ids, meta, plan.num_seqs)
-            if bucket is not None:
-                local = self.graphs.replay(bucket, static_inputs(ids, meta))[rows]
+            if key is not None:
+                local = self.graphs.replay(key, static_inputs(ids, meta))[rows]
             else:
                 local = self.forward_fn(ids, meta)[:n]
             if plan.argmax_on_shards:  # every rank gets the tokens: the next forward reads them from shared_tokens
