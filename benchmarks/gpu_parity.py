@@ -79,7 +79,7 @@ def lockstep_run(model_dir: str, device: str, dtype: str, prompts, new_tokens: i
                                max_new_tokens=new_tokens)
     tokens = [list(o.generated_tokens) for o in out.values()]
     lps = [list(o.logprobs or []) for o in out.values()]
-    effective = str(resolved[-1].use_cuda_graph) if resolved else "?"
+    effective = f"{resolved[-1].use_cuda_graph}, attention {resolved[-1].attention}" if resolved else "?"
     if burst > 1:
         effective += f"; burst forwards {model.last_stats.get('burst_forwards', 0)}"
     del model, out

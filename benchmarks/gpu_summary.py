@@ -53,6 +53,9 @@ def throughput_rows(data, tp: str, min_ratio: float | None) -> list[tuple[str, s
     rows.append((f"throughput TP={tp} vs transformers", text, data["all_exact"] and fast is not False))
     if notes:
         rows.append((f"throughput TP={tp} graphs", notes, None))
+    attention = "; ".join(n for n in ours.get("notes", []) if n.startswith("attention"))
+    if attention:  # which attention kernel ran (cluster.config.attention_decision's note)
+        rows.append((f"throughput TP={tp} attention", attention, None))
     return rows
 
 
