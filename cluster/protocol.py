@@ -36,6 +36,8 @@ SAMPLING_FIELDS = {"do_sample": bool, "temperature": (int, float), "top_k": int,
 MAX_EOS_TOKEN_IDS = 64  # ids in one request's eos_token_id list
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # a submit's `stop`: at most 16 strings of 1..256 characters
+# a submit's `priority` (vLLM's meaning: lower first; docs/protocol.md "Priority and fairness"): a 32-bit integer
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
 
 
 class ProtocolError(Exception):
@@ -101,6 +103,7 @@ class Submit:
     stop: list[str] | None = None  # stop strings (text is on)
     return_text: bool = False  # text outputs even for an input_ids submit without stop strings
     logprobs: bool = False  # the chosen tokens' logprobs, also in streamed `tokens`
+    priority: int = 0  # lower numbers are scheduled first (the range is checked where the request is built)
 
     @property
     def wants_text(self) -> bool:
@@ -159,7 +162,8 @@ def parse_submit(msg: dict) -> Submit:
                   max_new_tokens=field(msg, "max_new_tokens", int), streaming=field(msg, "streaming", bool, False),
                   sampling=sampling, eos_token_id=eos, resume_tokens=resume_tokens, resume_versions=versions,
                   resumes=field(msg, "resumes", int, 0), stop=check_stop(msg.get("stop"), mid, rid),
-                  return_text=field(msg, "return_text", bool, False), logprobs=field(msg, "logprobs", bool, False))
+                  return_text=field(msg, "return_text", bool, False), logprobs=field(msg, "logprobs", bool, False),
+                  priority=field(msg, "priority", int, 0))
 
 
 def check_stop(value: Any, mid: Any = None, rid: str | None = None) -> list[str] | None:

@@ -243,3 +243,26 @@ def test_backlog_flushes_to_a_slow_but_live_reader(server):
         assert got == list(range(n))
     finally:
         ctx.destroy(0)
+
+
+@pytest.mark.slow
+def test_flooded_server_serves_another_clients_sequential_requests(server, make_checkpoint):
+    """Issue 25: one client has 3,000 requests waiting; another client's 4 sequential requests each finish within
+    5 s (the scheduler round-robins across clients), token for token what transformers generates."""
+    prompts = [[5, 6, 7, 8, 9 + k] for k in range(4)]
+    want = hf_greedy(make_checkpoint("llama"), prompts, 8)
+    with Client(server.address, timeout=120) as a, Client(server.address, timeout=60) as b:
+        futures = [a.submit_future([1, 2 + k % 40, 3], max_new_tokens=64) for k in range(3000)]
+        for _, accepted in futures:
+            accepted.result(120)
+        took = []
+        for prompt, tokens in zip(prompts, want):
+            t0 = time.monotonic()
+            out = b.generate(prompt, max_new_tokens=8)
+            took.append(round(time.monotonic() - t0, 2))
+            assert out.generated_tokens == tokens
+        print(f"4 sequential requests behind a 3,000-request flood took {took} s")
+        assert max(took) < 5.0, took
+    with Client(server.address, timeout=60) as c:
+        s = settled(c)
+        assert s["running"] == s["waiting"] == 0 and s["free_blocks"] == s["num_blocks"], s

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.client import Client
-from cluster.errors import Code
+from cluster.errors import ClientError, Code
 from launch.gateway.errors import STATUS, HttpError, status_of
 from launch.gateway.server import Gateway, settings_for
 from launch.gateway.child import GatewayProcess
@@ -217,6 +217,30 @@ def test_error_bodies(oai, model_dir):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, n=0)
     assert e.value.body["code"] == Code.BAD_FIELD and e.value.body["param"] == "n"
+
+
+def test_priority_is_taken_and_checked(server, oai, model_dir):
+    """vLLM's `priority` field (lower first) on both routes and the wire; out of range or not an integer: 400
+    bad_field naming it (the wire: `bad_field`)."""
+    want = hf_greedy(model_dir, [PROMPT_IDS], NEW)[0]
+    out = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=NEW, temperature=0,
+                                 extra_body={"priority": -3})
+    assert out.choices[0].finish_reason == "length"
+    body = {"model": model_dir.name, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    status, _ = http(server, "POST", "/v1/chat/completions", body | {"priority": 7})
+    assert status == 200
+    for route, base in (("/v1/completions", {"model": model_dir.name, "prompt": PROMPT_IDS, "max_tokens": 2}),
+                        ("/v1/chat/completions", body)):
+        for bad in (1 << 31, -(1 << 31) - 1, "high", 1.5):
+            status, err = http(server, "POST", route, base | {"priority": bad})
+            assert status == 400 and err["error"]["code"] == Code.BAD_FIELD, (route, bad, err)
+            assert err["error"]["param"] == "priority", err
+    with Client(server.address, timeout=60) as c:
+        assert c.generate(PROMPT_IDS, max_new_tokens=NEW, priority=2).generated_tokens == want
+        for bad in (1 << 40, "high", True):
+            with pytest.raises(ClientError) as e:
+                c.submit(PROMPT_IDS, max_new_tokens=2, priority=bad)
+            assert e.value.code == Code.BAD_FIELD and "priority" in e.value.message, (bad, e.value.message)
 
 
 # ------------------------------------------------------------------ metrics

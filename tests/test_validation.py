@@ -126,6 +126,10 @@ def test_top_k_minus_one_means_no_top_k(model):
     (dict(eos_token_id=-2), "eos_token_id"),
     (dict(eos_token_id=[1, "a"]), "eos_token_id"),
     (dict(request_id="x" * 257), "request_id"),
+    (dict(priority=1 << 31), "priority"),
+    (dict(priority=-(1 << 31) - 1), "priority"),
+    (dict(priority=1.0), "priority"),
+    (dict(priority=True), "priority"),
 ])
 def test_caps_on_eos_lists_and_request_ids(manager, monkeypatch, kwargs, needle):
     e = rejected(manager, monkeypatch, [5, 6, 7], max_new_tokens=2, **kwargs)
@@ -139,6 +143,9 @@ def test_caps_at_their_limits_are_accepted(manager):
     # -1 is transformers' "no EOS" placeholder (the serving benchmark sends it): accepted, and it matches nothing
     assert manager.build_request([5, 6, 7], max_new_tokens=2, eos_token_id=-1).eos_token_ids == frozenset()
     assert manager.build_request([5], max_new_tokens=2, eos_token_id=[-1, 2047]).eos_token_ids == {2047}
+    for p in (-(1 << 31), 0, (1 << 31) - 1):  # priority: a 32-bit integer, lower first
+        assert manager.build_request([5, 6, 7], max_new_tokens=2, priority=p).priority == p
+    assert manager.build_request([5, 6, 7], max_new_tokens=2).priority == 0
 
 
 def test_request_that_can_never_fit_the_cache_is_refused_at_add_time(manager, monkeypatch):
@@ -169,6 +176,8 @@ def submit_msg(**fields):
     (dict(request_id="x" * 10_000), "request_id"),
     (dict(sampling={"top_k": "5"}), "top_k"),
     (dict(sampling={"temperature": True}), "temperature"),
+    (dict(priority="high"), "priority"),
+    (dict(priority=1.5), "priority"),
 ])
 def test_parse_submit_refuses_oversized_and_mistyped_fields(fields, needle):
     from cluster import protocol as P
@@ -183,3 +192,4 @@ def test_parse_submit_accepts_fields_at_their_caps():
 
     s = P.parse_submit(submit_msg(eos_token_id=list(range(64)), request_id="r" * 256, sampling={"top_k": -1}))
     assert s.request_id == "r" * 256 and len(s.eos_token_id) == 64 and s.sampling == {"top_k": -1}
+    assert s.priority == 0 and P.parse_submit(submit_msg(priority=-7)).priority == -7

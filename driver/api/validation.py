@@ -10,7 +10,7 @@ from typing import Any
 
 from cluster.config import DEFAULT_MAX_NEW_TOKENS
 from cluster.errors import Code, RequestRejected
-from cluster.protocol import MAX_EOS_TOKEN_IDS, MAX_REQUEST_ID_CHARS, SAMPLING_FIELDS
+from cluster.protocol import MAX_EOS_TOKEN_IDS, MAX_REQUEST_ID_CHARS, PRIORITY_MAX, PRIORITY_MIN, SAMPLING_FIELDS
 from driver.api.option_checks import OPTION_CHECKS, check_forced_not_suppressed, check_option, integer, real, shown
 from driver.engine.request import Request, ResumedRequest, SamplingParams
 
@@ -118,6 +118,15 @@ def check_request_id(request_id: Any) -> str:
     return request_id
 
 
+def check_priority(priority: Any, request_id: str) -> int:
+    """A request's scheduling priority (lower first): an integer in [PRIORITY_MIN, PRIORITY_MAX], else bad_field."""
+    p = integer(priority)
+    if p is None or not PRIORITY_MIN <= p <= PRIORITY_MAX:
+        raise RequestRejected(f"request {request_id}: priority={shown(priority)}; priority must be an integer in "
+                              f"[{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is served first)", Code.BAD_FIELD, request_id)
+    return p
+
+
 NO_EOS = -1  # transformers' placeholder for "no EOS token" (the benchmarks send it): accepted, matches nothing
 
 
@@ -189,11 +198,12 @@ def check_resume(tokens: Any, versions: Any, resumes: Any, request_id: str, voca
 def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens: int | None, streaming: bool,
                   record_timestamps: bool, eos_token_id: Any, kwargs: dict[str, Any],
                   strict_processors: bool = False, resume_tokens: Any = None, resume_versions: Any = None,
-                  resumes: Any = 0) -> Request:
+                  resumes: Any = 0, priority: Any = 0) -> Request:
     """A validated Request from add_request's arguments and the manager's generation config; with `resume_tokens`
     (or `resumes` > 0) a ResumedRequest, whose `max_new_tokens` counts the resumed tokens too."""
     rc, gen = manager.effective_config, manager.generation_config
     request_id = check_request_id(request_id)
+    priority = check_priority(priority, request_id)
     vocab = manager.model.config.vocab_size
     prompt = check_prompt(input_ids, request_id, vocab, rc.max_model_len)
     if max_new_tokens is None:
@@ -233,7 +243,8 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
         eos = getattr(gen, "eos_token_id", None)
         eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
     common = dict(request_id=request_id, eos_token_ids=eos, sampling=sampling, streaming=streaming,
-                  record_timestamps=record_timestamps, return_logprobs=manager.config.return_logprobs)
+                  record_timestamps=record_timestamps, return_logprobs=manager.config.return_logprobs,
+                  priority=priority)
     tokens, versions, count = check_resume(resume_tokens, resume_versions, resumes, request_id, vocab, mnt, eos)
     if not count:
         return Request(prompt_ids=prompt, max_new_tokens=mnt, **common)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from cluster.outputs import GenerationOutput, RequestStatus, join_versions
+
+LOCAL_CLIENT = "local"  # the client of requests that carry none (the manager API): they share one turn
 
 
 @dataclass
@@ -56,6 +59,10 @@ class Request:
     streaming: bool = False
     record_timestamps: bool = False
     return_logprobs: bool = False
+    # fair scheduling (driver/engine/fair_queue.py): lower priority numbers go first; clients take turns
+    priority: int = 0
+    client: Hashable = LOCAL_CLIENT  # who sent it: the front door's ZeroMQ identity, else LOCAL_CLIENT
+    arrival: int = -1  # the scheduler's arrival number (FCFS within a client), set when it is queued
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     timestamps: list[float] = field(default_factory=list)

@@ -1,17 +1,20 @@
 """Which requests run this step, and how many of their tokens: chunked prefill under a token budget.
 
 `fifo` serves running requests first, then admits waiting ones with what is left of the budget; `prefill_first`
-admits first. When pages run out the newest other running request is preempted (to the host pool, or recomputed).
+admits first. Waiting requests are admitted in the fair queue's order (fair_queue.py: strict priority, then clients
+in turn, FCFS within a client); running ones are served by priority, then in admission order. When pages run out
+the lowest-priority (highest number), newest other running request is preempted (to the host pool, or recomputed).
 Pending tokens of an overlapped step: docs/architecture.md, "Overlapped scheduling", step 1."""
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import asdict, dataclass
 
 from cluster.config import ResolvedConfig
 from cluster.outputs import RequestStatus
 from driver.engine.block_manager import BlockManager
+from driver.engine.fair_queue import FairQueue
 from driver.engine.host_pool import HostPool
 from driver.engine.request import Request
 
@@ -27,11 +30,15 @@ class Scheduled:
         return self.req.num_computed + self.num_tokens == self.req.num_tokens_ahead
 
 
+def _priority(req: Request) -> int:
+    return req.priority
+
+
 class Scheduler:
     def __init__(self, rc: ResolvedConfig, blocks: BlockManager):
         self.rc, self.blocks = rc, blocks
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting = FairQueue()
+        self.running: list[Request] = []  # by priority, then in admission order (the last: the first to preempt)
         self.keep_free = int(rc.safety_margin * rc.num_blocks)
         self.num_preemptions = 0
         self.host = HostPool(rc.num_host_blocks)
@@ -105,7 +112,7 @@ class Scheduler:
 
     def _admit(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
         while self.waiting and budget[0] > 0 and len(batch) < self.rc.max_requests_per_batch:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             if req.num_pending:  # preempted while a token was in flight: admit it once the token is here
                 return
             swapped = self.host.holds(req)
@@ -120,7 +127,7 @@ class Scheduler:
                     return
                 req.num_computed = 0
                 if not self.running and not batch and self.blocks.num_free == self.blocks.num_blocks:
-                    self.waiting.popleft()
+                    self.waiting.pop()
                     impossible.append(req)
                     continue
                 return
@@ -129,8 +136,8 @@ class Scheduler:
                 self.blocks.register_swapped_in(req)
             elif req in self.dropped:
                 self.host.stats.recomputed_tokens += max(0, self.dropped.pop(req) - req.num_computed)
-            self.waiting.popleft()
-            self.running.append(req)
+            self.waiting.pop()
+            bisect.insort_right(self.running, req, key=_priority)  # at the end of its priority
             if req.status == RequestStatus.PENDING:
                 req.status = RequestStatus.PREFILLING
             batch.append(Scheduled(req, n))
@@ -150,7 +157,7 @@ class Scheduler:
         req.status = RequestStatus.PENDING
         if req in self.running:
             self.running.remove(req)
-            self.waiting.appendleft(req)
+            self.waiting.push_front(req)
             self.num_preemptions += 1
 
     def offload_stats(self) -> dict[str, int]:

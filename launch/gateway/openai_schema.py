@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.errors import Code
-from cluster.protocol import MAX_STOP_STRINGS
+from cluster.protocol import MAX_STOP_STRINGS, PRIORITY_MAX, PRIORITY_MIN
 from launch.gateway.errors import HttpError
 
 MAX_N = 16  # choices per request (each is one submit)
@@ -34,6 +34,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever EOS says (benchmarks)
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # vLLM's extension: lower is scheduled first
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -59,7 +60,7 @@ class _Common(BaseModel):
                   "do_sample": None if self.temperature is None else self.temperature > 0,
                   "temperature": self.temperature or None, "top_p": self.top_p, "seed": self.seed,
                   "eos_token_id": -1 if self.ignore_eos else None, "stop": self.stops() or None,
-                  "logprobs": logprobs or None}
+                  "logprobs": logprobs or None, "priority": self.priority or None}
         return {k: v for k, v in params.items() if v is not None}
 
 

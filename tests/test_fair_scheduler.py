@@ -1,0 +1,160 @@
+"""Fair scheduling on rank 0 (issue 25): clients take turns for admission, `priority` orders requests strictly
+(lower first, FCFS within one), and preemption takes the lowest-priority, newest running request."""
+
+from __future__ import annotations
+
+import itertools
+
+from cluster.config import ContinuousBatchingConfig, resolve_config
+from driver.engine.block_manager import BlockManager
+from driver.engine.fair_queue import FairQueue
+from driver.engine.request import LOCAL_CLIENT, Request
+from driver.engine.scheduler import Scheduler
+
+
+FIRST_TOKENS = itertools.count(1)  # every prompt its own tokens: no prefix is shared
+
+
+def req(rid: str, client: object = LOCAL_CLIENT, priority: int = 0, tokens: int = 3, new: int = 4) -> Request:
+    first = next(FIRST_TOKENS) % 30000
+    return Request(request_id=rid, prompt_ids=[first] * tokens, max_new_tokens=new, client=client,
+                   priority=priority)
+
+
+def scheduler(num_blocks: int = 4096, page: int = 4, budget: int = 256, batch: int = 8) -> Scheduler:
+    rc = resolve_config(ContinuousBatchingConfig(page_size=page, num_blocks=num_blocks, max_batch_tokens=budget,
+                                                 max_requests_per_batch=batch, scheduler_type="fifo"),
+                        device_kind="cpu", max_model_len=256, kv_bytes_per_token=1, free_bytes=None,
+                        flash_available=False)
+    return Scheduler(rc, BlockManager(num_blocks, page, True))
+
+
+def step(s: Scheduler) -> list[str]:
+    """One schedule, its tokens taken as computed (one generated token for each row that samples)."""
+    batch, impossible = s.schedule()
+    assert impossible == []
+    for x in batch:
+        samples = x.samples
+        x.req.num_computed += x.num_tokens
+        if samples:
+            x.req.generated.append(7)
+    return [x.req.request_id for x in batch]
+
+
+def drain(q: FairQueue) -> list[str]:
+    out = []
+    while q:
+        assert q.peek() is (r := q.pop())
+        out.append(r.request_id)
+    return out
+
+
+def test_a_flood_of_one_client_does_not_delay_another_clients_request():
+    s = scheduler(batch=8)
+    for k in range(3000):
+        s.add(req(f"a{k}", client=b"flood"))
+    assert step(s) == [f"a{k}" for k in range(8)]  # the batch is full: nobody else gets in
+    s.add(req("b0", client=b"other"))
+    assert "b0" not in step(s)  # no room this step
+    s.finish(s.running[0])  # a slot frees
+    assert step(s)[-1] == "b0"  # admitted at the next step with room, ahead of 2,992 waiting requests
+    s.finish(s.running[0])
+    s.finish(s.running[-1])  # b0 finished: its next request, sent one at a time, gets the next room as well
+    s.add(req("b1", client=b"other"))
+    assert step(s)[-2:] == ["b1", "a8"]
+    assert len(s.waiting) == 3000 - 8 - 1
+
+
+def test_room_right_away_admits_the_other_client_at_the_next_step():
+    s = scheduler(batch=4)
+    for k in range(3000):
+        s.add(req(f"a{k}", client=b"flood"))
+    s.add(req("b0", client=b"other"))
+    assert step(s) == ["a0", "b0", "a1", "a2"]  # clients in turn: the flood's oldest, then the other's
+
+
+def test_clients_take_turns_and_each_is_first_come_first_served():
+    q = FairQueue()
+    for rid, client in [("a0", "A"), ("a1", "A"), ("a2", "A"), ("b0", "B"), ("c0", "C"), ("b1", "B")]:
+        q.append(req(rid, client))
+    assert [r.request_id for r in q] == ["a0", "b0", "c0", "a1", "b1", "a2"]  # the order iteration shows
+    assert drain(q) == ["a0", "b0", "c0", "a1", "b1", "a2"]
+
+
+def test_a_client_with_nothing_waiting_goes_before_clients_being_served():
+    q = FairQueue()
+    for k in range(5):
+        q.append(req(f"a{k}", "A"))
+    assert q.pop().request_id == "a0"
+    q.append(req("b0", "B"))
+    assert q.pop().request_id == "b0"  # B had nothing waiting: it is next, however many A has
+    assert q.pop().request_id == "a1"
+    q.append(req("b1", "B"))  # B's next request, sent after its first ended
+    q.append(req("c0", "C"))
+    assert drain(q) == ["b1", "c0", "a2", "a3", "a4"]  # fresh clients by arrival, then A
+
+
+def test_priority_is_strict_then_first_come_first_served():
+    q = FairQueue()
+    for rid, priority in [("p3", 3), ("p0a", 0), ("pm1", -1), ("p1", 1), ("p0b", 0), ("p3b", 3)]:
+        q.append(req(rid, priority=priority))
+    assert drain(q) == ["pm1", "p0a", "p0b", "p1", "p3", "p3b"]
+
+
+def test_priority_comes_before_fairness_and_fairness_within_a_priority():
+    q = FairQueue()
+    for rid, client, priority in [("a0", "A", 1), ("a1", "A", 1), ("a2", "A", 0), ("b0", "B", 1), ("b1", "B", 0)]:
+        q.append(req(rid, client, priority))
+    assert drain(q) == ["a2", "b1", "a0", "b0", "a1"]
+
+
+def test_cancelled_requests_leave_the_queue_and_turns_stay_right():
+    q = FairQueue()
+    a = [req(f"a{k}", "A") for k in range(3)]
+    b = req("b0", "B")
+    for r in a + [b]:
+        q.append(r)
+    q.remove(a[0])  # the head of A
+    q.remove(b)  # B leaves altogether
+    assert a[0] not in q and b not in q and len(q) == 2
+    q.append(req("c0", "C"))
+    assert drain(q) == ["a1", "c0", "a2"]
+
+
+def test_a_preempted_request_comes_back_before_new_requests_of_its_priority():
+    q = FairQueue()
+    q.append(req("new", "A"))
+    q.append(req("urgent", "B", priority=-5))
+    old = req("old", "C")
+    q.push_front(old)
+    assert drain(q) == ["urgent", "old", "new"]
+
+
+def test_waiting_requests_run_by_priority():
+    s = scheduler(batch=2)
+    for rid, priority in [("low", 5), ("mid", 1), ("high", 0), ("mid2", 1)]:
+        s.add(req(rid, priority=priority))
+    assert step(s) == ["high", "mid"]
+    assert [r.request_id for r in s.waiting] == ["mid2", "low"]
+
+
+def test_preemption_takes_the_lowest_priority_then_the_newest():
+    # pages of 4 tokens: "a" (8 tokens) needs a third page at the next step, the others (6) do not
+    s = scheduler(num_blocks=8, page=4)
+    reqs = {rid: req(rid, priority=p, tokens=n) for rid, p, n in [("a", 0, 8), ("b", 0, 6), ("low", 2, 6), ("c", 0, 6)]}
+    for r in reqs.values():
+        s.add(r)
+    assert step(s) == ["a", "b", "c", "low"]  # admitted by priority
+    assert s.blocks.num_free == 0
+    assert step(s) == ["a", "b", "c"]  # "low" is preempted, though "c" is newer
+    assert list(s.waiting) == [reqs["low"]] and s.num_preemptions == 1
+
+
+def test_preemption_within_one_priority_takes_the_newest():
+    s = scheduler(num_blocks=6, page=4)
+    reqs = {rid: req(rid, tokens=n) for rid, n in [("a", 8), ("b", 6), ("c", 6)]}
+    for r in reqs.values():
+        s.add(r)
+    assert step(s) == ["a", "b", "c"]
+    assert step(s) == ["a", "b"]
+    assert list(s.waiting) == [reqs["c"]] and s.num_preemptions == 1
