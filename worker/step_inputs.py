@@ -100,8 +100,9 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     """Lay `plan` out in the static buffers. Returns (input ids, attention metadata, real logit rows).
 
     `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes, its gathered keys `width` wide
-    (None: max_kv_padded; graphs.decode_widths); None: padded only as far as this step needs. A burst's later key slots (`dec_ahead`): docs/architecture.md, "Multi-step decode". `row_views`
-    (an eager float32 CPU forward): a plan of one forward lists each decode row's pages (`AttnMeta.dec_rows`)."""
+    (None: max_kv_padded; graphs.decode_widths); None: padded only as far as this step needs. A burst's later
+    key slots (`dec_ahead`): docs/architecture.md, "Multi-step decode". `row_views` (an eager float32 CPU
+    forward): a plan of one forward lists each decode row's pages (`AttnMeta.dec_rows`)."""
     page, paged, tables = rc.page_size, rc.paged_kernels, plan.block_tables
     scratch = scratch_block * page
     q_lens, kv_lens = plan.q_lens.astype(np.int64), plan.kv_lens.astype(np.int64)

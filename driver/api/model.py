@@ -22,10 +22,11 @@ from driver.api.manager import ContinuousBatchingManager
 from worker.attention import attention_workspace_bytes
 from worker.kv_cache import kv_bytes_per_token
 from worker.kv_offload import system_ram_bytes
-from worker.memory import CACHE_LEDGER, ReleasedCache, describe, host_memory, propose_num_blocks, tensor_bytes, use_device
+from worker.graphs import GraphFactory
+from worker.memory import (CACHE_LEDGER, ReleasedCache, describe, host_memory, propose_num_blocks, tensor_bytes,
+                           use_device)
 from worker.model import CausalLM, KVHeads, head_dim_of
 from worker.named_shards import named_shards, shard_of
-from worker.graphs import GraphFactory
 from worker.runner import ModelRunner
 
 
