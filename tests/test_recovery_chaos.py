@@ -83,24 +83,9 @@ def kill_mid_generation(server, rank: int, at_tokens: int, sig: int = signal.SIG
         while c.stats()["tokens_generated"] < at_tokens:
             assert time.monotonic() < deadline, "the requests never got going"
             time.sleep(0.05)
-    pid = rank_pid(server, rank)
-    os.kill(pid, sig)
+    os.kill(rank_pid(server, rank), sig)
     if sent is not None:
-        sent["at"], sent["pid"] = time.monotonic(), pid
-
-
-def wait_gone(pid: int, limit_s: float) -> float | None:
-    """Monotonic time at which process `pid` is dead (reaped, or a zombie), polling; None past `limit_s`."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return time.monotonic()
-        except OSError:
-            return time.monotonic()
-        time.sleep(0.05)
-    return None
+        sent["at"] = time.monotonic()
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +148,8 @@ def test_the_restarted_group_serves_the_checkpoint_it_last_loaded(make_checkpoin
 def test_a_stopped_worker_is_replaced_as_fast_as_a_dead_one(make_checkpoint, tmp_path):
     """Issue 25, item 4: a SIGSTOPped (hung, not dead) worker. The driver's collective times out after
     cpu_group_timeout, the liveness check names the rank, and it is SIGKILLed, so the launcher restarts the group
-    at once (not after its 30 s SIGTERM grace): it is dead within cpu_group_timeout + 5 s of the stop (before:
-    35 s, torchrun's SIGKILL), and every request finishes token-exact after the same restart a killed rank pays
-    (cpu_group_timeout + 15 s from the stop on an idle machine; the bound below allows for the suite's load)."""
+    at once (not after its 30 s SIGTERM grace): every request finishes token-exact within cpu_group_timeout + 15 s
+    of the stop."""
     model, n, new_tokens = make_checkpoint("llama"), 8, 48
     timeout_s = tomllib.loads(CONFIG)["continuous_batching"]["cpu_group_timeout"]
     prompts = [[1, 5 + i, 9, 13 + i] for i in range(n)]
@@ -184,7 +168,6 @@ def test_a_stopped_worker_is_replaced_as_fast_as_a_dead_one(make_checkpoint, tmp
         for t in threads:
             t.start()
         kill_mid_generation(s, 1, n * new_tokens // 5, signal.SIGSTOP, sent)
-        gone = wait_gone(sent["pid"], 60)
         for t in threads:
             t.join(120)
         (tmp_path / "server.log").write_text(s.log)
@@ -192,10 +175,8 @@ def test_a_stopped_worker_is_replaced_as_fast_as_a_dead_one(make_checkpoint, tmp
     t0 = sent["at"]
     resumed = [t for a in arrivals.values() for t, _, r in a if r and t > t0]
     last = max(a[-1][0] for a in arrivals.values() if a) - t0
-    killed = None if gone is None else gone - t0
-    print(f"SIGSTOP rank 1: stop to its death {killed} s, to first resumed token {min(resumed, default=t0) - t0:.2f}"
-          f" s, to last completion {last:.2f} s; restarts {health['restart_count']}")
+    print(f"SIGSTOP rank 1: stop to first resumed token {min(resumed, default=t0) - t0:.2f} s, "
+          f"to last completion {last:.2f} s; restarts {health['restart_count']}")
     assert [finals.get(i) for i in range(n)] == want  # every request finished, token for token
     assert resumed and health["restart_count"] == 1, health
-    assert killed is not None and killed <= timeout_s + 5.0, f"the stopped rank died {killed} s after the stop"
-    assert last - killed <= 30.0, f"the restart took {last - killed:.1f} s"  # a killed rank's restart, loaded
+    assert last <= timeout_s + 15.0, f"the last request finished {last:.1f} s after the stop"
