@@ -172,8 +172,7 @@ def run_jobs(folder: str) -> None:
 @pytest.fixture(scope="module")
 def results() -> dict[str, object]:
     """Every job's output, from one interpreter process (a few seconds)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
+    assert importlib.util.find_spec("triton") is not None, "triton is in the test extra: pip install -e '.[test]'"
     with tempfile.TemporaryDirectory() as folder:
         torch.save(jobs(), Path(folder) / "jobs.pt")
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

@@ -96,10 +96,10 @@ class StaticBuffers:
 
 def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch_block: int,
                  bucket: int | None = None, row_views: bool = False,
-                 width: int | None = None) -> tuple[torch.Tensor, AttnMeta, int]:
+                 graph_width: int | None = None) -> tuple[torch.Tensor, AttnMeta, int]:
     """Lay `plan` out in the static buffers. Returns (input ids, attention metadata, real logit rows).
 
-    `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes, its gathered keys `width` wide
+    `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes, its gathered keys `graph_width` wide
     (None: max_kv_padded; graphs.decode_widths); None: padded only as far as this step needs. A burst's later
     key slots (`dec_ahead`): docs/architecture.md, "Multi-step decode". `row_views` (an eager float32 CPU
     forward): a plan of one forward lists each decode row's pages (`AttnMeta.dec_rows`)."""
@@ -130,7 +130,7 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     # decode group: one query per sequence; padding rows read and write only the scratch block
     ahead = plan.burst - 1
     rows = row_views and bucket is None and not paged and not ahead  # each row's pages, read in place
-    width = 0 if paged or rows else (width or rc.max_kv_padded) if bucket is not None else \
+    width = 0 if paged or rows else (graph_width or rc.max_kv_padded) if bucket is not None else \
         round_up(int(kv_lens[:bd].max()) + ahead, rc.kv_padding) if bd else 0
     dec_slots, dec_slots_dev = buf.alloc((bd_pad, width), fill=scratch)
     dec_q_pos, dec_q_pos_dev = buf.alloc((bd_pad,), fill=0)

@@ -6,6 +6,7 @@ under transformers' names, views into the live weights: worker/named_shards.py),
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -30,19 +31,11 @@ from worker.named_shards import named_shards, shard_of
 from worker.runner import ModelRunner
 
 
-def flash_attn_available() -> bool:
+def importable(module: str) -> bool:
+    """Whether `module` imports here (an attention kernel's module: flash-attn, or Lockstep's Triton kernel, which
+    needs Triton; cluster.config.attention_decision picks among those that do)."""
     try:
-        import flash_attn  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-def triton_available() -> bool:
-    """Whether Lockstep's Triton attention kernel imports (Triton ships with CUDA builds of torch): the paged path
-    of a CUDA device without flash-attn (cluster.config.attention_decision)."""
-    try:
-        from worker import triton_attention  # noqa: F401
+        importlib.import_module(module)
         return True
     except Exception:
         return False
@@ -117,8 +110,9 @@ class ClusterModel:
         cuda = self.device.type == "cuda"
         rc = resolve_config(cb, device_kind=self.device.type, max_model_len=self.max_model_len,
                             kv_bytes_per_token=per_token, free_bytes=None if cuda else host_memory()[0] or None,
-                            flash_available=flash_attn_available(), dtype=self.dtype, head_dim=d,
-                            system_ram=system_ram_bytes(), triton_available=cuda and triton_available())
+                            flash_available=importable("flash_attn"), dtype=self.dtype, head_dim=d,
+                            system_ram=system_ram_bytes(),
+                            triton_available=cuda and importable("worker.triton_attention"))
         if cuda and cb.num_blocks is None:
             workspace = attention_workspace_bytes(rc, heads.q_local, heads.kv_local, d, self.dtype)
             rc.num_blocks, breakdown = propose_num_blocks(

@@ -9,6 +9,7 @@ Pending tokens of an overlapped step: docs/architecture.md, "Overlapped scheduli
 from __future__ import annotations
 
 import bisect
+from operator import attrgetter
 from dataclasses import asdict, dataclass
 
 from cluster.config import ResolvedConfig
@@ -28,10 +29,6 @@ class Scheduled:
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, so its last logits give the next token."""
         return self.req.num_computed + self.num_tokens == self.req.num_tokens_ahead
-
-
-def _priority(req: Request) -> int:
-    return req.priority
 
 
 class Scheduler:
@@ -137,7 +134,7 @@ class Scheduler:
             elif req in self.dropped:
                 self.host.stats.recomputed_tokens += max(0, self.dropped.pop(req) - req.num_computed)
             self.waiting.pop()
-            bisect.insort_right(self.running, req, key=_priority)  # at the end of its priority
+            bisect.insort_right(self.running, req, key=attrgetter("priority"))  # at the end of its priority
             if req.status == RequestStatus.PENDING:
                 req.status = RequestStatus.PREFILLING
             batch.append(Scheduled(req, n))
