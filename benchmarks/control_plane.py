@@ -22,7 +22,8 @@ prompts counted as computed: no prefill forward), runs --warmup steps, then meas
   dev thr   the device thread's occupancy (its work and, with --sync-device, its waits) / wall;
             step ms: wall time per step
   host ms   rank 0's host time per step in the loop thread, split into schedule (Scheduler.schedule),
-            plan (Engine._plan), bcast (send_plan), prepare (ModelRunner.prepare), sample (building the
+            plan (Engine._plan), bcast (send_plan, less bwait: its wait for the last worker to enter
+            recv_plan, from both processes' clocks, shown beside and not counted), prepare (ModelRunner.prepare), sample (building the
             sample rows; serial: the whole sampling) and collect (the tokens into the requests, endings);
             waits for the device are not host time.
   device    rank 0's device thread per step: waits for the step's end (--sync-device), gather (the head's
@@ -58,6 +59,7 @@ from cluster.outputs import RequestStatus  # noqa: E402
 from cluster.pause import PauseGate  # noqa: E402
 from cluster.plan import Command  # noqa: E402
 from driver.engine import engine as engine_module  # noqa: E402
+from worker import loop as loop_module  # noqa: E402
 from driver.engine.engine import Engine  # noqa: E402
 from driver.engine.request import Request  # noqa: E402
 from worker.loop import worker_loop  # noqa: E402
@@ -67,7 +69,8 @@ from benchmarks.simulated_device import (HEAD_COLLECTIVES, VOCAB, FakeHead, Simu
                                          VirtualEvent, build_runner)
 CONTEXT = 2048
 PAGE = 256
-PARTS = ("schedule", "plan", "bcast", "prepare", "sample", "collect")
+PARTS = ("schedule", "plan", "bcast", "prepare", "sample", "collect")  # rank 0's host work; bcast: its transfer
+SPLIT = ("bwait",)  # send_plan's wait for the last worker to enter recv_plan: not host work
 DEVICE_PARTS = ("wait", "gather", "dsample")  # the device thread's; `share` (the rest of its time) is derived
 
 
@@ -103,16 +106,47 @@ class Clock:
         return timed
 
 
+class PlanStamps:
+    """perf_counter stamps of every send_plan (entry, exit) on rank 0 or recv_plan (entry) on a worker, in call
+    order: the n-th call on each rank is the same plan, so a worker's entry tells how long rank 0's broadcast
+    waited for it (CLOCK_MONOTONIC is one clock for every process of a host)."""
+
+    def __init__(self) -> None:
+        self.enter: list[float] = []
+        self.exit: list[float] = []
+
+    def wrap(self, fn: Callable) -> Callable:
+        def stamped(*args: Any, **kwargs: Any) -> Any:
+            self.enter.append(time.perf_counter())
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.exit.append(time.perf_counter())
+        return stamped
+
+
+def split_bcast(row: dict, sent: PlanStamps, ready: list[list[float]], forwards: int) -> None:
+    """Split the measured window's send_plan time (calls row['calls']) into the wait for the last worker to enter
+    recv_plan (bwait) and the rest (bcast: the transfer), per forward."""
+    a, b = row.pop("calls")
+    wait = total = 0.0
+    for i in range(a, b):
+        t0, t1 = sent.enter[i], sent.exit[i]
+        arrived = max(w[i] for w in ready) if ready else t0
+        wait += min(max(0.0, arrived - t0), t1 - t0)
+        total += t1 - t0
+    row["bwait"], row["bcast"] = 1000 * wait / forwards, 1000 * (total - wait) / forwards
+
+
 def instrument(engine: Engine, runner: ModelRunner, clock: Clock, device: Clock, forward: "SimulatedForward",
                send_plan: Callable) -> None:
     engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
     engine._plan = clock.wrap("plan", engine._plan)
-    engine_module.send_plan = clock.wrap("bcast", send_plan)
+    engine_module.send_plan = send_plan  # already stamped (PlanStamps); split afterwards (split_bcast)
     runner.prepare = clock.wrap("prepare", ModelRunner.prepare.__get__(runner))
     engine.sampler.rows = clock.wrap("sample", engine.sampler.rows)
     engine.sampler.launch = clock.wrap("sample", engine.sampler.launch)  # serial only: overlapped, it runs
-    engine.sampler.collect = clock.wrap("collect", engine.sampler.collect)  # on the device thread
-    engine._apply = clock.wrap("collect", engine._apply)
+    engine._collect = clock.wrap("collect", engine._collect)  # the tokens into the requests (or their failures)
     engine.sampler.collect_burst = clock.wrap("collect", engine.sampler.collect_burst)
     engine._apply_burst = clock.wrap("collect", engine._apply_burst)
     engine.sampler.launch = device.wrap("dsample", engine.sampler.launch)
@@ -133,7 +167,7 @@ def prefilled(engine: Engine, seqs: int, new_tokens: int) -> None:
 
 
 def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: int, step_ms: float,
-          warmup: int, steps: int) -> dict:
+          warmup: int, steps: int, sent: PlanStamps) -> dict:
     """One configuration on the driver; the workers follow its plans. `steps` counts forwards (a burst plan
     runs several); every figure is per forward."""
     # the workers' simulated step time, and which op closes a step's window
@@ -150,7 +184,7 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
         clock.reset()
         device.reset()
         waited = VirtualEvent.waited_s
-        busy0, calls0, plans0 = runner.stream.busy_s, forward.calls, engine.step_no
+        busy0, calls0, plans0, sends0 = runner.stream.busy_s, forward.calls, engine.step_no, len(sent.enter)
         t0 = max(time.perf_counter(), forward.closed)  # from the end of the warm-up's forwards on the device clock
         forward.reset_counts()
         while forward.calls - calls0 < steps:
@@ -160,16 +194,16 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
         clock.spent["collect"] -= VirtualEvent.waited_s - waited  # the host's waits for the device are not its work
         VirtualEvent(forward.closed).synchronize()  # and done
         wall, busy = time.perf_counter() - t0, runner.stream.busy_s - busy0
-        steps, plans = forward.calls - calls0, engine.step_no - plans0
+        steps, plans, sends = forward.calls - calls0, engine.step_no - plans0, (sends0, len(sent.enter))
     finally:
         engine_module.send_plan = send_plan
     for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.end(req, RequestStatus.CANCELLED)
-    return {"seqs": seqs, "step_ms": step_ms, "burst": steps / max(1, plans),
+    return {"seqs": seqs, "step_ms": step_ms, "burst": steps / max(1, plans), "calls": sends,
             "overrun": 1000 * forward.overrun_s / steps, "late": 1000 * forward.late_s / steps,
             "ahead": 1000 * forward.ahead_s / steps,
             "busy": 100 * steps * step_ms / 1000 / wall,
-            "thread": 100 * busy / wall, "wall_ms": 1000 * wall / steps,
+            "thread": 100 * busy / wall, "wall_ms": 1000 * wall / steps, "forwards": steps,
             **{k: 1000 * v / steps for k, v in (clock.spent | device.spent).items()},
             "share": 1000 * (busy - sum(device.spent.values())) / steps}
 
@@ -182,28 +216,33 @@ def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, boo
     groups = init_groups(cpu_group_timeout=600, device="cpu")
     rc = resolved(max(c[0] for c in configs), warmup + steps + 2 * max(c[3] for c in configs))
     runner, forward = build_runner(rc, groups, head, queue)
+    stamps = PlanStamps()
     try:
         if rank != 0:
+            loop_module.recv_plan = stamps.wrap(loop_module.recv_plan)
             for plan in worker_loop(runner, groups, PauseGate(), lambda: None, lambda: False):
                 sent = msgpack.unpackb(plan.data)
                 forward.step_s, forward.overlapped = sent["step_ms"] / 1000, sent["overlap"]
+            out.put(("ready", rank, stamps.enter))
             return
+        engine_module.send_plan = stamps.wrap(engine_module.send_plan)
         results = []
         for seqs, step_ms, overlap, burst in configs:
             engine = Engine(runner, dataclasses.replace(rc, overlap=overlap, decode_burst=burst), groups, seed=0)
-            row = drive(engine, runner, forward, seqs, step_ms, warmup, steps)
+            row = drive(engine, runner, forward, seqs, step_ms, warmup, steps, stamps)
             results.append(row | {"tp": tp, "overlap": overlap, "max_burst": burst, "head": head,
                                   "device": "queue" if queue else "sync"})
             print(line(results[-1]), flush=True)
         engine.send(Command.STOP)
-        out.put(results)
+        out.put(("results", results, stamps))
     finally:
         runner.stream.close()
         groups.destroy()
 
 
 def line(r: dict) -> str:
-    return (f"busy={r['busy']:.1f} step_ms={r['step_ms']:g} seqs={r['seqs']} tp={r['tp']} "
+    return (f"busy={r['busy']:.1f} host_ms={sum(r[p] for p in PARTS):.2f} step_ms={r['step_ms']:g} seqs={r['seqs']} "
+            f"tp={r['tp']} "
             f"overlap={'on' if r['overlap'] else 'off'} burst={r['max_burst']} head={r['head']} device={r['device']}")
 
 
@@ -219,14 +258,14 @@ def table(results: list[dict]) -> str:
         return f"{r['tp']:>3} {r['seqs']:>5} {r['step_ms']:>6g} {mode(r):>7} "
 
     head = key + f"{'busy %':>7} {'dev thr %':>9} {'step ms':>8} {'fwd/plan':>8} {'host ms':>8} " + \
-        " ".join(f"{p:>8}" for p in PARTS)
+        " ".join(f"{p:>8}" for p in PARTS + SPLIT)
     rows = ["overlap on/k: overlapped with multi-step decode, up to k forwards a plan; ms are per forward; "
             f"the head's collective: {results[0]['head']} (--head); the device: {results[0]['device']}", "",
             head, "-" * len(head)]
     for r in results:
         host = sum(r[p] for p in PARTS)
         rows.append(start(r) + f"{r['busy']:>7.1f} {r['thread']:>9.1f} {r['wall_ms']:>8.2f} {r['burst']:>8.2f} "
-                    f"{host:>8.2f} " + " ".join(f"{r[p]:>8.2f}" for p in PARTS))
+                    f"{host:>8.2f} " + " ".join(f"{r[p]:>8.2f}" for p in PARTS + SPLIT))
     rows += ["", "rank 0's device thread, ms a step: waits for the step's end (sync device only), its work (gather:",
              "the head's collective; other: advance, token broadcast), its lead over the device clock at a step's",
              "end (ahead), the step's last op issued after its end (overrun), the device idle before a step (late):"]
@@ -249,9 +288,13 @@ def run_tp(tp: int, configs: list[tuple[int, float, bool, int]], warmup: int, st
              for r in range(tp)]
     for p in procs:
         p.start()
-    results = out.get(timeout=3600)
+    got = [out.get(timeout=3600) for _ in range(tp)]
     for p in procs:
         p.join(timeout=60)
+    _, results, sent = next(g for g in got if g[0] == "results")
+    ready = [g[2] for g in got if g[0] == "ready"]
+    for r in results:
+        split_bcast(r, sent, ready, r["forwards"])
     return results
 
 

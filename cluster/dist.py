@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cluster.plan import HEADER_LEN, H, StepPlan, plan_from_parts
+from cluster.plan import HEADER_LEN, MIN_INLINE, PLAN_MAGIC, H, StepPlan, plan_from_parts
 
 DRIVER = 0
 NO_TIMEOUT = timedelta(days=7)
@@ -133,41 +134,77 @@ def make_control_group(groups: Groups, cpu_group_timeout: float | None) -> Group
                    control_timeout=cpu_group_timeout, owns_default_group=False, owns_control_group=True)
 
 
+# payload words the next frame of each control group has room for: both ends set it from every header, so a
+# receiver knows the frame's size before it arrives (weak keys: a destroyed group's entry goes with it)
+_inline_room: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def inline_words(needed: int, room: int) -> int:
+    """The room the next frame announces, after a plan of `needed` payload words in a frame with `room`: a quarter
+    more than needed, kept while it is at most four times what is needed (a batch that grows or shrinks by a few
+    rows does not resize every frame)."""
+    want = max(MIN_INLINE, -(-needed * 5 // 4 // 256) * 256)
+    return room if want <= room <= 4 * want else want
+
+
 def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
-    """Send one plan from the driver; returns every rank's state row (the driver's: the plan's header). The driver
-    calls it; every other rank calls `recv_plan` once for it. A gather and broadcasts, not one all-reduce of the
-    table: on gloo a small all-reduce is several times slower (docs/architecture.md, "The StepPlan")."""
+    """Send one plan from the driver; returns every rank's state row (the driver's: the plan's header) when the plan
+    gathers them (`plan.gather`), else None. The driver calls it; every other rank calls `recv_plan` once for it.
+    One broadcast of a frame carries the header and, when it fits, the payload; the rest only when the header
+    announces it (docs/architecture.md, "The StepPlan")."""
     groups.check_control_thread()
     if not groups.distributed:
         return None
+    room = _inline_room.get(groups.control_group, MIN_INLINE)
     header = plan.header()
+    n = int(header[H.PAYLOAD_LEN])
+    header[H.NEXT_INLINE] = inline_words(n, room)
+    frame = np.zeros(HEADER_LEN + -(-room // 2), np.int64)
+    frame[:HEADER_LEN] = header
+    payload = plan.payload() if n else None
+    if payload is not None and n <= room:
+        frame[HEADER_LEN:].view(np.int32)[:n] = payload
+    dist.broadcast(torch.from_numpy(frame), DRIVER, group=groups.control_group)
+    _inline_room[groups.control_group] = int(header[H.NEXT_INLINE])
+    if payload is not None and n > room:
+        dist.broadcast(torch.from_numpy(payload), DRIVER, group=groups.control_group)
+    if plan.data:
+        dist.broadcast(torch.frombuffer(bytearray(plan.data), dtype=torch.uint8), DRIVER, group=groups.control_group)
+    if not plan.gather:
+        return None
     rows = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in range(groups.world_size)]
     dist.gather(torch.zeros(HEADER_LEN, dtype=torch.int64), rows, dst=DRIVER, group=groups.control_group)
     rows[DRIVER] = torch.from_numpy(header)  # the others: their state rows
-    dist.broadcast(rows[DRIVER], DRIVER, group=groups.control_group)
-    if header[H.PAYLOAD_LEN]:
-        dist.broadcast(torch.from_numpy(plan.payload()), DRIVER, group=groups.control_group)
-    if plan.data:
-        dist.broadcast(torch.frombuffer(bytearray(plan.data), dtype=torch.uint8), DRIVER, group=groups.control_group)
     return torch.stack(rows).numpy()
 
 
 def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
-    """The driver's next plan, telling it this rank's `state` row. Every non-driver rank calls it per `send_plan`."""
+    """The driver's next plan, telling it this rank's `state` row when the plan gathers them. Every non-driver rank
+    calls it once per `send_plan`."""
     groups.check_control_thread()
-    row = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    row[:len(state)] = torch.from_numpy(np.asarray(state, dtype=np.int64))
-    dist.gather(row, None, dst=DRIVER, group=groups.control_group)
-    dist.broadcast(row, DRIVER, group=groups.control_group)  # now the plan's header
-    h = row.numpy()
-
-    def received(n: int, dtype: torch.dtype) -> np.ndarray:  # the next broadcast, when the header announces one
-        t = torch.empty(int(n), dtype=dtype)
-        if n:
-            dist.broadcast(t, DRIVER, group=groups.control_group)
-        return t.numpy()
-
-    return plan_from_parts(h, received(h[H.PAYLOAD_LEN], torch.int32), received(h[H.DATA_LEN], torch.uint8).tobytes())
+    room = _inline_room.get(groups.control_group, MIN_INLINE)
+    frame = torch.zeros(HEADER_LEN + -(-room // 2), dtype=torch.int64)
+    dist.broadcast(frame, DRIVER, group=groups.control_group)
+    h = frame.numpy()[:HEADER_LEN]
+    is_plan = int(h[H.MAGIC]) == PLAN_MAGIC  # if not, plan_from_parts says so; nothing more is received
+    n = int(h[H.PAYLOAD_LEN]) if is_plan else 0
+    if is_plan:
+        _inline_room[groups.control_group] = int(h[H.NEXT_INLINE])
+    if n <= room:
+        payload = frame.numpy()[HEADER_LEN:].view(np.int32)[:n]
+    else:
+        payload = torch.empty(n, dtype=torch.int32)
+        dist.broadcast(payload, DRIVER, group=groups.control_group)
+        payload = payload.numpy()
+    data = torch.empty(int(h[H.DATA_LEN]) if is_plan else 0, dtype=torch.uint8)
+    if data.numel():
+        dist.broadcast(data, DRIVER, group=groups.control_group)
+    plan = plan_from_parts(h, payload, data.numpy().tobytes())
+    if plan.gather:
+        row = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        row[:len(state)] = torch.from_numpy(np.asarray(state, dtype=np.int64))
+        dist.gather(row, None, dst=DRIVER, group=groups.control_group)
+    return plan
 
 
 def agree_min(value: int, groups: Groups) -> int:

@@ -1,9 +1,11 @@
 """The StepPlan: everything a rank needs to run one step, as fixed-layout integers.
 
-On the wire (cluster/dist.py): a gather of every other rank's state row (HEADER_LEN int64) on the driver, a
-broadcast of the driver's int64 header, then, when the header says so, one of a flat int32 payload whose layout
-the header's counts define and one of msgpack bytes for commands that carry data. Nothing is pickled. Workers
-keep no request state: a plan is complete in itself. Every single-token query comes first (the decode group).
+On the wire (cluster/dist.py): one broadcast of a frame (the int64 header, then room for that many int32 payload
+words as the previous plan's header announced in NEXT_INLINE: the flat payload, whose layout the header's counts
+define, rides there when it fits), then, only when the header says so, one of a payload too long to ride inline,
+one of msgpack bytes for commands that carry data, and a gather of every other rank's state row on the driver
+(GATHER_STATE: every plan that is not a STEP, and a STEP plan when the rows are STATE_PERIOD_S old). Nothing is pickled. Workers keep no request state: a plan is complete in itself.
+Every single-token query comes first (the decode group).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from enum import IntEnum
 import numpy as np
 
 PLAN_MAGIC = 0x10C5
-HEADER_LEN = 15
+HEADER_LEN = 17
+MIN_INLINE = 512  # int32 payload words the first frame of a control group has room for (then NEXT_INLINE's)
+STATE_PERIOD_S = 0.05  # how stale the driver lets its copy of the workers' state rows get during STEP plans
 
 
 class Command(IntEnum):
@@ -45,10 +49,13 @@ class H(IntEnum):
     NUM_SWAP_OUT = 12  # KV page copies device -> host pool before the forward (cpu_offload_space)
     NUM_SWAP_IN = 13  # host pool -> device, after the swap-outs
     ARGMAX_ON_SHARDS = 14  # 1: the step's tokens are chosen on the vocab shards (see StepPlan.argmax_on_shards)
+    GATHER_STATE = 15  # 1: after the broadcasts every rank's state row is gathered on the driver (StepPlan.gather)
+    NEXT_INLINE = 16  # the int32 payload words the next plan's frame has room for (cluster/dist.py `inline_words`)
 
 
 class S(IntEnum):
-    """Slots of a worker's state row (gathered on the driver with each plan; cluster/dist.py `send_plan`)."""
+    """Slots of a worker's state row (gathered on the driver with the plans that set GATHER_STATE; cluster/dist.py
+    `send_plan`)."""
 
     MAGIC = 0  # STATE_MAGIC: the rank is alive and in step with the protocol
     LAST_STEP = 1  # the step number of the last plan it executed
@@ -81,6 +88,8 @@ class StepPlan:
     # every sampled row is plain greedy with no logprobs: each rank takes its vocab shard's argmax, rank 0 gathers
     # the (logit, token) pairs and broadcasts the chosen tokens; no logits gathered (worker/shard_argmax.py)
     argmax_on_shards: bool = False
+    # every rank's state row is gathered on the driver after this plan (the driver decides: `send_plan`)
+    gather: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +102,8 @@ class StepPlan:
     @property
     def num_decode(self) -> int:
         """Sequences at the front whose query is a single token."""
-        return next((i for i, q in enumerate(self.q_lens) if q != 1), self.num_seqs)
+        longer = np.flatnonzero(self.q_lens != 1)
+        return int(longer[0]) if longer.size else self.num_seqs
 
     def header(self) -> np.ndarray:
         h = np.zeros(HEADER_LEN, np.int64)
@@ -103,6 +113,7 @@ class StepPlan:
         h[H.TABLE_WIDTH] = self.block_tables.shape[1] if self.block_tables.ndim == 2 else 0
         h[[H.NUM_SWAP_OUT, H.NUM_SWAP_IN]] = self.swap_out.shape[0], self.swap_in.shape[0]
         h[[H.SHARE_TOKENS, H.BURST, H.ARGMAX_ON_SHARDS]] = self.share_tokens, self.burst, self.argmax_on_shards
+        h[H.GATHER_STATE] = self.gather
         h[H.PAYLOAD_LEN] = payload_len(h)
         return h
 
@@ -124,7 +135,8 @@ def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> S
     t, b, nb = int(h[H.NUM_TOKENS]), int(h[H.NUM_SEQS]), int(h[H.TABLE_WIDTH])
     plan = StepPlan(command=Command(int(h[H.COMMAND])), step=int(h[H.STEP]),
                     weight_version=int(h[H.WEIGHT_VERSION]), data=data, share_tokens=bool(h[H.SHARE_TOKENS]),
-                    burst=max(1, int(h[H.BURST])), argmax_on_shards=bool(h[H.ARGMAX_ON_SHARDS]))
+                    burst=max(1, int(h[H.BURST])), argmax_on_shards=bool(h[H.ARGMAX_ON_SHARDS]),
+                    gather=bool(h[H.GATHER_STATE]))
     if payload is not None and payload.size:
         n_out, n_in = int(h[H.NUM_SWAP_OUT]), int(h[H.NUM_SWAP_IN])
         plan.input_ids, plan.q_lens, plan.kv_lens, plan.sample, tables, swap_out, swap_in = np.split(

@@ -104,4 +104,4 @@ def test_request_larger_than_cache_is_reported():
     s = make_scheduler(2, 4, budget=64)
     s.add(req("big", range(3, 20)))
     batch, impossible = s.schedule()
-    assert batch == [] and [r.request_id for r in impossible] == ["big"]
+    assert len(batch) == 0 and [r.request_id for r in impossible] == ["big"]

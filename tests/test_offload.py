@@ -57,7 +57,7 @@ def two_full_requests(host_pages: int) -> tuple[Scheduler, Request, Request]:
 
 
 def test_plan_carries_swaps_after_the_arrays():
-    assert HEADER_LEN == 15 and (H.NUM_SWAP_OUT, H.NUM_SWAP_IN, H.ARGMAX_ON_SHARDS) == (12, 13, 14)
+    assert HEADER_LEN == 17 and (H.NUM_SWAP_OUT, H.NUM_SWAP_IN, H.ARGMAX_ON_SHARDS, H.GATHER_STATE) == (12, 13, 14, 15)
     plan = StepPlan(step=3, argmax_on_shards=True, input_ids=np.arange(5, dtype=np.int32), q_lens=np.array([2, 3], np.int32),
                     kv_lens=np.array([4, 3], np.int32), sample=np.array([1, 1], np.int32),
                     block_tables=np.array([[1, 2], [3, 0]], np.int32),

@@ -25,6 +25,12 @@ def token_slice(req: Request, start: int, stop: int) -> list[int]:
     return prompt[start:] + req.generated[:stop - n]
 
 
+def pages_changed(req: Request) -> None:
+    """Tell the request's row of the persistent batch, if it has one, that its block ids changed."""
+    if req.batch is not None:
+        req.batch.set_pages(req)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, page_size: int, allow_sharing: bool):
         self.num_blocks, self.page_size, self.allow_sharing = num_blocks, page_size, allow_sharing
@@ -56,6 +62,7 @@ class BlockManager:
             req.block_hashes.append(h)
             self.prefix_hit_blocks += 1
         req.num_computed = len(req.block_ids) * page
+        pages_changed(req)
 
     def _attach(self, req: Request, h: bytes) -> bool:
         """Give the request a reference to the cached block with hash `h`; False when no block holds it."""
@@ -83,6 +90,7 @@ class BlockManager:
             self.block_hash[b] = None
             self.ref[b] = 1
             req.block_ids.append(b)
+        pages_changed(req)
         return True
 
     def release(self, req: Request, keep_hashes: bool = False) -> None:
@@ -94,6 +102,7 @@ class BlockManager:
                 if self.block_hash[b] is None:
                     self.free.move_to_end(b, last=False)
         req.block_ids = []
+        pages_changed(req)
         if not keep_hashes:
             req.block_hashes = []
 
@@ -120,6 +129,7 @@ class BlockManager:
         for h in req.block_hashes:
             if not self._attach(req, h):
                 break
+        pages_changed(req)
         return len(req.block_ids)
 
     def register_swapped_in(self, req: Request) -> None:

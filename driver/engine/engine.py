@@ -17,11 +17,11 @@ from cluster.config import ResolvedConfig
 from cluster.dist import Groups, send_plan
 from cluster.errors import Code
 from cluster.outputs import FINISH_REASONS, RequestStatus
-from cluster.plan import Command, S, StepPlan
+from cluster.plan import STATE_PERIOD_S, Command, S, StepPlan
 from driver.engine.block_manager import BlockManager, token_slice
 from driver.engine.request import Request
 from driver.engine.sampler import Draw, Launched, Sampler
-from driver.engine.scheduler import Scheduled, Scheduler
+from driver.engine.scheduler import Batch, Scheduler
 from worker.runner import ModelRunner
 from worker.stream import Handle
 
@@ -33,7 +33,8 @@ class InFlight:
     sampled: list[Request]  # one per sampled logits row, in row order
     launched: list[Handle[Launched]]  # one per forward of the step (a burst runs several)
     weight_version: int
-    row_of: dict[int, int] = field(default_factory=dict)  # id(request) -> its row: input id -(1 + row) next step
+    # a persistent-batch slot -> its row of sampled tokens (-1: none): the next step's input id -(1 + row)
+    row_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 class Engine:
@@ -44,7 +45,8 @@ class Engine:
         self.sampler = Sampler(seed)
         self.step_no = self.weight_version = self.num_tokens_generated = 0
         self.num_burst_forwards = 0  # forwards run by bursts beyond their plan's first (multi-step decode)
-        self.rank_states = None  # every rank's state row, as of the last plan (see cluster.plan.S)
+        self.rank_states = None  # every rank's state row, as of the last plan that gathered them (cluster.plan.S)
+        self.gathered_at = 0.0  # when (time.monotonic) the last plan gathered them
         self.in_flight: InFlight | None = None  # overlapped: the step launched last, not collected yet
 
     def has_work(self) -> bool:
@@ -63,7 +65,15 @@ class Engine:
         if self.in_flight is not None:
             raise RuntimeError(f"a {command.name} plan while step {self.step_no - 1} is in flight: flush first")
         plan = StepPlan(command=command, step=self.step_no, weight_version=self.weight_version, data=data)
-        self.rank_states = send_plan(plan, self.groups)
+        self._send(plan)
+
+    def _send(self, plan: StepPlan) -> None:
+        """Broadcast a plan; a STEP plan gathers the workers' state rows only when ours are STATE_PERIOD_S old."""
+        now = time.monotonic()
+        plan.gather = plan.command != Command.STEP or now - self.gathered_at >= STATE_PERIOD_S
+        states = send_plan(plan, self.groups)
+        if states is not None:
+            self.rank_states, self.gathered_at = states, now
 
     def workers_want_results(self) -> bool:
         return self.rank_states is not None and bool(self.rank_states[1:, S.WANTS_RESULTS].any())
@@ -79,7 +89,7 @@ class Engine:
                 return self._apply_burst(f.sampled, *drawn, f.weight_version)
         events = []
         for launched in f.launched:
-            events += self._apply(f.sampled, self.sampler.collect(launched.value()), f.weight_version, pending=True)
+            events += self._collect(f.sampled, launched.value(), f.weight_version, pending=True)
         return list(dict.fromkeys(events)) if len(f.launched) > 1 else events
 
     def step(self, data: bytes = b"") -> list[Request]:
@@ -95,39 +105,43 @@ class Engine:
             if data:
                 self.send(Command.PUBLISH, data)
             return events
-        batch.sort(key=lambda s: s.num_tokens != 1)  # the decode group goes first
+        batch = decode_first(batch)
         burst = self.scheduler.burst_length(batch) if self.rc.overlap else 1  # allocates its pages: before _plan
-        plan = self._plan(batch)
+        rows = self.scheduler.batch
+        plan, slots = self._plan(batch)
         plan.data = data
         plan.swap_out, plan.swap_in = self.scheduler.host.take()
-        sampled = [s.req for s, m in zip(batch, plan.sample) if m]
+        sampling = plan.sample.astype(bool)
+        sampled = batch.reqs if sampling.all() else [r for r, m in zip(batch.reqs, sampling.tolist()) if m]
+        sampled_slots = slots[sampling]
         plan.share_tokens = self.rc.overlap and bool(sampled)
         plan.burst = burst  # > 1 only when every row samples (so share_tokens is set)
-        plan.argmax_on_shards = bool(sampled) and all(r.sampling.greedy and not r.return_logprobs for r in sampled)
+        plan.argmax_on_shards = bool(sampled) and bool(rows.plain[sampled_slots].all())
         self.num_burst_forwards += burst - 1
-        self.rank_states = send_plan(plan, self.groups)
+        self._send(plan)
         logits = self.runner.launch(plan)
-        for s in batch:
-            s.req.num_computed += s.num_tokens + plan.burst - 1
+        rows.computed[slots] += plan.q_lens + (plan.burst - 1)
         if not plan.share_tokens:  # in series: every token so far is on the host after this step
             events += self.flush()
-            self._register(batch)
-            events += self._apply(sampled, self.sampler(logits.value(), sampled), self.weight_version)
+            self._register(batch.reqs, slots)
+            launched = self.sampler.launch(logits.value(), *self.sampler.rows(sampled))
+            events += self._collect(sampled, launched, self.weight_version)
             self.step_no += 1
             return events
-        for req in sampled:
-            req.num_pending += plan.burst
-        if not any(r.sampling.needs_history for r in sampled):
+        rows.pending[sampled_slots] += plan.burst
+        if not rows.history[sampled_slots].any():
             # no row reads its tokens so far: queue this step's sampling (and a burst's every forward) first, then
             # wait for the step in flight, so the device never waits for that wait
-            ahead = [r.num_pending - plan.burst for r in sampled]
+            ahead = (rows.pending[sampled_slots] - plan.burst).tolist()
             launched = self._queue_sampling(logits, self.sampler.rows(sampled, ahead))
             events += self.flush()
         else:
             events += self.flush()  # the previous step: now every token this step ran is on the host
             launched = self._queue_sampling(logits, self.sampler.rows([None if r.is_finished else r for r in sampled]))
-        self._register(batch)
-        self.in_flight = InFlight(sampled, launched, self.weight_version, {id(r): j for j, r in enumerate(sampled)})
+        self._register(batch.reqs, slots)
+        row_of = np.full(len(rows.reqs), -1, np.int64)
+        row_of[sampled_slots] = np.arange(len(sampled))
+        self.in_flight = InFlight(sampled, launched, self.weight_version, row_of)
         self.step_no += 1
         return events
 
@@ -144,11 +158,67 @@ class Engine:
         self.runner.share_burst(logits, sample)
         return launched
 
-    def _register(self, batch: list[Scheduled]) -> None:
+    def _register(self, reqs: list[Request], slots: np.ndarray) -> None:
         """Make the batch's newly full blocks findable, as far as their tokens are on the host."""
-        for s in batch:
-            if not s.req.is_finished:
-                self.blocks.register_full_blocks(s.req)
+        if not self.blocks.allow_sharing:
+            return
+        rows = self.scheduler.batch
+        known = rows.prompt_len[slots] + np.fromiter(map(len, [r.generated for r in reqs]), np.int64, len(reqs))
+        full = np.minimum(rows.computed[slots], known) // self.rc.page_size
+        hashed = np.fromiter(map(len, [r.block_hashes for r in reqs]), np.int64, len(reqs))
+        for i in np.flatnonzero(full > hashed).tolist():  # the common decode step: no block completed
+            if not reqs[i].is_finished:
+                self.blocks.register_full_blocks(reqs[i])
+
+    def _collect(self, sampled: list[Request], launched: Launched | list[Draw | None], version: int,
+                 pending: bool = False) -> list[Request]:
+        """Append each sampled request's token, ending it on EOS or its limits (`_apply`); as arrays when every row
+        drew a token and every request has its row (the common step), else one by one."""
+        drawn = launched if isinstance(launched, list) else self.sampler.collect_tokens(launched)
+        if isinstance(drawn, tuple):
+            slots = self.scheduler.batch.slots_of(sampled)
+            if slots.min(initial=0) >= 0:
+                return self._apply_tokens(sampled, slots, *drawn, version, pending)
+        draws = drawn if isinstance(drawn, list) else self.sampler.collect(launched)
+        return self._apply(sampled, draws, version, pending)
+
+    def _apply_tokens(self, sampled: list[Request], slots: np.ndarray, tokens: np.ndarray,
+                      logprobs: np.ndarray | None, version: int, pending: bool) -> list[Request]:
+        """`_apply` as arrays: one token for each row, every request still holding its row (a finished one drops
+        its token); only the rows that start, change weight version, ask for logprobs or end are visited."""
+        rows, now = self.scheduler.batch, time.perf_counter()
+        if pending:
+            rows.pending[slots] -= 1
+        status = np.fromiter([r.status for r in sampled], np.int64, len(sampled))
+        live = np.flatnonzero(status < RequestStatus.FINISHED)
+        if len(live) < len(sampled):
+            sampled, slots, tokens, status = ([sampled[i] for i in live.tolist()], slots[live], tokens[live],
+                                              status[live])
+            logprobs = None if logprobs is None else logprobs[live]
+        toks = tokens.tolist()
+        for req in [sampled[i] for i in np.flatnonzero(rows.version[slots] != version).tolist()]:
+            req.note_version(version)
+        rows.version[slots] = version
+        for gen, tok in zip([r.generated for r in sampled], toks):
+            gen.append(tok)
+        for i in np.flatnonzero(status != RequestStatus.DECODING).tolist():
+            req = sampled[i]
+            if req.start_time < 0:
+                req.start_time = now
+            if req.status != RequestStatus.PENDING:  # PENDING: preempted while its tokens were in flight
+                req.status = RequestStatus.DECODING
+        for i in np.flatnonzero(rows.extras[slots]).tolist():  # logprobs, timestamps
+            req = sampled[i]
+            if logprobs is not None and req.return_logprobs:
+                req.logprobs.append(float(logprobs[i]))
+            if req.record_timestamps:
+                req.timestamps.append(now)
+        known = rows.prompt_len[slots] + np.fromiter(map(len, [r.generated for r in sampled]), np.int64, len(toks))
+        stop = rows.ends_at(slots, tokens)
+        for i in np.flatnonzero(stop | (known >= rows.limit[slots])).tolist():
+            self.end(sampled[i], RequestStatus.FINISHED, reason="stop" if stop[i] else "length")
+        self.num_tokens_generated += len(toks)
+        return sampled
 
     def _apply(self, sampled: list[Request], draws: list[Draw | None], version: int,
                pending: bool = False) -> list[Request]:
@@ -207,28 +277,50 @@ class Engine:
             self.end(req, RequestStatus.FINISHED, reason="length")
         self.num_tokens_generated += n
 
-    def _plan(self, batch: list[Scheduled]) -> StepPlan:
-        """The STEP plan of a batch; a token still in flight is input id -(1 + its row in the step in flight)."""
-        ids: list[int] = []
-        row_of = self.in_flight.row_of if self.in_flight is not None else {}
-        q_lens, kv_lens, sample = [0] * len(batch), [0] * len(batch), [0] * len(batch)
-        width = max(len(s.req.block_ids) for s in batch)
-        for i, s in enumerate(batch):  # one pass: at hundreds of sequences a step, every pass costs
-            r = s.req
-            start, stop = r.num_computed, r.num_computed + s.num_tokens
-            p, known = len(r.prompt_ids), len(r.prompt_ids) + len(r.generated)
-            if r.num_pending and start == known + r.num_pending - 1:  # a one-token decode of its last pending token
-                ids.append(-1 - row_of[id(r)])
-            elif stop == known and start == known - 1 and start >= p:  # a one-token decode, on the host
-                ids.append(r.generated[start - p])
-            else:
-                ids.extend(token_slice(r, start, min(stop, known)))
-                if stop > known:  # its pending token (the scheduler runs it alone, as a one-token decode)
-                    ids.append(-1 - row_of[id(r)])
-            q_lens[i], kv_lens[i] = s.num_tokens, stop
-            sample[i] = int(stop == known + r.num_pending)
-        tables = np.asarray([s.req.block_ids + [0] * (width - len(s.req.block_ids)) for s in batch], np.int32)
-        return StepPlan(command=Command.STEP, step=self.step_no, weight_version=self.weight_version,
-                        input_ids=np.asarray(ids, np.int32), q_lens=np.asarray(q_lens, np.int32),
-                        kv_lens=np.asarray(kv_lens, np.int32), sample=np.asarray(sample, np.int32),
-                        block_tables=tables)
+    def _plan(self, batch: Batch) -> tuple[StepPlan, np.ndarray]:
+        """The STEP plan of a batch (decode rows first) and its rows' slots, from the persistent batch's arrays; a
+        token still in flight is input id -(1 + its row in the step in flight)."""
+        rows, reqs = self.scheduler.batch, batch.reqs
+        slots = rows.slots(reqs)
+        q = np.asarray(batch.num_tokens, np.int64)
+        start, p, pending = rows.computed[slots], rows.prompt_len[slots], rows.pending[slots]
+        gens = [r.generated for r in reqs]
+        known = p + np.fromiter(map(len, gens), np.int64, len(reqs))
+        stop = start + q
+        row_of = self.in_flight.row_of if self.in_flight is not None else np.zeros(0, np.int64)
+        if len(row_of) < len(rows.reqs):
+            row_of = np.concatenate([row_of, np.full(len(rows.reqs) - len(row_of), -1, np.int64)])
+        one = q == 1
+        in_flight = one & (pending > 0) & (start == known + pending - 1)  # a one-token decode of its pending token
+        on_host = one & ~in_flight & (stop == known) & (start == known - 1) & (start >= p)  # its last token
+        ids = np.where(in_flight, -1 - row_of[slots], 0)
+        host_rows = np.flatnonzero(on_host).tolist()
+        ids[host_rows] = [gens[i][-1] for i in host_rows]
+        parts = [ids]
+        other = np.flatnonzero(~(in_flight | on_host)).tolist()
+        if other:  # prompt chunks (and a rare one-token row of its prompt): their tokens from the host, in order
+            parts = []
+            for i in range(len(reqs)):
+                if in_flight[i] or on_host[i]:
+                    parts.append(ids[i:i + 1])
+                    continue
+                a, b, k = int(start[i]), int(stop[i]), int(known[i])
+                chunk = token_slice(reqs[i], a, min(b, k))
+                if b > k:  # its pending token (the scheduler runs it alone, as a one-token decode)
+                    chunk = chunk + [-1 - int(row_of[slots[i]])]
+                parts.append(np.asarray(chunk, np.int64))
+        input_ids = np.concatenate(parts).astype(np.int32)
+        plan = StepPlan(command=Command.STEP, step=self.step_no, weight_version=self.weight_version,
+                        input_ids=input_ids, q_lens=q.astype(np.int32), kv_lens=stop.astype(np.int32),
+                        sample=(stop == known + pending).astype(np.int32), block_tables=rows.table(slots))
+        return plan, slots
+
+
+def decode_first(batch: Batch) -> Batch:
+    """The batch with its one-token rows first (the plan's decode group), each group in its order."""
+    q = batch.num_tokens
+    c = q.count(1)
+    if c in (0, len(q)) or q[:c].count(1) == c:
+        return batch
+    order = sorted(range(len(q)), key=lambda i: q[i] != 1)
+    return Batch([batch.reqs[i] for i in order], [q[i] for i in order])

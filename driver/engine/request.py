@@ -70,10 +70,11 @@ class Request:
     error: str | None = None
     error_code: str | None = None  # cluster.errors.Code, set with `error`
     finish_reason: str | None = None  # set with a terminal status (cluster/outputs.py FINISH_REASONS, or "length")
-    num_computed: int = 0  # tokens whose K/V are in the cache (or are being computed by the step in flight)
-    # overlapped scheduling: tokens sampled by a step in flight, not on the host yet (the next step reads them on
-    # the device); they count in num_computed once a step has run them, never in `generated`
-    num_pending: int = 0
+    # num_computed and num_pending (properties below) while the request has no row in the persistent batch
+    _num_computed: int = field(default=0, repr=False)
+    _num_pending: int = field(default=0, repr=False)
+    slot: int = -1  # its row in the persistent batch (driver/engine/persistent_batch.py), -1: none
+    batch: object = field(default=None, repr=False)  # that PersistentBatch while it has a row
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the leading full blocks
     cacheable: bool = True  # False once its KV mixes weight versions: its blocks are never shared
@@ -82,6 +83,7 @@ class Request:
     end_time: float = -1.0
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
     sample_key: int | None = None  # the 64-bit noise key of counter-based sampling, made by the sampler on first use
+    sample_cache: object = field(default=None, repr=False)  # its SampleRow when sampling reads no history (sampler.py)
     # driver.engine.constraint_processors.History: what the generation options keep between steps, made on first use
     history: object = None
     # how many of prompt_ids' last tokens were generated before a restart (a client's resume_tokens): they count in
@@ -90,6 +92,33 @@ class Request:
     sink: object = None  # callable(GenerationOutput) on the loop thread (the front door's), else the ResultRouter
     # one copy of prompt_ids that every output of this request shares, so a streamed token costs no prompt copy
     prompt_out: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose K/V are in the cache (or are being computed by the step in flight)."""
+        b = self.batch
+        return self._num_computed if b is None else int(b.computed[self.slot])
+
+    @num_computed.setter
+    def num_computed(self, value: int) -> None:
+        if self.batch is None:
+            self._num_computed = value
+        else:
+            self.batch.computed[self.slot] = value
+
+    @property
+    def num_pending(self) -> int:
+        """Overlapped scheduling: tokens sampled by a step in flight, not on the host yet (the next step reads them
+        on the device); they count in num_computed once a step has run them, never in `generated`."""
+        b = self.batch
+        return self._num_pending if b is None else int(b.pending[self.slot])
+
+    @num_pending.setter
+    def num_pending(self, value: int) -> None:
+        if self.batch is None:
+            self._num_pending = value
+        else:
+            self.batch.pending[self.slot] = value
 
     @property
     def tokens(self) -> list[int]:

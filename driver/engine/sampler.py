@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from cluster import faults
@@ -39,24 +40,30 @@ class Picks(NamedTuple):
     invalid: torch.Tensor
 
 
-def with_noise(processed: torch.Tensor, rows: list[SampleRow], offset: int = 0) -> torch.Tensor:
-    """Sampling rows' processed logits plus their Gumbel noise (token index row.index + offset)."""
+def with_noise(processed: torch.Tensor, rows: list[SampleRow], offset: int = 0,
+               index: list[int] | None = None) -> torch.Tensor:
+    """Sampling rows' processed logits plus their Gumbel noise (token index + offset; the index: `index[i]` when
+    given, else row.index)."""
+    at = index if index is not None else [r.index for r in rows]
+
     def noisy(x: torch.Tensor, ix: list[int]) -> torch.Tensor:
         keys = on_device([signed64(rows[i].key) for i in ix], torch.int64, x.device)
-        index = on_device([rows[i].index + offset for i in ix], torch.int64, x.device)
+        index = on_device([at[i] + offset for i in ix], torch.int64, x.device)
         return x + gumbel(keys, index, x.shape[-1])
 
     return on_rows(processed, [i for i, r in enumerate(rows) if r.samples], noisy, processed)
 
 
-def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0, plain: bool | None = None) -> Picks:
+def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0, plain: bool | None = None,
+         index: list[int] | None = None) -> Picks:
     """The batch's tokens and logprobs, in float32, without waiting on the device. `offset`: the rows' tokens come
-    that many after their `index` (a burst's later forwards). `plain`: every row is SampleRow.plain (None: look)."""
+    that many after their token index (a burst's later forwards); `index`: each row's, else its row.index.
+    `plain`: every row is SampleRow.plain (None: look)."""
     logits = logits.float()
     if plain is None:
         plain = all(r.plain for r in rows)
     processed = logits if plain else process_logits(logits, rows)
-    scores = processed if plain else with_noise(processed, rows, offset)
+    scores = processed if plain else with_noise(processed, rows, offset, index)
     best, tokens = scores.max(-1)  # the first of equal maxima, as argmax
     invalid = ~best.isfinite()  # max propagates a NaN, so an unprocessed row's NaN shows here
     if processed is not logits:  # a filter may have masked a NaN away: a NaN anywhere makes the row's sum NaN
@@ -69,10 +76,16 @@ def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0, plain: bo
 
 
 def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
-    """The request's row, `ahead` tokens after those on the host; its noise key is made on first use."""
+    """The request's row, `ahead` tokens after those on the host; its noise key is made on first use. A request
+    whose sampling reads no history gets the same row every step but for its index: it is kept (index 0) and
+    the index travels beside it (`Sampler.rows`)."""
     p = req.sampling
     if req.sample_key is None:
         req.sample_key = request_key(p.seed, seed, req.request_id)
+    if not p.needs_history:
+        if req.sample_cache is None:
+            req.sample_cache = SampleRow(req.request_id, p, req.sample_key, 0, (), req.return_logprobs)
+        return req.sample_cache
     return SampleRow(req.request_id, p, req.sample_key, req.token_index + ahead,
                      tuple(set(req.tokens)) if p.repetition_penalty != 1.0 else (), req.return_logprobs,
                      constraints(req))
@@ -123,28 +136,50 @@ class Sampler:
         return self.collect(self.launch(logits, *self.rows(reqs)))
 
     def rows(self, reqs: list[Request | None], ahead: list[int] | None = None
-             ) -> tuple[list[Draw | None], list[int], list[SampleRow], bool]:
+             ) -> tuple[list[Draw | None], list[int], list[SampleRow], bool, list[int]]:
         """The host half of a launch, on the loop thread once every earlier token is on the host (or with `ahead`,
         each request's tokens in flight, when no row needs its token history): (early failures, live row numbers,
-        their SampleRows, whether every row is plain greedy). A None request (ended meanwhile) gets no row."""
+        their SampleRows, whether every row is plain greedy, their token indexes). A None request (ended meanwhile)
+        gets no row."""
+        if not faults.RULES and None not in reqs:  # the common case: every row is live
+            try:
+                return self._all_rows(reqs, ahead)
+            except Exception:  # noqa: BLE001  (some row failed: find which, below, one row at a time)
+                pass
         early: list[Draw | None] = [None] * len(reqs)
         live: list[int] = []
         rows: list[SampleRow] = []
+        index: list[int] = []
         for i, req in enumerate(reqs):
             if req is None:
                 continue
             try:
                 faults.hit("sample", request=req.request_id)
                 rows.append(sample_row(req, self.seed, ahead[i] if ahead else 0))
+                index.append(req.token_index + (ahead[i] if ahead else 0))
                 live.append(i)
             except Exception as e:  # noqa: BLE001  (whatever it is, it belongs to this request alone)
                 early[i] = Draw(None, None, e)
-        return early, live, rows, all(r.plain for r in rows)
+        return early, live, rows, all(r.plain for r in rows), index
+
+    def _all_rows(self, reqs: list[Request], ahead: list[int] | None
+                  ) -> tuple[list[Draw | None], list[int], list[SampleRow], bool, list[int]]:
+        """`rows` when every row is live and none may fail: kept rows where sampling reads no history."""
+        rows = [r.sample_cache if r.sample_cache is not None else sample_row(r, self.seed) for r in reqs]
+        if any(r.sampling.needs_history for r in reqs):  # their rows change every step: made anew
+            rows = [sample_row(r, self.seed, ahead[i] if ahead else 0) if r.sampling.needs_history else rows[i]
+                    for i, r in enumerate(reqs)]
+        index = [r.resumed_tokens + len(r.generated) for r in reqs]
+        if ahead is not None:
+            index = [i + a for i, a in zip(index, ahead)]
+        return [None] * len(reqs), list(range(len(reqs))), rows, all(r.plain for r in rows), index
 
     def launch(self, logits: torch.Tensor | ShardArgmax, early: list[Draw | None], live: list[int],
-               rows: list[SampleRow], plain: bool = False, offset: int = 0) -> Launched:
+               rows: list[SampleRow], plain: bool = False, token_index: list[int] | None = None,
+               offset: int = 0) -> Launched:
         """The device half: pick every live row and start the transfer, without waiting on the device (unless some
-        row breaks the batch: then one row at a time, here). ShardArgmax: the ranks chose the tokens already."""
+        row breaks the batch: then one row at a time, here). ShardArgmax: the ranks chose the tokens already.
+        `token_index`: each live row's token index (Sampler.rows), else its row.index."""
         chosen = isinstance(logits, ShardArgmax)
         device = logits.tokens.device if chosen else logits.device
         n = len(early)
@@ -158,11 +193,11 @@ class Sampler:
             return Launched(logits.tokens, early, live, rows, host, event)
         mine = logits if index is None else logits[index]
         try:
-            picks = pick(mine, rows, offset, plain)
+            picks = pick(mine, rows, offset, plain, token_index)
         except Exception:  # noqa: BLE001  (some row broke the batch: find which, one row at a time)
             alone = list(early)
-            for j, row in zip(live, rows):
-                alone[j] = self._alone(logits[j:j + 1], row, offset)
+            for k, (j, row) in enumerate(zip(live, rows)):
+                alone[j] = self._alone(logits[j:j + 1], row, offset + (token_index[k] - row.index if token_index else 0))
             tokens = torch.tensor([d.token if d is not None and d.token is not None else 0 for d in alone],
                                   dtype=torch.int64)
             return Launched(tokens.to(logits.device), alone, [], [], None)
@@ -181,6 +216,20 @@ class Sampler:
             for i, draw in zip(launched.live, host_draws(launched.host, launched.rows)):
                 out[i] = draw
         return out
+
+    @staticmethod
+    def collect_tokens(launched: Launched) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """`collect` as arrays, (tokens int64, logprobs float64 when some row asked), when every row is live and
+        drew a token; else None (then `collect`)."""
+        if launched.host is None or len(launched.live) != len(launched.early) or \
+                launched.early.count(None) != len(launched.early):
+            return None
+        if launched.event is not None:
+            launched.event.synchronize()
+        host = launched.host.numpy()
+        if host[2].any():
+            return None
+        return host[0].astype(np.int64), host[1] if any(r.logprobs for r in launched.rows) else None
 
     @staticmethod
     def collect_burst(launched: list[Launched]) -> tuple[list[int], list[list[int]], list[list[float]] | None] | None:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import bisect
 from operator import attrgetter
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from cluster.config import ResolvedConfig
 from cluster.outputs import RequestStatus
 from driver.engine.block_manager import BlockManager
 from driver.engine.fair_queue import FairQueue
 from driver.engine.host_pool import HostPool
+from driver.engine.persistent_batch import PersistentBatch
 from driver.engine.request import Request
 
 
@@ -31,6 +35,27 @@ class Scheduled:
         return self.req.num_computed + self.num_tokens == self.req.num_tokens_ahead
 
 
+@dataclass
+class Batch:
+    """A step's rows as columns: the requests and their query tokens (iterating gives Scheduled rows)."""
+
+    reqs: list[Request] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+
+    def add(self, req: Request, n: int) -> None:
+        self.reqs.append(req)
+        self.num_tokens.append(n)
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def __iter__(self) -> Iterator[Scheduled]:
+        return map(Scheduled, self.reqs, self.num_tokens)
+
+    def __getitem__(self, i: int) -> Scheduled:
+        return Scheduled(self.reqs[i], self.num_tokens[i])
+
+
 class Scheduler:
     def __init__(self, rc: ResolvedConfig, blocks: BlockManager):
         self.rc, self.blocks = rc, blocks
@@ -40,16 +65,18 @@ class Scheduler:
         self.num_preemptions = 0
         self.host = HostPool(rc.num_host_blocks)
         self.dropped: dict[Request, int] = {}  # preempted without a host copy -> tokens it had computed
+        self.batch = PersistentBatch(rc.max_model_len)  # every held request's row
 
     def add(self, req: Request) -> None:
+        self.batch.join(req)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Scheduled], list[Request]]:
+    def schedule(self) -> tuple[Batch, list[Request]]:
         """This step's batch, and the requests that can never fit the cache (to fail)."""
-        batch: list[Scheduled] = []
+        batch = Batch()
         impossible: list[Request] = []
         budget = [self.rc.max_batch_tokens]
         first = self.rc.scheduler_type == "prefill_first"
@@ -57,7 +84,7 @@ class Scheduler:
             fill(batch, budget, impossible)
         return batch, impossible
 
-    def burst_length(self, batch: list[Scheduled]) -> int:
+    def burst_length(self, batch: Batch) -> int:
         """How many decode forwards this batch runs from one plan (rc.decode_burst), each row's pages allocated that
         far ahead: more than one only when nobody waits, every running request is in the batch as a one-token
         decode that samples without token history, and every row has that many tokens left before its limits."""
@@ -77,11 +104,41 @@ class Scheduler:
             return 1  # pages already given to some rows stay theirs: they need them within k tokens anyway
         return k
 
-    def _continue(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
-        scheduled = {id(s.req) for s in batch}
+    def _continue(self, batch: Batch, budget: list[int], impossible: list[Request]) -> None:
+        """Serve the running requests in order, as arrays (the persistent batch): each its tokens not yet computed,
+        while the budget and the batch's size allow; the few rows that need pages get them in order. When pages
+        run out, `_continue_one_by_one` serves them instead (preempting), from the same start."""
+        run, cap, b = self.running, self.rc.max_requests_per_batch, self.batch
+        room = cap - len(batch)
+        if not run or budget[0] <= 0 or room <= 0:
+            return
+        slots = b.slots(run)
+        gen = np.fromiter(map(len, [r.generated for r in run]), np.int64, len(run))
+        pending, computed = b.pending[slots], b.computed[slots]
+        ahead = b.prompt_len[slots] + gen + pending
+        take = (pending == 0) | (ahead < b.limit[slots])  # else its tokens so far reach its limits: it ends when
+        if batch:  # the step in flight is collected; and a request admitted this step is in the batch already
+            take &= ~np.isin(slots, b.slots(batch.reqs))
+        rows = np.flatnonzero(take)[:room]
+        need = (ahead - computed)[rows]
+        before = budget[0] - (np.cumsum(need) - need)  # the budget left when each row's turn comes
+        k = int(np.count_nonzero(before > 0))  # a prefix: `before` only falls
+        rows, n = rows[:k], np.minimum(need[:k], before[:k])
+        page, allocate = self.blocks.page_size, self.blocks.allocate
+        upto = computed[rows] + n
+        for j in np.flatnonzero(-(-upto // page) > b.num_pages[slots[rows]]).tolist():
+            if not allocate(run[rows[j]], int(upto[j])):
+                return self._continue_one_by_one(batch, budget, impossible)
+        batch.reqs.extend([run[i] for i in rows.tolist()])
+        batch.num_tokens.extend(n.tolist())
+        budget[0] -= int(n.sum())
+
+    def _continue_one_by_one(self, batch: Batch, budget: list[int], impossible: list[Request]) -> None:
+        """`_continue` when pages run out: the lowest-priority, newest other running request is preempted."""
+        scheduled = {id(r) for r in batch.reqs}
         gone: set[int] = set()  # preempted by this loop (a set: `in self.running` would make the loop quadratic)
         cap, max_len, allocate = self.rc.max_requests_per_batch, self.rc.max_model_len, self.blocks.allocate
-        for req in list(self.running):  # the hottest loop of the driver: hundreds of requests a step
+        for req in list(self.running):
             if budget[0] <= 0 or len(batch) >= cap:
                 return
             if id(req) in gone or id(req) in scheduled:
@@ -104,10 +161,10 @@ class Scheduler:
                     self.preempt(req, offload=True)
                 break
             else:
-                batch.append(Scheduled(req, n))
+                batch.add(req, n)
                 budget[0] -= n
 
-    def _admit(self, batch: list[Scheduled], budget: list[int], impossible: list[Request]) -> None:
+    def _admit(self, batch: Batch, budget: list[int], impossible: list[Request]) -> None:
         while self.waiting and budget[0] > 0 and len(batch) < self.rc.max_requests_per_batch:
             req = self.waiting.peek()
             if req.num_pending:  # preempted while a token was in flight: admit it once the token is here
@@ -137,7 +194,7 @@ class Scheduler:
             bisect.insort_right(self.running, req, key=attrgetter("priority"))  # at the end of its priority
             if req.status == RequestStatus.PENDING:
                 req.status = RequestStatus.PREFILLING
-            batch.append(Scheduled(req, n))
+            batch.add(req, n)
             budget[0] -= n
 
     def preempt(self, req: Request, offload: bool = False) -> None:
@@ -169,3 +226,4 @@ class Scheduler:
         self.blocks.release(req)
         self.host.drop(req)
         self.dropped.pop(req, None)
+        self.batch.leave(req)
