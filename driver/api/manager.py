@@ -25,7 +25,7 @@ from cluster.errors import Code, ManagerStopped, QueueFull, RequestRejected
 from cluster.liveness import Liveness
 from cluster.outputs import GenerationOutput, RequestStatus
 from cluster.pause import PauseGate
-from driver.api.driver_loop import DriverLoop
+from driver.api.driver_loop import DriverLoop, is_collective_error
 from driver.engine.engine import Engine
 from driver.engine.request import Request
 from driver.api.serving_metrics import ServingMetrics
@@ -344,7 +344,8 @@ class ContinuousBatchingManager:
 
 def run_worker_side(m: ContinuousBatchingManager) -> None:
     """The loop thread of a non-driver rank: execute every plan (worker/loop.py) and act on what plans carry for
-    this rank's callers. A loop that dies stops stamping liveness at once, so the driver names this rank."""
+    this rank's callers. A loop that dies stops stamping liveness at once, so the driver names this rank; one that
+    died of a collective kills the peers that went silent on this host (a hung driver: docs/recovery.md)."""
     try:
         for plan in worker_loop(m.runner, m.groups, m.gate, m.barrier, lambda: m.wants_results, m.liveness):
             data = msgpack.unpackb(plan.data)
@@ -357,4 +358,6 @@ def run_worker_side(m: ContinuousBatchingManager) -> None:
         m.failure = f"rank {m.groups.rank}: worker loop failed: {type(e).__name__}: {str(e)[:300]}"
         log.exception("lockstep worker loop failed")
         if m.liveness is not None:
-            m.liveness.stop()
+            m.liveness.mark_down()
+            if is_collective_error(e):  # a hung driver (or peer) is killed, so the launcher restarts the group now
+                m.liveness.condemn(m.liveness.silent_ranks())
