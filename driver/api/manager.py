@@ -149,8 +149,11 @@ class ContinuousBatchingManager:
         return self.thread is not None and self.thread.is_alive()
 
     def loop_answers(self, deadline_s: float) -> bool:
-        """The loop runs and came round within `deadline_s`, or a pause parks it (a pause may last any time)."""
-        return self.is_running() and (self.gate.parked or time.monotonic() - self.loop_beat < deadline_s)
+        """The loop runs, has not closed the door (a failing loop closes it before it ends its requests, so a
+        resubmit never lands on a loop that is going down), and came round within `deadline_s` or a pause parks
+        it (a pause may last any time)."""
+        return (self.is_running() and not self.closed
+                and (self.gate.parked or time.monotonic() - self.loop_beat < deadline_s))
 
     def warmup(self) -> None:
         """One padded step on the scratch block (first-request costs paid now). Every rank calls it, before `start`."""
