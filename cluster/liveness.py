@@ -121,7 +121,7 @@ class Liveness:
         killed = []
         for rank, *_ in silent:
             state, pid, start, host = self.last_seen.get(rank, (0, 0.0, "down 0 ? ?"))[2].split(" ", 3)
-            if state != "up" or host != self.host:
+            if state != "up" or host != self.host or pid == str(os.getpid()):
                 continue  # it leaves on its own; or another machine's pid: its launcher's SIGTERM (SIGKILL at 30 s)
             try:
                 if process_start(int(pid)) != start:

@@ -195,3 +195,5 @@ class DriverLoop:
                 self._send(Command.STOP)
             except Exception as stop_error:  # best effort: the process exits non-zero either way
                 log.error("lockstep: the STOP after a driver failure did not reach the workers: %r", stop_error)
+        if m.liveness is not None:  # this rank leaves on its own: a worker that names it does not kill it
+            m.liveness.mark_down()
