@@ -1,9 +1,14 @@
-"""Who is still alive: each rank stamps (step, time) into the group's store from a small thread, so that when a
-collective fails the driver can name the rank that died (a broken gloo group cannot say which peer it lost)."""
+"""Who is still alive: each rank stamps (step, time, pid, process start, host) into the group's store from a small
+thread, so that when a collective fails the driver can name the rank that died (a broken gloo group cannot say which
+peer it lost), and kill one that hangs (`condemn`): a stopped process does not die of the launcher's SIGTERM, and
+torchrun waits 30 s before its SIGKILL (docs/recovery.md)."""
 
 from __future__ import annotations
 
 import atexit
+import logging
+import os
+import signal
 import threading
 import time
 from contextlib import suppress
@@ -13,14 +18,38 @@ import torch.distributed as dist
 from cluster.dist import Groups
 
 PERIOD_S = 0.5
+log = logging.getLogger("lockstep")
+
+
+def process_start(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc's field 22): with the pid, names one process."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]
+
+
+def host_key() -> str:
+    """Where a pid means the same process: this boot of this machine and this pid namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # no /proc: no pid is taken as local
+        return f"unknown-{os.getpid()}-{id(PERIOD_S)}"
 
 
 class Liveness:
     def __init__(self, groups: Groups, period_s: float = PERIOD_S):
         self.groups, self.period_s, self.step = groups, period_s, 0
+        self.last_seen: dict[int, tuple[int, float, str]] = {}  # the stamps `silent_ranks` last read
         self.stop_event = threading.Event()
         self.store = dist.distributed_c10d._get_default_store() if groups.distributed else None
         self.thread = threading.Thread(target=self._run, name="lockstep-liveness", daemon=True)
+        self.host = host_key()
+        try:
+            self.me = f"{os.getpid()} {process_start(os.getpid())} {self.host}"
+        except (OSError, IndexError):
+            self.me = f"{os.getpid()} ? {self.host}"
+        self.state = "up"  # "down": this rank's loop failed and it leaves on its own (`mark_down`)
 
     def start(self) -> "Liveness":
         if self.store is not None:
@@ -36,7 +65,16 @@ class Liveness:
             self.thread.join(4 * self.period_s)
 
     def _stamp(self) -> None:
-        self.store.set(f"lockstep/alive/{self.groups.rank}", f"{self.step} {time.time()}")
+        self.store.set(f"lockstep/alive/{self.groups.rank}", f"{self.step} {time.time()} {self.state} {self.me}")
+
+    def mark_down(self) -> None:
+        """Stop stamping, with a last stamp saying this rank leaves on its own: the driver still names it (the stamp
+        stops moving) but `condemn` does not kill it."""
+        self.stop()
+        if self.store is not None:
+            self.state = "down"
+            with suppress(Exception):
+                self._stamp()
 
     def _run(self) -> None:
         while not self.stop_event.wait(self.period_s):
@@ -45,30 +83,60 @@ class Liveness:
             except Exception:  # the store went away: the group is ending
                 return
 
-    def _stamps(self) -> dict[int, tuple[int, float]]:
+    def _stamps(self) -> dict[int, tuple[int, float, str]]:
+        """rank -> (step, time, "state pid start host") as each rank last stamped them."""
         out = {}
         for rank in range(self.groups.world_size):
             key = f"lockstep/alive/{rank}"
             with suppress(Exception):
                 if self.store.check([key]):
-                    step, stamp = self.store.get(key).decode().split()
-                    out[rank] = (int(step), float(stamp))
+                    step, stamp, who = self.store.get(key).decode().split(" ", 2)
+                    out[rank] = (int(step), float(stamp), who)
         return out
 
     def silent_ranks(self) -> list[tuple[int, int, float]]:
         """(rank, last step it reported, seconds since) for every other rank whose stamp stops moving: watched
-        for three periods, so a rank that died a moment ago is caught as surely as one long gone."""
+        for three periods, so a rank that died a moment ago is caught as surely as one long gone. A stamp already
+        older than three periods (a rank hung through a collective's timeout) is silent without the wait."""
         first = self._stamps()
+        self.last_seen = first
         deadline = time.time() + 3 * self.period_s
-        silent = {r for r in range(self.groups.world_size) if r != self.groups.rank}
-        while silent and time.time() < deadline:
+        others = {r for r in range(self.groups.world_size) if r != self.groups.rank}
+        stale = {r for r in others if r not in first  # the age only on this host's clock:
+                 or (first[r][2].endswith(self.host) and first[r][1] < time.time() - 3 * self.period_s)}
+        watched = others - stale
+        while watched and time.time() < deadline:
             time.sleep(self.period_s / 2)
             now = self._stamps()
-            silent = {r for r in silent if now.get(r) == first.get(r)}
+            watched = {r for r in watched if now.get(r) == first.get(r)}
         now_t = time.time()
-        return [(r, first.get(r, (-1, 0.0))[0], now_t - first.get(r, (-1, 0.0))[1]) for r in sorted(silent)]
+        return [(r, first.get(r, (-1, 0.0))[0], now_t - first.get(r, (-1, 0.0))[1])
+                for r in sorted(stale | watched)]
 
-    def describe(self, silent: list[tuple[int, int, float]], step: int, error: BaseException) -> str:
-        """One sentence naming the silent rank(s) (from `silent_ranks`), for every request's error."""
-        who = "; ".join(f"rank {r} stopped answering at step {s} ({age:.1f}s silent)" for r, s, age in silent)
+    def condemn(self, silent: list[tuple[int, int, float]]) -> list[int]:
+        """SIGKILL the process of every silent rank (from `silent_ranks`) that runs on this host, so the launcher
+        sees it dead and restarts the group now: a hung or stopped rank would not die of the launcher's SIGTERM.
+        Only the process that stamped is killed (pid and start time must both match). Not a collective: any rank
+        that named the silent ones calls it. Returns the ranks killed."""
+        killed = []
+        for rank, *_ in silent:
+            state, pid, start, host = self.last_seen.get(rank, (0, 0.0, "down 0 ? ?"))[2].split(" ", 3)
+            if state != "up" or host != self.host or pid == str(os.getpid()):
+                continue  # it leaves on its own; or another machine's pid: its launcher's SIGTERM (SIGKILL at 30 s)
+            try:
+                if process_start(int(pid)) != start:
+                    continue  # that process is gone; the pid now names another one
+                os.kill(int(pid), signal.SIGKILL)
+            except (OSError, IndexError):
+                continue  # it ended on its own meanwhile
+            log.error("lockstep: rank %d (pid %s) stopped answering: killed it (SIGKILL)", rank, pid)
+            killed.append(rank)
+        return killed
+
+    def describe(self, silent: list[tuple[int, int, float]], step: int, error: BaseException,
+                 killed: list[int] = ()) -> str:
+        """One sentence naming the silent rank(s) (from `silent_ranks`; `killed`: those `condemn` killed), for
+        every request's error."""
+        who = "; ".join(f"rank {r} stopped answering at step {s} ({age:.1f}s silent"
+                        + (", killed)" if r in killed else ")") for r, s, age in silent)
         return f"{who}; the driver was at step {step}: {type(error).__name__}: {str(error)[:200]}"

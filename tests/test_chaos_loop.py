@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import suppress
 
 import pytest
 
@@ -97,7 +98,8 @@ def test_stopped_worker_is_named_within_the_timeout(make_checkpoint, tmp_path):
                     assert e.value.code == "rank_failed" and "rank 1" in e.value.message, e.value
             assert time.monotonic() - t0 < 5.0 + 5.0  # cpu_group_timeout plus a few seconds
         finally:
-            os.kill(pid, signal.SIGCONT)
+            with suppress(ProcessLookupError):  # the driver killed it (docs/recovery.md: a hung rank)
+                os.kill(pid, signal.SIGCONT)
             for c in clients:
                 c.close()
 

@@ -112,3 +112,46 @@ def test_a_failed_manager_refuses_new_requests_with_its_failure_code(make_checkp
     finally:
         m.stop()
         m.destroy()
+
+
+def test_a_loop_going_down_says_no_health_and_takes_no_resubmit(make_checkpoint, monkeypatch):
+    """The race behind a request resumed twice (issue 25, item 4): a failing loop has ended its requests, so the
+    clients resume at once, but its thread still runs. Health must not say ok then, and a resubmit must be refused
+    with the failure's code (retried until the restarted group takes it), not accepted by the group going down:
+    an accepted resubmit counts a resume, and the dying manager then fails it again."""
+    import threading
+
+    import cluster
+    from cluster import faults
+    from cluster import protocol as P
+    from cluster.errors import Code
+    from driver.api.driver_loop import DriverLoop
+    from driver.frontdoor.request_desk import ClientState, RequestDesk
+
+    closed, release = threading.Event(), threading.Event()
+    close = DriverLoop._close
+
+    def held_close(self, *args):  # the loop thread stays alive after it closed the door, as under load
+        close(self, *args)
+        closed.set()
+        release.wait(30)
+
+    monkeypatch.setattr(DriverLoop, "_close", held_close)
+    monkeypatch.setattr(faults, "RULES", [("driver_step", {"step": "3"})])
+    m = cluster.load(make_checkpoint("llama")).init_continuous_batching(
+        continuous_batching_config=cluster.ContinuousBatchingConfig(page_size=16))
+    m.start()
+    try:
+        rid = m.add_request([1, 17, 33, 9, 250], max_new_tokens=14)
+        assert closed.wait(60) and m.get_result(rid, timeout=10).status == RequestStatus.FAILED
+        assert m.is_running() and not m.loop_answers(60.0)
+        desk = RequestDesk(m, 8, lambda *a, **k: None, lambda *a: True, lambda: None, {"accepted": 0})
+        resubmit = P.Submit(mid=1, request_id=rid, input_ids=[1, 17, 33, 9, 250], text=None, max_new_tokens=14,
+                            streaming=False, sampling={}, eos_token_id=None, resumes=0)
+        with pytest.raises(P.ProtocolError) as refused:
+            desk.submit(b"client", ClientState(0.0), resubmit, resubmit.input_ids)
+        assert refused.value.code == Code.DRIVER_FAILED == desk.failure_code()
+    finally:
+        release.set()
+        m.stop()
+        m.destroy()

@@ -176,8 +176,9 @@ class DriverLoop:
         silent = [] if isinstance(error, LockstepError) or m.liveness is None else m.liveness.silent_ranks()
         if isinstance(error, LockstepError):  # it says itself what went wrong (weights diverged ...)
             code, m.failure = error.code, f"the driver stopped at step {engine.step_no}: {error}"
-        elif silent:
-            code, m.failure = Code.RANK_FAILED, m.liveness.describe(silent, engine.step_no, error)
+        elif silent:  # a hung rank is killed, so the launcher restarts the group now (docs/recovery.md)
+            killed = m.liveness.condemn(silent)
+            code, m.failure = Code.RANK_FAILED, m.liveness.describe(silent, engine.step_no, error, killed)
         elif is_collective_error(error):
             code = Code.RANK_FAILED
             m.failure = (f"a collective failed at step {engine.step_no} and no rank is silent: "
@@ -194,3 +195,5 @@ class DriverLoop:
                 self._send(Command.STOP)
             except Exception as stop_error:  # best effort: the process exits non-zero either way
                 log.error("lockstep: the STOP after a driver failure did not reach the workers: %r", stop_error)
+        if m.liveness is not None:  # this rank leaves on its own: a worker that names it does not kill it
+            m.liveness.mark_down()

@@ -25,7 +25,7 @@ from cluster.errors import Code, ManagerStopped, QueueFull, RequestRejected
 from cluster.liveness import Liveness
 from cluster.outputs import GenerationOutput, RequestStatus
 from cluster.pause import PauseGate
-from driver.api.driver_loop import DriverLoop
+from driver.api.driver_loop import DriverLoop, is_collective_error
 from driver.engine.engine import Engine
 from driver.engine.request import Request
 from driver.api.serving_metrics import ServingMetrics
@@ -149,8 +149,11 @@ class ContinuousBatchingManager:
         return self.thread is not None and self.thread.is_alive()
 
     def loop_answers(self, deadline_s: float) -> bool:
-        """The loop runs and came round within `deadline_s`, or a pause parks it (a pause may last any time)."""
-        return self.is_running() and (self.gate.parked or time.monotonic() - self.loop_beat < deadline_s)
+        """The loop runs, has not closed the door (a failing loop closes it before it ends its requests, so a
+        resubmit never lands on a loop that is going down), and came round within `deadline_s` or a pause parks
+        it (a pause may last any time)."""
+        return (self.is_running() and not self.closed
+                and (self.gate.parked or time.monotonic() - self.loop_beat < deadline_s))
 
     def warmup(self) -> None:
         """One padded step on the scratch block (first-request costs paid now). Every rank calls it, before `start`."""
@@ -344,7 +347,8 @@ class ContinuousBatchingManager:
 
 def run_worker_side(m: ContinuousBatchingManager) -> None:
     """The loop thread of a non-driver rank: execute every plan (worker/loop.py) and act on what plans carry for
-    this rank's callers. A loop that dies stops stamping liveness at once, so the driver names this rank."""
+    this rank's callers. A loop that dies stops stamping liveness at once, so the driver names this rank; one that
+    died of a collective kills the peers that went silent on this host (a hung driver: docs/recovery.md)."""
     try:
         for plan in worker_loop(m.runner, m.groups, m.gate, m.barrier, lambda: m.wants_results, m.liveness):
             data = msgpack.unpackb(plan.data)
@@ -357,4 +361,6 @@ def run_worker_side(m: ContinuousBatchingManager) -> None:
         m.failure = f"rank {m.groups.rank}: worker loop failed: {type(e).__name__}: {str(e)[:300]}"
         log.exception("lockstep worker loop failed")
         if m.liveness is not None:
-            m.liveness.stop()
+            m.liveness.mark_down()
+            if is_collective_error(e):  # a hung driver (or peer) is killed, so the launcher restarts the group now
+                m.liveness.condemn(m.liveness.silent_ranks())

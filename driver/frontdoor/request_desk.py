@@ -214,11 +214,13 @@ class RequestDesk:
 
     def failure_code(self) -> str:
         m = self.manager
-        if m.is_running():
+        if m.failure_code:  # the loop failed and said why (its thread may still be ending its requests)
+            return m.failure_code
+        if m.is_running() and not m.closed:
             return Code.DRIVER_FAILED  # alive but stuck past its deadline
         if m.loop_error is None and m.failure is None:
             return Code.STOPPED
-        return m.failure_code or Code.DRIVER_FAILED
+        return Code.DRIVER_FAILED
 
     def check_loop(self) -> None:
         """Fail every outstanding request here if the loop died or has not come round within its deadline."""
