@@ -69,6 +69,7 @@ from benchmarks.simulated_device import (HEAD_COLLECTIVES, VOCAB, FakeHead, Simu
                                          VirtualEvent, build_runner)
 CONTEXT = 2048
 PAGE = 256
+ARRIVAL_NEW, ARRIVAL_PROMPT = 64, 32  # --arrival: mean new tokens of a request; a new request's prompt
 PARTS = ("schedule", "plan", "bcast", "prepare", "sample", "collect")  # rank 0's host work; bcast: its transfer
 SPLIT = ("bwait",)  # send_plan's wait for the last worker to enter recv_plan: not host work
 DEVICE_PARTS = ("wait", "gather", "dsample")  # the device thread's; `share` (the rest of its time) is derived
@@ -76,7 +77,7 @@ DEVICE_PARTS = ("wait", "gather", "dsample")  # the device thread's; `share` (th
 
 def resolved(max_seqs: int, steps: int) -> ResolvedConfig:
     per_seq = -(-(CONTEXT + steps + 8) // PAGE)
-    cfg = ContinuousBatchingConfig(page_size=PAGE, num_blocks=max_seqs * per_seq + 8, max_batch_tokens=max_seqs,
+    cfg = ContinuousBatchingConfig(page_size=PAGE, num_blocks=max_seqs * per_seq + 8, max_batch_tokens=2 * max_seqs,
                                    max_requests_per_batch=max_seqs, allow_block_sharing=True)
     rc = resolve_config(cfg, device_kind="cpu", max_model_len=2 * CONTEXT, kv_bytes_per_token=64, free_bytes=None,
                         flash_available=False)
@@ -155,25 +156,39 @@ def instrument(engine: Engine, runner: ModelRunner, clock: Clock, device: Clock,
     head.collective = device.wrap("gather", FakeHead.collective.__get__(head))  # either of the head's collectives
 
 
-def prefilled(engine: Engine, seqs: int, new_tokens: int) -> None:
-    """`seqs` requests at CONTEXT tokens, their pages allocated and every prompt token but the last computed."""
+def prefilled(engine: Engine, seqs: int, new_tokens: int, arrival: bool) -> None:
+    """`seqs` requests at CONTEXT tokens, their pages allocated and every prompt token but the last computed.
+    `arrival`: each asks for 1 to 2 x ARRIVAL_NEW tokens, so that requests leave every step."""
     rng = np.random.default_rng(0)
     for i in range(seqs):
-        req = Request(f"r{i}", rng.integers(0, VOCAB, CONTEXT).tolist(), max_new_tokens=new_tokens)
+        new = int(rng.integers(1, 2 * ARRIVAL_NEW)) if arrival else new_tokens
+        req = Request(f"r{i}", rng.integers(0, VOCAB, CONTEXT).tolist(), max_new_tokens=new)
         req.num_computed = CONTEXT - 1
         assert engine.blocks.allocate(req, CONTEXT)
         req.status = RequestStatus.DECODING
         engine.scheduler.running.append(req)
 
 
+def top_up(engine: Engine, seqs: int, rng: np.random.Generator) -> int:
+    """The arrival-rate run: as many new requests (ARRIVAL_PROMPT tokens, 16 to 2 x ARRIVAL_NEW new) as have left
+    since the last step, so that `seqs` are held; returns how many joined."""
+    s = engine.scheduler
+    joined = seqs - len(s.running) - len(s.waiting)
+    for _ in range(joined):
+        engine.scheduler.add(Request(f"a{engine.step_no}-{_}", rng.integers(0, VOCAB, ARRIVAL_PROMPT).tolist(),
+                                     max_new_tokens=int(rng.integers(16, 2 * ARRIVAL_NEW))))
+    return max(0, joined)
+
+
 def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: int, step_ms: float,
-          warmup: int, steps: int, sent: PlanStamps) -> dict:
+          warmup: int, steps: int, sent: PlanStamps, arrival: bool) -> dict:
     """One configuration on the driver; the workers follow its plans. `steps` counts forwards (a burst plan
-    runs several); every figure is per forward."""
+    runs several); every figure is per forward. `arrival`: requests leave and join every step (`top_up`)."""
     # the workers' simulated step time, and which op closes a step's window
     engine.send(Command.PUBLISH, msgpack.packb({"step_ms": step_ms, "overlap": engine.rc.overlap}))
     forward.step_s, forward.overlapped = step_ms / 1000, engine.rc.overlap
-    prefilled(engine, seqs, warmup + steps + 2 * engine.rc.decode_burst + 4)  # a burst may overshoot each count
+    prefilled(engine, seqs, warmup + steps + 2 * engine.rc.decode_burst + 4, arrival)  # a burst may overshoot
+    rng, joined = np.random.default_rng(1), 0
     clock, device = Clock(PARTS, host=True), Clock(DEVICE_PARTS, host=False)
     send_plan = engine_module.send_plan
     instrument(engine, runner, clock, device, forward, send_plan)
@@ -181,6 +196,8 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
         start = forward.calls
         while forward.calls - start < warmup:
             engine.step()
+            if arrival:
+                top_up(engine, seqs, rng)
         clock.reset()
         device.reset()
         waited = VirtualEvent.waited_s
@@ -189,6 +206,8 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
         forward.reset_counts()
         while forward.calls - calls0 < steps:
             engine.step()
+            if arrival:
+                joined += top_up(engine, seqs, rng)
         engine.flush()
         runner.stream.submit(lambda: None).value()  # the last step is issued
         clock.spent["collect"] -= VirtualEvent.waited_s - waited  # the host's waits for the device are not its work
@@ -203,12 +222,12 @@ def drive(engine: Engine, runner: ModelRunner, forward: SimulatedForward, seqs: 
             "overrun": 1000 * forward.overrun_s / steps, "late": 1000 * forward.late_s / steps,
             "ahead": 1000 * forward.ahead_s / steps,
             "busy": 100 * steps * step_ms / 1000 / wall,
-            "thread": 100 * busy / wall, "wall_ms": 1000 * wall / steps, "forwards": steps,
+            "thread": 100 * busy / wall, "wall_ms": 1000 * wall / steps, "forwards": steps, "joins": joined / steps,
             **{k: 1000 * v / steps for k, v in (clock.spent | device.spent).items()},
             "share": 1000 * (busy - sum(device.spent.values())) / steps}
 
 
-def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, bool, int]], warmup: int, steps: int,
+def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, bool, int, bool]], warmup: int, steps: int,
               head: str, queue: bool, out: Any) -> None:
     os.environ.update(WORLD_SIZE=str(tp), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -227,11 +246,11 @@ def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, boo
             return
         engine_module.send_plan = stamps.wrap(engine_module.send_plan)
         results = []
-        for seqs, step_ms, overlap, burst in configs:
+        for seqs, step_ms, overlap, burst, arrival in configs:
             engine = Engine(runner, dataclasses.replace(rc, overlap=overlap, decode_burst=burst), groups, seed=0)
-            row = drive(engine, runner, forward, seqs, step_ms, warmup, steps, stamps)
+            row = drive(engine, runner, forward, seqs, step_ms, warmup, steps, stamps, arrival)
             results.append(row | {"tp": tp, "overlap": overlap, "max_burst": burst, "head": head,
-                                  "device": "queue" if queue else "sync"})
+                                  "device": "queue" if queue else "sync", "arrival": arrival})
             print(line(results[-1]), flush=True)
         engine.send(Command.STOP)
         out.put(("results", results, stamps))
@@ -241,9 +260,11 @@ def rank_main(rank: int, tp: int, port: int, configs: list[tuple[int, float, boo
 
 
 def line(r: dict) -> str:
-    return (f"busy={r['busy']:.1f} host_ms={sum(r[p] for p in PARTS):.2f} step_ms={r['step_ms']:g} seqs={r['seqs']} "
-            f"tp={r['tp']} "
-            f"overlap={'on' if r['overlap'] else 'off'} burst={r['max_burst']} head={r['head']} device={r['device']}")
+    """A configuration's summary line; host_ms once the broadcast's wait is split off (after every rank is done)."""
+    host = f"host_ms={sum(r[p] for p in PARTS):.2f} " if "bwait" in r else ""
+    return (f"busy={r['busy']:.1f} {host}step_ms={r['step_ms']:g} seqs={r['seqs']} tp={r['tp']} "
+            f"overlap={'on' if r['overlap'] else 'off'} burst={r['max_burst']} head={r['head']} device={r['device']}"
+            + (f" arrival={r['joins']:.2f}/fwd" if r["arrival"] else ""))
 
 
 def mode(r: dict) -> str:
@@ -277,7 +298,7 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def run_tp(tp: int, configs: list[tuple[int, float, bool, int]], warmup: int, steps: int, head: str,
+def run_tp(tp: int, configs: list[tuple[int, float, bool, int, bool]], warmup: int, steps: int, head: str,
            queue: bool) -> list[dict]:
     from launch.torchrun import free_port
 
@@ -312,6 +333,9 @@ def main() -> None:
     ap.add_argument("--sync-device", action="store_true",
                     help="the device thread waits for each step's end before issuing the next step's ops (the "
                     "model before 2026-12-02); default: it runs ahead, as on a CUDA stream")
+    ap.add_argument("--arrival", action="store_true",
+                    help="requests leave and join every step (each asks for 1 to 2 x %d tokens; new ones bring %d-token "
+                    "prompts), so bursts cannot run" % (64, 32))
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=None, help="measured steps per configuration")
     args = ap.parse_args()
@@ -319,7 +343,7 @@ def main() -> None:
     seqs = args.seqs or ([256] if args.quick else [8, 64, 256, 512])
     steps = args.steps or (600 if args.quick else 200)
     modes = [(False, 1), (True, 1)] + ([(True, args.burst)] if args.burst > 1 else [])
-    configs = [(n, ms, ov, k) for n in seqs for ms in args.step_ms for ov, k in modes]
+    configs = [(n, ms, ov, k, args.arrival) for n in seqs for ms in args.step_ms for ov, k in modes]
     results = []
     for tp in tps:
         results += run_tp(tp, configs, args.warmup, steps, args.head, not args.sync_device)
