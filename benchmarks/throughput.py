@@ -9,7 +9,8 @@ run loading and freeing its own model, and prints every pair's ratio and their m
 Each engine gets a warm-up call (4 short prompts), then one timed generate_batch call on the workload: `wall s`
 is that call (manager, KV cache and all, as a user pays it), `setup s` its part before the first forward. EOS is
 disabled, so every request must produce exactly --new-tokens tokens: checked, printed, exit status 1 if not.
-Both engines get the same ContinuousBatchingConfig fields (--max-batch-tokens, --num-blocks; None = default).
+Both engines get the same ContinuousBatchingConfig fields (--max-batch-tokens, --num-blocks, --page-size; None =
+default).
 
 Lockstep's forward-only figures: every ModelRunner.launch(plan) of the timed call is timed and its plan kept,
 on every rank (on the CPU, launch runs the forward before it returns; on CUDA it times only the queueing). "execute() in the run" sums rank 0's (plan -> static buffers, sharded forward, logits gather; no
@@ -44,7 +45,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.hf_compat import make_cb_config, page_size_of  # noqa: E402
 
-PAGE = 256  # page_size: both engines' default
+PAGE = 256  # --page-size's default: both engines' default page_size
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -128,7 +129,7 @@ def run_lockstep(args, prompts, warm) -> dict:
         return out
 
     cb = lambda: cluster.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens,  # noqa: E731
-                                                  num_blocks=args.num_blocks, page_size=PAGE,
+                                                  num_blocks=args.num_blocks, page_size=args.page_size,
                                                   use_cuda_graph=args.use_cuda_graph,
                                                   default_compile_level=args.compile_level)
 
@@ -180,7 +181,7 @@ def run_transformers(args, prompts, warm) -> dict:
     hook = model.register_forward_pre_hook(
         lambda *_: first_forward.append(time.perf_counter()) if not first_forward else None)
 
-    cb = lambda: make_cb_config(transformers.ContinuousBatchingConfig, page_size=PAGE,  # noqa: E731
+    cb = lambda: make_cb_config(transformers.ContinuousBatchingConfig, page_size=args.page_size,  # noqa: E731
                                 max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
                                 use_cuda_graph=args.use_cuda_graph)
 
@@ -216,7 +217,8 @@ def report(args, pairs: list[list[dict]]) -> bool:
     """Print the table and notes on rank 0; True when every request produced exactly --new-tokens tokens."""
     say(f"\nworkload: {args.num_prompts} prompts, lengths U[{args.min_len}, {args.max_len}] (seed {args.seed}), "
         f"{args.new_tokens} new tokens each, greedy, EOS disabled; both configs get "
-        f"max_batch_tokens={args.max_batch_tokens} num_blocks={args.num_blocks} (None = each engine's default)")
+        f"max_batch_tokens={args.max_batch_tokens} num_blocks={args.num_blocks} page_size={args.page_size} "
+        f"(None = each engine's default)")
     say(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}, cpus={os.cpu_count()}, load average "
         f"(1 min) {args.load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end; {len(pairs)} pair(s), "
         f"run alternately\n")
@@ -282,8 +284,10 @@ def main() -> int:
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="passed to both engines' ContinuousBatchingConfig (default: each engine's own)")
     p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV pages of 256 tokens, passed to both engines (default: enough for every request at "
+                   help="KV pages of --page-size tokens, passed to both engines (default: enough for every request at "
                         "once; 0: each engine's own default, which for transformers on CPU is 60%% of RAM per rank)")
+    p.add_argument("--page-size", type=int, default=PAGE,
+                   help="tokens a KV page, passed to both engines' ContinuousBatchingConfig (vLLM's default: 16)")
     p.add_argument("--cpu-offload", type=float, default=None, metavar="GIB",
                    help="instead of the comparison: Lockstep with cpu_offload_space 0 and GIB under --num-blocks "
                         "(benchmarks/offload_report.py)")
@@ -302,7 +306,7 @@ def main() -> int:
     args.use_cuda_graph = {"on": True, "off": False, "auto": None}[args.cuda_graph]
     args.load_before = os.getloadavg()[0]  # other busy processes distort CPU timings badly; shown with them
     if args.num_blocks is None:
-        args.num_blocks = args.num_prompts * math.ceil((args.max_len + args.new_tokens) / PAGE)
+        args.num_blocks = args.num_prompts * math.ceil((args.max_len + args.new_tokens) / args.page_size)
     args.num_blocks = args.num_blocks or None
     model_dir = Path(args.model)
     ensure_model(model_dir)

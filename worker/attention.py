@@ -38,8 +38,14 @@ class AttnMeta:
     pre_flash: flash.VarlenMeta | None = None  # paged kernels' prefill only (flash-attn's varlen layout)
     page_size: int = 0  # tokens a page, for viewing the cache as pages (paged kernels and row-view paths)
     chunk_elements: int = 1 << 22  # work budget of one SDPA chunk (ResolvedConfig.attn_chunk_elements)
-    # `row_views` steps only: each real decode row's context length and pages, read in place (dec_kv_slots [Bd, 0])
-    dec_rows: list[tuple[int, list[int]]] | None = None
+    # `row_views` steps only (dec_kv_slots [Bd, 0]): each real decode row's keys as runs of `unit` cache slots
+    # ([rows, units] indices into the cache viewed as [slots / unit, unit, Hkv, D]), and the gathered positions
+    # past each row's length inside its last run (`dec_tail`, flat over [rows, units * unit]; row r's from
+    # dec_tail_at[r] on), which are zeroed: they may hold a freed request's stale K/V
+    dec_units: torch.Tensor | None = None
+    dec_tail: torch.Tensor | None = None
+    dec_tail_at: list[int] | None = None
+    unit: int = 1
     # the step's path (ResolvedConfig.attention): "flash_attn" and "triton_paged" read dec_block_table, pre_flash
     attention: str = "paged_sdpa"
 
@@ -106,10 +112,12 @@ def _bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def step_masks(meta: AttnMeta, windows: list[int | None], dtype: torch.dtype) -> StepMasks:
     """The step's decode masks, once for all layers (none on the paged-kernel and row-view paths)."""
-    if not meta.num_decode or meta.dec_block_table is not None or meta.dec_rows is not None:
+    if not meta.num_decode or meta.dec_block_table is not None:
         return {}
-    length = meta.dec_kv_slots.shape[1]
-    return {w: _bias(_visible(length, meta.dec_q_pos, w), dtype)[:, None, None, :] for w in dict.fromkeys(windows)}
+    q_pos, length = meta.dec_q_pos, meta.dec_kv_slots.shape[1]
+    if meta.dec_units is not None:  # the real rows only, over their runs of slots
+        q_pos, length = q_pos[:meta.dec_units.shape[0]], meta.dec_units.shape[1] * meta.unit
+    return {w: _bias(_visible(length, q_pos, w), dtype)[:, None, None, :] for w in dict.fromkeys(windows)}
 
 
 def _gather(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
@@ -121,10 +129,14 @@ def _gather(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,
             bias: torch.Tensor, scale: float) -> torch.Tensor:
     """One chunk: q [B, Q, Hq, D], kv_slots [B, L], bias (additive) broadcastable to [B, 1, Q, L] -> [B, Q, Hq, D]."""
+    return _sdpa(q, _gather(k_cache, kv_slots), _gather(v_cache, kv_slots), bias, scale)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Q, Hq, D], k and v [B, Hkv, L, D], bias (additive) broadcastable to [B, 1, Q, L] -> [B, Q, Hq, D]."""
     b, nq, hq, d = q.shape
-    hkv = k_cache.shape[1]
+    hkv = k.shape[1]
     g = hq // hkv
-    k, v = _gather(k_cache, kv_slots), _gather(v_cache, kv_slots)
     # fold the g query heads of each KV head into the query axis: [B, Hkv, g * Q, D]
     qf = q.view(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * nq, d)
     if nq > 1:  # [B, 1, Q, L] -> [B, 1, g * Q, L]; one query a row (decode) broadcasts as it is
@@ -143,26 +155,29 @@ def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                 window: int | None, scale: float) -> torch.Tensor:
-    """q: [Bd, Hq, D] -> [Bd, Hq, D]: each row attends to its own keys only, read in place from its pages, with no
-    mask (docs/architecture.md, "Attention"). Padding rows return zeros."""
+def _decode_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                  bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [Bd, Hq, D] -> [Bd, Hq, D], the eager CPU decode (docs/architecture.md, "Attention"): the real rows' keys
+    gathered `meta.unit` slots at a time (one index_select of whole runs, not one of each slot), in chunks of
+    rows; bias: [rows, 1, 1, L]. Padding rows return zeros."""
     bd, hq, d = q.shape
-    hkv, page = k_cache.shape[1], meta.page_size
-    out = q.new_zeros(bd, hkv, hq // hkv, d)
-    queries, outs = q.reshape(bd, hkv, hq // hkv, d).unbind(0), out.unbind(0)  # [Hkv, g, D] a row
-    ignored = q.new_zeros(1, 1, 1)  # baddbmm's addend, times beta=0
-    for row, (length, pages) in enumerate(meta.dec_rows):
-        first = 0 if window is None else max(0, length - window)
-        if len(pages) == 1:
-            at = pages[0] * page
-            k, v = k_cache[at + first:at + length], v_cache[at + first:at + length]
-        else:
-            k = k_cache.view(-1, page, hkv, d)[pages].view(-1, hkv, d)[first:length]
-            v = v_cache.view(-1, page, hkv, d)[pages].view(-1, hkv, d)[first:length]
-        scores = torch.baddbmm(ignored, queries[row], k.permute(1, 2, 0), beta=0.0, alpha=scale)  # [Hkv, g, L]
-        torch.bmm(scores.softmax(-1), v.transpose(0, 1), out=outs[row])
-    return out.view(bd, hq, d)
+    units, unit, at = meta.dec_units, meta.unit, meta.dec_tail_at
+    rows, length = units.shape[0], units.shape[1] * unit
+    hkv = k_cache.shape[1]
+    rb, _ = chunk_shape(rows, 1, length, hq, hkv, d, meta.chunk_elements)
+    outs = []
+    for r in range(0, rows, rb):
+        n = min(rb, rows - r)
+        tail = meta.dec_tail[at[r]:at[r + n]] - r * length  # this chunk's positions past its rows' lengths
+        kv = []
+        for cache in (k_cache, v_cache):
+            x = cache.view(-1, unit, hkv, d).index_select(0, units[r:r + n].reshape(-1)).view(n, length, hkv, d)
+            x.view(n * length, hkv * d).index_fill_(0, tail, 0.0)
+            kv.append(x.transpose(1, 2))
+        outs.append(_sdpa(q[r:r + n].unsqueeze(1), kv[0], kv[1], bias[r:r + n], scale).squeeze(1))
+    if bd > rows:
+        outs.append(q.new_zeros(bd - rows, hq, d))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
@@ -203,11 +218,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if bd and meta.dec_block_table is not None:
         outs.append(_paged_kernels(meta).decode(q[:bd], k_cache, v_cache, meta.dec_block_table, meta.dec_kv_lens,
                                                 meta.page_size, window, scale))
-    elif bd and meta.dec_rows is not None:
-        outs.append(_decode_rows(q[:bd], k_cache, v_cache, meta, window, scale))
     elif bd:
         masks = masks if masks is not None and window in masks else step_masks(meta, [window], q.dtype)
-        outs.append(_decode_sdpa(q[:bd], k_cache, v_cache, meta, masks[window], scale))
+        decode = _decode_sdpa if meta.dec_units is None else _decode_units
+        outs.append(decode(q[:bd], k_cache, v_cache, meta, masks[window], scale))
     if meta.pre_flash is not None:
         outs.append(_paged_kernels(meta).prefill(q[bd:], k_cache, v_cache, meta.pre_flash, meta.page_size, window,
                                                  scale))

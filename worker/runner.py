@@ -44,8 +44,8 @@ class ModelRunner:
                              dtype, device, rc.num_host_blocks)
         self.buffers = StaticBuffers(rc, device)
         self.forwards = ForwardFn(model, rc)  # the model, or its compiled decode/varlen forwards
-        # an eager float32 CPU forward: decode rows attend to their own pages in place (worker/attention.py,
-        # `dec_rows`); in half precision the gather's SDPA kernel keeps its float accumulation of the softmax
+        # an eager float32 CPU forward: the decode group gathers its keys by runs of slots, not slot by slot
+        # (worker/attention.py, `dec_units`)
         self.row_views = device.type == "cpu" and dtype == torch.float32 and not self.forwards.compiled
         if graph_factory is None and rc.use_cuda_graph[1] and device.type == "cuda":
             graph_factory = CudaGraphFactory(device)

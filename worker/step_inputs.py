@@ -4,6 +4,7 @@ On the CPU the copy is synchronous: prepare must not run while a forward reads t
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -15,6 +16,7 @@ from worker import flash
 from worker.attention import AttnMeta
 
 ALIGN = 8  # int64 entries (64 bytes): every input starts on such a boundary
+UNIT = 16  # the eager CPU decode gathers runs of gcd(page_size, UNIT) slots (`unit_lists`)
 
 
 def _entries(n: int, int32: bool) -> int:
@@ -102,7 +104,7 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     `bucket`: a decode-only plan laid out at that graph bucket's fixed shapes, its gathered keys `graph_width` wide
     (None: max_kv_padded; graphs.decode_widths); None: padded only as far as this step needs. A burst's later
     key slots (`dec_ahead`): docs/architecture.md, "Multi-step decode". `row_views` (an eager float32 CPU
-    forward): a plan of one forward lists each decode row's pages (`AttnMeta.dec_rows`)."""
+    forward): a plan of one forward lists each decode row's keys by runs of slots (`unit_lists`)."""
     page, paged, tables = rc.page_size, rc.paged_kernels, plan.block_tables
     scratch = scratch_block * page
     q_lens, kv_lens = plan.q_lens.astype(np.int64), plan.kv_lens.astype(np.int64)
@@ -167,8 +169,9 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
                     pre_kv_slots=pre_slots_dev, pre_q_pos=q_pos_dev, logits_idx=logits_dev, page_size=page,
                     chunk_elements=rc.attn_chunk_elements, attention=rc.attention)
     if rows:
-        pages = -(-kv_lens[:bd] // page)
-        meta.dec_rows = [(int(n), tables[i, :p].tolist()) for i, (n, p) in enumerate(zip(kv_lens[:bd], pages))]
+        meta.unit = math.gcd(page, UNIT)
+        meta.dec_units, meta.dec_tail, meta.dec_tail_at = unit_lists(tables[:bd], kv_lens[:bd], page, meta.unit,
+                                                                     scratch_block)
     if paged:
         _block_table_meta(buf, meta, tables, q_lens, kv_lens, bd, bd_pad, rc.max_blocks_per_request, scratch_block)
     elif ahead and bd:  # last: what a graph reads keeps its offsets whatever the burst
@@ -202,3 +205,22 @@ def kv_slots(tables: np.ndarray, kv_lens: np.ndarray, length: int, page: int, sc
     cols = np.minimum(j // page, tables.shape[1] - 1)
     slots = tables[:, cols].astype(np.int64) * page + j % page
     return np.where(j[None, :] < kv_lens[:, None], slots, scratch)
+
+
+def unit_lists(tables: np.ndarray, kv_lens: np.ndarray, page: int, unit: int,
+               scratch_block: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The eager CPU decode's gather (`AttnMeta.dec_units`): [B, U] runs of `unit` slots (a divisor of `page`) of
+    each row's keys in position order, U covering the longest row (the scratch block's first run past a row's
+    last: masked), and the positions past each row's length inside its last run, flat over [B, U * unit], with
+    each row's first among them."""
+    runs = -(-int(kv_lens.max()) // unit) if len(kv_lens) else 0
+    j = np.arange(runs) * unit  # each run's first position
+    per_page = page // unit
+    units = tables[:, np.minimum(j // page, tables.shape[1] - 1)].astype(np.int64) * per_page + (j % page) // unit
+    units = np.where(j[None, :] < kv_lens[:, None], units, scratch_block * per_page)
+    ends = -(-kv_lens // unit) * unit  # each row's gathered positions end here
+    count = ends - kv_lens
+    at = np.concatenate([[0], np.cumsum(count)])
+    row = np.repeat(np.arange(len(kv_lens)), count)
+    tail = row * (runs * unit) + kv_lens[row] + np.arange(int(at[-1])) - at[row]
+    return torch.from_numpy(units), torch.from_numpy(tail.astype(np.int64)), at.tolist()
