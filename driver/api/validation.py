@@ -71,6 +71,8 @@ SAMPLING_RANGES: dict[str, tuple[Callable[[Any], Any], str]] = {
     "top_p": (_in(lambda x: 0 < x <= 1), "a number in (0, 1]"),
     "repetition_penalty": (_in(lambda x: math.isfinite(x) and x > 0), "a finite number > 0"),
     "seed": (_seed, "an integer in [-2**63, 2**63 - 1]"),
+    "presence_penalty": (_in(lambda x: -2 <= x <= 2), "a number in [-2, 2]"),
+    "frequency_penalty": (_in(lambda x: -2 <= x <= 2), "a number in [-2, 2]"),
 }
 
 

@@ -81,7 +81,8 @@ class RequestDesk:
         except RequestRejected as e:
             raise P.ProtocolError(e.code, e.message, mid, rid) from None
         req.client = ident  # the scheduler's turns go by connection (driver/engine/fair_queue.py)
-        req.return_logprobs = req.return_logprobs or s.logprobs
+        req.return_logprobs = req.return_logprobs or s.logprobs or s.top_logprobs > 0
+        req.num_top_logprobs = s.top_logprobs
         if s.stop:  # per-token outputs, so a stop string ends it at once (ticket.streaming: does the client get them)
             req.streaming = True
         text = TextOutput.make(self.tokenizer, s.stop, s.resume_tokens) if s.wants_text else None
@@ -163,6 +164,8 @@ class RequestDesk:
         extra: dict[str, Any] = {} if ticket.text is None else {"text": ticket.text.take_delta()}
         if ticket.logprobs:
             extra["logprobs"] = out.logprobs[start:ticket.sent]
+        if out.top_logprobs is not None:
+            extra["top_logprobs"] = out.top_logprobs[start:ticket.sent]
         self.send(ticket.ident, P.TOKENS, request_id=ticket.rid, tokens=out.generated_tokens[start:], index=start,
                   versions=[list(p) for p in versions_between(out.weight_versions, start, ticket.sent)], **extra)
 
