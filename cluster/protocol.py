@@ -34,7 +34,10 @@ SAMPLING_FIELDS = {"do_sample": bool, "temperature": (int, float), "top_k": int,
                    "sequence_bias": list, "forced_bos_token_id": int, "forced_eos_token_id": (int, list),
                    "suppress_tokens": list, "begin_suppress_tokens": list,
                    # OpenAI's additive sampling controls (values: driver/api/option_checks.py, validation.py)
-                   "logit_bias": list, "presence_penalty": (int, float), "frequency_penalty": (int, float)}
+                   "logit_bias": list, "presence_penalty": (int, float), "frequency_penalty": (int, float),
+                   # a structured output (driver/engine/structured.py): {"json_schema": {...}} | {"json_object":
+                   # true} | {"regex": str} | {"grammar": Lark text}
+                   "structured_output": dict}
 MAX_EOS_TOKEN_IDS = 64  # ids in one request's eos_token_id list
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # a submit's `stop`: at most 16 strings of 1..256 characters

@@ -12,8 +12,6 @@ import openai
 import pytest
 
 from cluster.errors import Code
-from launch.torchrun import free_port
-from tests.serving import fast_config, serve
 from tests.test_http import PROMPT_IDS, http
 
 NEW = 10
@@ -25,11 +23,8 @@ def model_dir(make_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    port = free_port()
-    with serve(model_dir, 2, fast_config(), extra=["--http", f"127.0.0.1:{port}"]) as s:
-        s.http = f"http://127.0.0.1:{port}"
-        yield s
+def server(http_server):
+    return http_server  # tests/conftest.py: shared with tests/test_http.py
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +190,75 @@ def test_echo(oai, tok, model_dir):
     assert got[0].startswith(text) and got[1].startswith("def f") and len(got) == 2
     refused(lambda: oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=2, echo=True,
                                            logprobs=1), "echo", Code.UNSUPPORTED)
+
+
+# ------------------------------------------------------------------ structured outputs
+def test_structured_outputs_follow_their_schema(server, oai, model_dir):
+    """Every output of every schema parses and validates: greedy and sampled, streamed and not, at TP=2."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    from tests.schemas import SCHEMAS
+
+    messages = [{"role": "user", "content": "Describe a user as JSON."}]
+
+    def texts(schema: dict, stream: bool, sampled: bool) -> list[tuple[str, str]]:
+        fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+        kwargs = dict(model=model_dir.name, messages=messages, max_tokens=160, response_format=fmt, stream=stream,
+                      n=2 if sampled else 1, temperature=1.0 if sampled else 0, seed=5 if sampled else None)
+        r = oai.chat.completions.create(**kwargs)
+        if not stream:
+            return [(c.message.content, c.finish_reason) for c in r.choices]
+        got: dict[int, list] = {}
+        for chunk in r:
+            for c in chunk.choices:
+                entry = got.setdefault(c.index, ["", None])
+                entry[0] += c.delta.content or ""
+                entry[1] = c.finish_reason or entry[1]
+        return [tuple(got[i]) for i in sorted(got)]
+
+    cases = [(s, stream, sampled) for s in SCHEMAS for stream in (False, True) for sampled in (False, True)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda c: texts(*c), cases))
+    for (schema, stream, sampled), outs in zip(cases, results):
+        assert len(outs) == (2 if sampled else 1)
+        for text, reason in outs:
+            assert reason == "stop", (schema, stream, sampled, text)
+            jsonschema.validate(json.loads(text), schema)
+    # any object: a random model may write one key forever, this prompt's greedy answer ends
+    r = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=200, temperature=0,
+                               extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].text), dict)
+
+
+def test_regex_grammar_and_refusals(server, oai, model_dir):
+    import re
+
+    from cluster.client import Client
+
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    for stream in (False, True):
+        r = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=20, temperature=1.0, n=3,
+                                   seed=1, stream=stream, extra_body={"guided_regex": pattern})
+        texts: dict[int, str] = {}
+        for c in (r if stream else [r]):
+            for ch in c.choices:
+                texts[ch.index] = texts.get(ch.index, "") + ch.text
+        assert len(texts) == 3 and all(re.fullmatch(pattern, t) for t in texts.values()), texts
+    r = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=8, temperature=0,
+                               extra_body={"guided_grammar": 'start: "yes" | "no" | "maybe"'})
+    assert r.choices[0].text in ("yes", "no", "maybe")
+    with Client(server.address, timeout=60) as c:  # the wire's own field
+        out = c.generate(PROMPT_IDS, max_new_tokens=20, return_text=True, structured_output={"regex": pattern})
+        assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop"
+    for fmt, problem in (({"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "wat"}}}, "wat"),
+                         ({"type": "json_schema"}, "json_schema")):
+        body = refused(lambda: oai.chat.completions.create(model=model_dir.name, max_tokens=4, response_format=fmt,
+                                                           messages=[{"role": "user", "content": "hi"}]),
+                       "response_format")
+        assert problem in body["message"], body
+    body = refused(lambda: oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=4,
+                                                  extra_body={"guided_regex": "a(b"}), "response_format")
+    assert "unclosed group" in body["message"]

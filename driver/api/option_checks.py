@@ -110,6 +110,15 @@ def _logit_bias(v: Any, vocab: int | None) -> tuple[tuple[int, float], ...]:
     return tuple(out.items())
 
 
+def _structured(v: Any, _: int | None) -> str:
+    from driver.engine.structured import BadSpec, grammar_of
+
+    try:
+        return grammar_of(v)
+    except BadSpec as e:
+        raise BadOption(str(e)) from None
+
+
 def _forced_eos(v: Any, vocab: int | None) -> tuple[int, ...]:
     return (_token(v, vocab),) if integer(v) is not None else _ids(v, vocab, MAX_EOS_TOKEN_IDS, empty=False)
 
@@ -129,6 +138,8 @@ OPTION_CHECKS: dict[str, tuple[Callable[[Any, int | None], Any], str]] = {
     "begin_suppress_tokens": (lambda v, n: _ids(v, n, MAX_OPTION_IDS),
                               f"a list of at most {MAX_OPTION_IDS} token ids"),
     "logit_bias": (_logit_bias, f"at most {MAX_LOGIT_BIAS} [token id, bias in [-100, 100]] pairs"),
+    "structured_output": (_structured, "one of {json_schema: schema}, {json_object: true}, {regex: str}, "
+                                       "{grammar: Lark text}"),
 }
 
 

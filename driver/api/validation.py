@@ -246,12 +246,25 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
         eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
     common = dict(request_id=request_id, eos_token_ids=eos, sampling=sampling, streaming=streaming,
                   record_timestamps=record_timestamps, return_logprobs=manager.config.return_logprobs,
-                  priority=priority)
+                  priority=priority, grammar=structured_state(manager, sampling, eos, request_id))
     tokens, versions, count = check_resume(resume_tokens, resume_versions, resumes, request_id, vocab, mnt, eos)
     if not count:
         return Request(prompt_ids=prompt, max_new_tokens=mnt, **common)
     return ResumedRequest(prompt_ids=prompt + tokens, max_new_tokens=mnt - len(tokens), resumed_tokens=len(tokens),
                           resume_versions=versions, resumes=count, **common)
+
+
+def structured_state(manager: Any, sampling: SamplingParams, eos: frozenset[int], request_id: str) -> Any:
+    """The request's grammar matcher when it asks for a structured output (driver/engine/structured.py), else None."""
+    if sampling.structured_output is None:
+        return None
+    from driver.engine.structured import grammar_state
+
+    try:
+        return grammar_state(sampling.structured_output, manager.model.model_dir, manager.model.config.vocab_size,
+                             eos)
+    except RequestRejected as e:
+        raise RequestRejected(f"request {request_id}: {e.message}", e.code, request_id) from None
 
 
 def supported_generation_config(generation_config: Any, drop: bool) -> Any:

@@ -12,6 +12,7 @@ import torch
 from driver.engine.constraint_processors import NONE, Constraints, add_bias, ban, force, padded
 from cluster.device_lists import on_device
 from driver.engine.request import SamplingParams
+from driver.engine.structured import mask_rows
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class SampleRow:
     constraints: Constraints = NONE  # the generation options' edits for this step
     counts: tuple[tuple[int, int], ...] = ()  # (token, times generated) when a presence/frequency penalty is set
     top: int = 0  # how many of the most probable tokens to report with their logprobs
+    allowed: torch.Tensor | None = None  # a structured output's bitmask of allowed tokens (structured.py)
 
     @property
     def samples(self) -> bool:
@@ -37,7 +39,7 @@ class SampleRow:
         """Greedy with nothing to process: its token is the argmax of its raw logits."""
         c = self.constraints
         return (not self.params.do_sample and not self.penalised and not (c.bias or c.forced or c.banned)
-                and not self.params.logit_bias and not self.counts)
+                and not self.params.logit_bias and not self.counts and self.allowed is None)
 
     @property
     def penalised(self) -> bool:
@@ -136,7 +138,8 @@ def top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.
 
 
 def process_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Sequence and logit bias, repetition penalty, presence and frequency penalties, forced and banned tokens, temperature, top-k and top-p for a batch
+    """Sequence and logit bias, repetition penalty, presence and frequency penalties, forced and banned tokens, a
+    structured output's mask, temperature, top-k and top-p for a batch
     (the input itself when no row needs anything). Never writes into `logits`."""
     vocab = logits.shape[-1]
     x = on_rows(logits, [i for i, r in enumerate(rows) if r.constraints.bias or r.params.logit_bias],
@@ -150,6 +153,8 @@ def process_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         t, [rows[i].constraints.forced for i in ix]), logits)
     x = on_rows(x, [i for i, r in enumerate(rows) if r.constraints.banned], lambda t, ix: ban(
         t, [rows[i].constraints.banned for i in ix]), logits)
+    x = on_rows(x, [i for i, r in enumerate(rows) if r.allowed is not None], lambda t, ix: mask_rows(
+        t, [rows[i].allowed for i in ix]), logits)
     x = on_rows(x, [i for i, r in enumerate(rows) if r.scaled], lambda t, ix: t / column(
         [rows[i].params.temperature for i in ix], t.dtype, t.device), logits)
     return on_rows(x, [i for i, r in enumerate(rows) if r.filtered(vocab)], lambda t, ix: top_k_top_p(

@@ -35,6 +35,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured_output: str | None = None  # an llguidance grammar (driver/engine/structured.py): a token mask
 
     @property
     def constrained(self) -> bool:
@@ -48,7 +49,7 @@ class SamplingParams:
         """Whether sampling reads the request's tokens so far (repetition penalty, generation options): then a
         step's rows wait until every earlier token is on the host, and the request never runs in a burst."""
         return (self.repetition_penalty != 1.0 or self.constrained or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or self.structured_output is not None)
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +95,7 @@ class Request:
     sample_cache: object = field(default=None, repr=False)  # its SampleRow when sampling reads no history (sampler.py)
     # driver.engine.constraint_processors.History: what the generation options keep between steps, made on first use
     history: object = None
+    grammar: object = None  # driver.engine.structured.GrammarState when sampling.structured_output is set
     # how many of prompt_ids' last tokens were generated before a restart (a client's resume_tokens): they count in
     # the token index, so the resumed request samples what the uninterrupted one would have
     resumed_tokens: int = 0

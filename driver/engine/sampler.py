@@ -94,7 +94,8 @@ def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
         return req.sample_cache
     return SampleRow(req.request_id, p, req.sample_key, req.token_index + ahead,
                      tuple(set(req.tokens)) if p.repetition_penalty != 1.0 else (), req.return_logprobs,
-                     constraints(req), generated_counts(req), req.num_top_logprobs)
+                     constraints(req), generated_counts(req), req.num_top_logprobs,
+                     None if req.grammar is None else req.grammar.allowed(all_generated(req)))
 
 
 def all_generated(req: Request) -> list[int]:

@@ -20,6 +20,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # accepted: the output always follows the schema (a token mask, not a hint)
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -37,6 +51,10 @@ class _Common(BaseModel):
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever EOS says (benchmarks)
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # vLLM's extension: lower is scheduled first
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extensions: a JSON schema, a regex, a Lark grammar
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -64,6 +82,25 @@ class _Common(BaseModel):
     def check_supported(self) -> None:
         """HttpError (unsupported) for a field this server cannot honour."""
 
+    def structured_output(self) -> dict[str, Any] | None:
+        """The wire's `structured_output` spec (driver/engine/structured.py) of response_format or vLLM's guided_*
+        fields (at most one of them), None for plain text."""
+        specs: list[tuple[str, dict[str, Any]]] = []
+        f = self.response_format
+        if f is not None and f.type == "json_object":
+            specs.append(("response_format", {"json_object": True}))
+        elif f is not None and f.type == "json_schema":
+            if f.json_schema is None:
+                raise HttpError(Code.BAD_FIELD, "response_format of type json_schema needs its json_schema",
+                                "response_format")
+            specs.append(("response_format", {"json_schema": f.json_schema.json_schema}))
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                specs.append((name, {kind: getattr(self, name)}))
+        if len(specs) > 1:
+            raise HttpError(Code.BAD_FIELD, f"at most one of {', '.join(n for n, _ in specs)} may be set", specs[1][0])
+        return specs[0][1] if specs else None
+
     def submit_params(self, max_new_tokens: int | None, logprobs: bool, top: int, text: bool) -> dict[str, Any]:
         """The submit keywords this request asks for, the prompt aside; `top`: the most probable tokens to report
         with each token; `text`: ask for text (there is a tokenizer)."""
@@ -75,7 +112,8 @@ class _Common(BaseModel):
                   "eos_token_id": -1 if self.ignore_eos else None, "stop": self.stops() or None,
                   "logprobs": logprobs or None, "top_logprobs": top or None, "priority": self.priority or None,
                   "presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
-                  "logit_bias": [[int(t), b] for t, b in self.logit_bias.items()] if self.logit_bias else None}
+                  "logit_bias": [[int(t), b] for t, b in self.logit_bias.items()] if self.logit_bias else None,
+                  "structured_output": self.structured_output()}
         return {k: v for k, v in params.items() if v is not None}
 
 
