@@ -260,5 +260,5 @@ def test_regex_grammar_and_refusals(server, oai, model_dir):
                        "response_format")
         assert problem in body["message"], body
     body = refused(lambda: oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=4,
-                                                  extra_body={"guided_regex": "a(b"}), "response_format")
+                                                  extra_body={"guided_regex": "a(b"}), "guided_regex")
     assert "unclosed group" in body["message"]

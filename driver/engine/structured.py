@@ -36,8 +36,7 @@ def llguidance() -> Any:
     """The llguidance module, or RequestRejected (unsupported) saying how to install it."""
     try:
         import llguidance as llg
-        import llguidance.hf  # noqa: F401
-        import llguidance.torch  # noqa: F401
+        import llguidance.hf  # noqa: F401  (not llguidance.torch: its import compiles a kernel we do not use, 1.4 s)
     except ImportError:
         raise RequestRejected(INSTALL, Code.UNSUPPORTED) from None
     return llg
@@ -96,7 +95,7 @@ class GrammarState:
     bitmask: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.bitmask = torch.zeros((1, self.words), dtype=torch.int32)
+        self.bitmask = torch.zeros(self.words, dtype=torch.int32)
 
     def allowed(self, generated: list[int]) -> torch.Tensor:
         """The bitmask [words] int32 of the tokens the grammar allows after `generated` (every token the request
@@ -108,8 +107,9 @@ class GrammarState:
             self.consumed = len(generated)
         if self.matcher.is_error():
             return torch.zeros(self.words, dtype=torch.int32)
-        llguidance().torch.fill_next_token_bitmask(self.matcher, self.bitmask)
-        return self.bitmask[0].clone()
+        # llguidance.torch.fill_next_token_bitmask's own call: the matcher writes the words in place, GIL released
+        self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.words * 4)
+        return self.bitmask.clone()
 
 
 def grammar_state(grammar: str, model_dir: str, vocab_size: int, eos: frozenset[int]) -> GrammarState:

@@ -88,6 +88,12 @@ def make_app(client: AsyncClient, model: Model, admin_token: str | None) -> Fast
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def answer(request: Request, body: Any, chat: bool) -> Response:
+        try:
+            return await answer_or_raise(request, body, chat)
+        except HttpError as e:  # a refusal of the structured output names the field that asked for it
+            raise body.named(e) from None
+
+    async def answer_or_raise(request: Request, body: Any, chat: bool) -> Response:
         choices, params = serving.parts(body, chat)
         if body.stream:
             events = serving.stream_events(body, chat, choices, params)

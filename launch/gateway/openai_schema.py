@@ -14,6 +14,7 @@ from launch.gateway.errors import HttpError
 
 MAX_N = 16  # choices per request (each is one submit)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what the wire's integers hold
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}  # vLLM's fields
 
 
 class StreamOptions(BaseModel):
@@ -82,6 +83,13 @@ class _Common(BaseModel):
     def check_supported(self) -> None:
         """HttpError (unsupported) for a field this server cannot honour."""
 
+    def named(self, error: HttpError) -> HttpError:
+        """`error` with `param` the field that set the structured output, when the driver refused that
+        (its message names the wire's `structured_output`: launch/gateway/errors.py maps it to response_format)."""
+        if error.param == "response_format":
+            error.param = next((n for n in GUIDED if getattr(self, n) is not None), error.param)
+        return error
+
     def structured_output(self) -> dict[str, Any] | None:
         """The wire's `structured_output` spec (driver/engine/structured.py) of response_format or vLLM's guided_*
         fields (at most one of them), None for plain text."""
@@ -94,7 +102,7 @@ class _Common(BaseModel):
                 raise HttpError(Code.BAD_FIELD, "response_format of type json_schema needs its json_schema",
                                 "response_format")
             specs.append(("response_format", {"json_schema": f.json_schema.json_schema}))
-        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "grammar")):
+        for name, kind in GUIDED.items():
             if getattr(self, name) is not None:
                 specs.append((name, {kind: getattr(self, name)}))
         if len(specs) > 1:
