@@ -77,12 +77,11 @@ class RequestDesk:
             req = self.manager.build_request(input_ids, rid, s.max_new_tokens, s.streaming, False, s.eos_token_id,
                                              strict_processors=True, resume_tokens=s.resume_tokens,
                                              resume_versions=s.resume_versions, resumes=s.resumes,
-                                             priority=s.priority, **s.sampling)
+                                             priority=s.priority, top_logprobs=s.top_logprobs, **s.sampling)
         except RequestRejected as e:
             raise P.ProtocolError(e.code, e.message, mid, rid) from None
         req.client = ident  # the scheduler's turns go by connection (driver/engine/fair_queue.py)
-        req.return_logprobs = req.return_logprobs or s.logprobs or s.top_logprobs > 0
-        req.num_top_logprobs = s.top_logprobs
+        req.return_logprobs = req.return_logprobs or s.logprobs
         if s.stop:  # per-token outputs, so a stop string ends it at once (ticket.streaming: does the client get them)
             req.streaming = True
         text = TextOutput.make(self.tokenizer, s.stop, s.resume_tokens) if s.wants_text else None
