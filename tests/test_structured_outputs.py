@@ -87,6 +87,15 @@ def test_every_output_follows_its_spec_and_overlap_bursts_and_resume_are_exact(m
     assert resumed == serial
 
 
+def test_a_complete_grammar_ends_the_request_even_with_eos_ignored(model, tok):
+    cfg = cluster.ContinuousBatchingConfig(per_request_processors=True, page_size=16)
+    with model.continuous_batching_context_manager(continuous_batching_config=cfg) as m:
+        out = m.get_result(m.add_request(PROMPTS[0], max_new_tokens=12, eos_token_id=-1,
+                                         structured_output={"regex": "[0-9]{3}"}), timeout=60)
+    assert out.finish_reason == "stop" and re.fullmatch("[0-9]{3}", tok.decode(out.generated_tokens,
+                                                                               skip_special_tokens=True))
+
+
 def test_bad_specs_are_refused_naming_the_problem(model):
     cfg = cluster.ContinuousBatchingConfig(per_request_processors=True, page_size=16)
     with model.continuous_batching_context_manager(continuous_batching_config=cfg) as m:

@@ -256,9 +256,12 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
     else:
         eos = getattr(gen, "eos_token_id", None)
         eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+    grammar = structured_state(manager, sampling, eos, request_id)
+    if grammar is not None:  # a complete grammar allows only EOS: it ends the request, ignore_eos or not
+        eos = eos | grammar.eos
     common = dict(request_id=request_id, eos_token_ids=eos, sampling=sampling, streaming=streaming,
                   record_timestamps=record_timestamps, return_logprobs=manager.config.return_logprobs or top > 0,
-                  num_top_logprobs=top, priority=priority, grammar=structured_state(manager, sampling, eos, request_id))
+                  num_top_logprobs=top, priority=priority, grammar=grammar)
     tokens, versions, count = check_resume(resume_tokens, resume_versions, resumes, request_id, vocab, mnt, eos)
     if not count:
         return Request(prompt_ids=prompt, max_new_tokens=mnt, **common)

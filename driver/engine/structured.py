@@ -91,6 +91,7 @@ class GrammarState:
 
     matcher: Any
     words: int  # int32 words of its bitmask: ceil(vocab / 32)
+    eos: frozenset[int] = frozenset()  # what the grammar allows once complete: they end the request
     consumed: int = 0
     bitmask: torch.Tensor = field(init=False)
 
@@ -113,12 +114,14 @@ class GrammarState:
 
 
 def grammar_state(grammar: str, model_dir: str, vocab_size: int, eos: frozenset[int]) -> GrammarState:
-    """A new request's matcher (RequestRejected naming the problem when llguidance refuses the grammar)."""
+    """A new request's matcher (RequestRejected naming the problem when llguidance refuses the grammar). `eos`: the
+    request's EOS ids (none: the tokenizer's), which the grammar allows once complete."""
     llg = llguidance()
-    matcher = llg.LLMatcher(tokenizer_of(model_dir, vocab_size, tuple(sorted(eos))), grammar, log_level=0)
+    tokenizer = tokenizer_of(model_dir, vocab_size, tuple(sorted(eos)))
+    matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise RequestRejected(f"structured_output is refused: {matcher.get_error()}", Code.BAD_FIELD)
-    return GrammarState(matcher, (vocab_size + 31) // 32)
+    return GrammarState(matcher, (vocab_size + 31) // 32, frozenset(tokenizer.eos_tokens))
 
 
 def mask_rows(x: torch.Tensor, bitmasks: list[torch.Tensor]) -> torch.Tensor:
