@@ -96,6 +96,17 @@ def test_a_complete_grammar_ends_the_request_even_with_eos_ignored(model, tok):
                                                                                skip_special_tokens=True))
 
 
+def test_a_generation_config_constrains_every_request(model, model_dir, tok):
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig.from_pretrained(model_dir)
+    gc.structured_output = {"regex": PATTERN}
+    cfg = cluster.ContinuousBatchingConfig(page_size=16)
+    with model.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cfg) as m:
+        outs = [m.get_result(m.add_request(p, max_new_tokens=16), timeout=60) for p in PROMPTS[:3]]
+    assert all(re.fullmatch(PATTERN, tok.decode(o.generated_tokens, skip_special_tokens=True)) for o in outs)
+
+
 def test_bad_specs_are_refused_naming_the_problem(model):
     cfg = cluster.ContinuousBatchingConfig(per_request_processors=True, page_size=16)
     with model.continuous_batching_context_manager(continuous_batching_config=cfg) as m:
