@@ -99,6 +99,9 @@ def test_out_of_range_fields_are_400s_naming_them(server, oai, model_dir):
     # stream_options only with stream=true, as OpenAI and vLLM
     refused(lambda: oai.completions.create(model=name, prompt=PROMPT_IDS, max_tokens=2,
                                            stream_options={"include_usage": True}), "stream_options")
+    for field, value in (("functions", [{"name": "f", "parameters": {}}]), ("audio", {"voice": "x", "format": "wav"})):
+        refused(lambda: oai.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2, extra_body={field: value}), field, Code.UNSUPPORTED)
     # suffix is still refused, as `unsupported`
     refused(lambda: oai.completions.create(model=name, prompt=PROMPT_IDS, max_tokens=2, suffix="x"), "suffix",
             Code.UNSUPPORTED)

@@ -182,11 +182,16 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None  # tools' deprecated form
+    audio: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise HttpError(Code.UNSUPPORTED, "tools are not supported", "tools")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise HttpError(Code.UNSUPPORTED, f"{name} are not supported (no tool calling)", name)
+        if self.audio is not None:
+            raise HttpError(Code.UNSUPPORTED, "audio output is not supported (text only)", "audio")
         if self.top_logprobs and not self.logprobs:
             raise HttpError(Code.BAD_FIELD, "top_logprobs needs logprobs to be true", "top_logprobs")
 
