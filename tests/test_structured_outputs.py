@@ -39,7 +39,8 @@ def tok(model_dir):
 
 
 def workload() -> list[tuple[list[int], dict]]:
-    """Constrained rows (each schema, greedy and sampled; a regex) beside unconstrained sampled ones."""
+    """Constrained rows (each schema, greedy and sampled; a regex) beside unconstrained sampled ones, one with a
+    logit_bias and one with OpenAI's penalties."""
     out = []
     for k, schema in enumerate(SCHEMAS):
         for i, sampled in enumerate((False, True)):
@@ -47,6 +48,10 @@ def workload() -> list[tuple[list[int], dict]]:
             out.append((PROMPTS[k], kw | {"structured_output": {"json_schema": schema}}))
     out.append((PROMPTS[3], {"structured_output": {"regex": PATTERN}, "do_sample": True, "seed": 4}))
     out += [(p, {"do_sample": True, "temperature": 1.0, "seed": i}) for i, p in enumerate(PROMPTS)]
+    # OpenAI's bias (no history: bursts) and penalties (history), exact across the modes too
+    out += [(PROMPTS[0], {"logit_bias": [[300, 4.0], [17, -100.0]]}),
+            (PROMPTS[1], {"do_sample": True, "seed": 9, "presence_penalty": 0.8, "frequency_penalty": 1.1,
+                          "max_new_tokens": 30})]  # short: while a row needs its history, nobody bursts
     return out
 
 
@@ -56,10 +61,12 @@ def run(model, overlap: bool, burst: int = 1, resume_at: dict[int, list[int]] | 
     with model.continuous_batching_context_manager(continuous_batching_config=cfg) as m:
         rids = []
         for i, (prompt, kw) in enumerate(workload()):
+            kw = dict(kw)
+            new = kw.pop("max_new_tokens", 120)
             if resume_at and i in resume_at:
-                rids.append(m.submit(m.build_request(prompt, f"r{i}", 120, resume_tokens=resume_at[i], **kw)))
+                rids.append(m.submit(m.build_request(prompt, f"r{i}", new, resume_tokens=resume_at[i], **kw)))
             else:
-                rids.append(m.add_request(prompt, f"r{i}", 120, **kw))
+                rids.append(m.add_request(prompt, f"r{i}", new, **kw))
         outs = [m.get_result(r, timeout=120) for r in rids]
         bursts = m.engine.num_burst_forwards
     assert all(o.finish_reason in ("stop", "length") for o in outs)
@@ -83,7 +90,9 @@ def test_every_output_follows_its_spec_and_overlap_bursts_and_resume_are_exact(m
     burst, bursts = run(model, overlap=True, burst=4)
     assert burst == serial and bursts > 0  # the unconstrained rows burst; the constrained ones never do
     # a resume after a restart: the constrained requests go on from their delivered tokens, to the same answer
-    resumed, _ = run(model, overlap=True, resume_at={i: serial[i][:len(serial[i]) // 2] for i in range(7)})
+    # (and the penalties count the resumed tokens: the last row)
+    rows = [*range(7), len(serial) - 1]
+    resumed, _ = run(model, overlap=True, resume_at={i: serial[i][:len(serial[i]) // 2] for i in rows})
     assert resumed == serial
 
 
