@@ -265,3 +265,11 @@ def test_regex_grammar_and_refusals(server, oai, model_dir):
     body = refused(lambda: oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=4,
                                                   extra_body={"guided_regex": "a(b"}), "guided_regex")
     assert "unclosed group" in body["message"]
+
+
+def test_logprobs_json_can_carry():
+    """-inf (a token a filter dropped) as -9999.0, NaN (a token delivered before a resume) as null: Starlette's
+    JSON refuses both, which made such an answer a 500."""
+    from launch.gateway.openai_serving import MIN_LOGPROB, finite
+
+    assert finite(float("nan")) is None and finite(float("-inf")) == MIN_LOGPROB and finite(-1.5) == -1.5

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -85,8 +86,9 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 MIN_LOGPROB = -9999.0  # what a -inf logprob (a token its filters dropped) is reported as: JSON has no infinity
 
 
-def finite(logprob: float) -> float:
-    return max(logprob, MIN_LOGPROB)
+def finite(logprob: float) -> float | None:
+    """A logprob JSON can carry: -inf as MIN_LOGPROB, NaN (a token delivered before a resume) as null."""
+    return None if math.isnan(logprob) else max(logprob, MIN_LOGPROB)
 
 
 def finish_reason(out: GenerationOutput, max_new_tokens: int | None) -> str:
