@@ -149,9 +149,9 @@ class SimulatedForward:
 
     def events(self, to_host: Callable) -> Callable:
         """`driver.engine.sampler.to_host` whose transfer completes when the device clock passes the last step's end."""
-        def transferred(picks: Any) -> tuple[torch.Tensor, Any]:
-            host, event = to_host(picks)
-            return host, event if event is not None else VirtualEvent(self.closed)
+        def transferred(picks: Any) -> tuple:
+            host, event, *rest = to_host(picks)  # rest: the top tokens' transfer, which the event covers too
+            return host, event if event is not None else VirtualEvent(self.closed), *rest
         return transferred
 
 

@@ -21,7 +21,7 @@ class RequestStatus(IntEnum):
 
 # a request's finish_reason by its terminal status ("length", for max_new_tokens or the context, is set where it ends)
 FINISH_REASONS = {RequestStatus.FINISHED: "stop", RequestStatus.FAILED: "error", RequestStatus.CANCELLED: "cancelled"}
-OPTIONAL_KEYS = ("resumes", "text", "finish_reason", "stop_string")  # in to_dict only when set (0 or None: unset)
+OPTIONAL_KEYS = ("resumes", "text", "finish_reason", "stop_string", "top_logprobs")  # in to_dict only when set (0 or None: unset)
 
 
 @dataclass
@@ -46,6 +46,8 @@ class GenerationOutput:
     # why it ended: "stop" (EOS or a stop string), "length", "cancelled", "error"; None while it runs
     finish_reason: str | None = None
     stop_string: str | None = None  # the stop string that ended it
+    # per generated token, its most probable alternatives as (token, logprob) pairs (None: not asked for)
+    top_logprobs: list | None = None
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED

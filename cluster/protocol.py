@@ -32,12 +32,18 @@ SAMPLING_FIELDS = {"do_sample": bool, "temperature": (int, float), "top_k": int,
                    # transformers' generation options (values: driver/api/option_checks.py)
                    "min_new_tokens": int, "min_length": int, "no_repeat_ngram_size": int, "bad_words_ids": list,
                    "sequence_bias": list, "forced_bos_token_id": int, "forced_eos_token_id": (int, list),
-                   "suppress_tokens": list, "begin_suppress_tokens": list}
+                   "suppress_tokens": list, "begin_suppress_tokens": list,
+                   # OpenAI's additive sampling controls (values: driver/api/option_checks.py, validation.py)
+                   "logit_bias": list, "presence_penalty": (int, float), "frequency_penalty": (int, float),
+                   # a structured output (driver/engine/structured.py): {"json_schema": {...}} | {"json_object":
+                   # true} | {"regex": str} | {"grammar": Lark text}
+                   "structured_output": dict}
 MAX_EOS_TOKEN_IDS = 64  # ids in one request's eos_token_id list
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # a submit's `stop`: at most 16 strings of 1..256 characters
 # a submit's `priority` (vLLM's meaning: lower first; docs/protocol.md "Priority and fairness"): a 32-bit integer
 PRIORITY_MIN, PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
+MAX_TOP_LOGPROBS = 20  # a submit's `top_logprobs`: each token's most probable alternatives, 0..20
 
 
 class ProtocolError(Exception):
@@ -104,6 +110,7 @@ class Submit:
     return_text: bool = False  # text outputs even for an input_ids submit without stop strings
     logprobs: bool = False  # the chosen tokens' logprobs, also in streamed `tokens`
     priority: int = 0  # lower numbers are scheduled first (the range is checked where the request is built)
+    top_logprobs: int = 0  # 1..MAX_TOP_LOGPROBS: each token's most probable alternatives with their logprobs
 
     @property
     def wants_text(self) -> bool:
@@ -163,7 +170,15 @@ def parse_submit(msg: dict) -> Submit:
                   sampling=sampling, eos_token_id=eos, resume_tokens=resume_tokens, resume_versions=versions,
                   resumes=field(msg, "resumes", int, 0), stop=check_stop(msg.get("stop"), mid, rid),
                   return_text=field(msg, "return_text", bool, False), logprobs=field(msg, "logprobs", bool, False),
-                  priority=field(msg, "priority", int, 0))
+                  priority=field(msg, "priority", int, 0), top_logprobs=check_top_logprobs(msg, mid, rid))
+
+
+def check_top_logprobs(msg: dict, mid: Any = None, rid: str | None = None) -> int:
+    """A submit's `top_logprobs`: an integer in [0, MAX_TOP_LOGPROBS]."""
+    k = field(msg, "top_logprobs", int, 0)
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise _bad(f"top_logprobs={k}; it must be an integer in [0, {MAX_TOP_LOGPROBS}]", mid, rid)
+    return k
 
 
 def check_stop(value: Any, mid: Any = None, rid: str | None = None) -> list[str] | None:

@@ -1,4 +1,5 @@
-"""Shared fixtures: locally made checkpoints, transformers' greedy reference, and a bounded torchrun runner."""
+"""Shared fixtures: locally made checkpoints, transformers' greedy reference, a bounded torchrun runner, and the
+TP=2 HTTP server the two HTTP modules share."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ _MODELS: dict[tuple, Path] = {}
 # other (a job of one failed to find an actor of its own cluster). Groups go out longest first (seconds on a clean
 # run here), the rest in file order, so the three workers finish together. Refresh from `--durations` when they drift.
 RAY_MODULES = ("test_replicas", "test_ray", "test_recovery_ray")
+HTTP_MODULES = ("test_http", "test_http_openai")  # one group: they share one server (`http_server`)
 LONGEST_FIRST = (*RAY_MODULES, "test_parity", "test_recovery_chaos", "test_gpu_compat", "test_compile",
                  "test_chaos_loop", "test_overlap", "test_http", "test_weight_push", "test_serving_security",
                  "test_chaos_client", "test_chaos_frontend", "test_cli", "test_transformers_script", "test_serving")
@@ -37,7 +39,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     module = {item: item.module.__name__.rsplit(".", 1)[-1] for item in items}
     items.sort(key=lambda item: rank.get(module[item], len(rank)))  # a stable sort
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("ray" if module[item] in RAY_MODULES else module[item]))
+        group = "ray" if module[item] in RAY_MODULES else "http" if module[item] in HTTP_MODULES else module[item]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+HTTP_ADMIN_TOKEN = "test-admin-token"
+
+
+@pytest.fixture(scope="session")
+def http_server(make_checkpoint):
+    """One TP=2 `lockstep serve --http` on the llama seed-3 checkpoint (admin token HTTP_ADMIN_TOKEN), started once
+    for tests/test_http.py and tests/test_http_openai.py (one xdist group); `.http` is its base URL."""
+    from tests.serving import fast_config, serve
+
+    port = free_port()
+    config = fast_config() + f'http_admin_token = "{HTTP_ADMIN_TOKEN}"\n'
+    with serve(make_checkpoint("llama", seed=3), 2, config, extra=["--http", f"127.0.0.1:{port}"]) as s:
+        s.http = f"http://127.0.0.1:{port}"
+        yield s
 
 
 @pytest.fixture(scope="session")

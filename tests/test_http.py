@@ -26,10 +26,9 @@ from launch.gateway.errors import STATUS, HttpError, status_of
 from launch.gateway.server import Gateway, settings_for
 from launch.gateway.child import GatewayProcess
 from launch.torchrun import free_port
-from tests.conftest import hf_greedy
-from tests.serving import fast_config, serve
+from tests.conftest import HTTP_ADMIN_TOKEN, hf_greedy
 
-TOKEN = "test-admin-token"
+TOKEN = HTTP_ADMIN_TOKEN
 NEW = 12
 PROMPT_IDS = [1, 17, 33, 250, 9, 400, 77]
 
@@ -40,13 +39,8 @@ def model_dir(make_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    port = free_port()
-    config = fast_config() + f'http_admin_token = "{TOKEN}"\n'
-    with serve(model_dir, 2, config, extra=["--http", f"127.0.0.1:{port}"],
-               ) as s:
-        s.http = f"http://127.0.0.1:{port}"
-        yield s
+def server(http_server):
+    return http_server  # tests/conftest.py: shared with tests/test_http_openai.py
 
 
 @pytest.fixture(scope="module")

@@ -102,17 +102,19 @@ class Client:
                       eos_token_id: int | list[int] | None = None, resume_tokens: list[int] | None = None,
                       resume_versions: list[tuple[int, int]] | None = None, resumes: int = 0,
                       stop: list[str] | None = None, return_text: bool = False, logprobs: bool = False,
-                      priority: int = 0, **sampling: Any) -> tuple[PendingRequest, Future]:
+                      priority: int = 0, top_logprobs: int = 0, **sampling: Any) -> tuple[PendingRequest, Future]:
         """Send a submit; the future resolves to the request id once accepted (an id outstanding here raises
         `duplicate_request_id` at once). `resume_tokens` (`resume_versions`, `resumes`): resume by hand
         (docs/recovery.md). Outputs carry `text` when the submit is text, has `stop` strings or `return_text`.
-        `priority`: lower numbers are scheduled first (vLLM's meaning; docs/protocol.md "Priority and fairness")."""
+        `priority`: lower numbers are scheduled first (vLLM's meaning; docs/protocol.md "Priority and fairness").
+        `top_logprobs` (1..20): each token's most probable alternatives, (token, logprob) pairs, with the logprobs."""
         rid = request_id or os.urandom(12).hex()
         fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "streaming": streaming, "sampling": sampling,
                                   "request_id": rid, "eos_token_id": eos_token_id}
         # additive fields, sent only when used (an older server ignores what it does not know)
         fields |= {k: v for k, v in (("stop", list(stop) if stop is not None else None), ("return_text", return_text),
-                                     ("logprobs", logprobs), ("priority", priority)) if v}
+                                     ("logprobs", logprobs), ("priority", priority),
+                                     ("top_logprobs", top_logprobs)) if v}
         fields |= {"text": text} if text is not None else {"input_ids": None if input_ids is None else list(input_ids)}
         io = self.io
         req = PendingRequest(rid, input_ids, dict(fields), resumable=self.auto_resume)

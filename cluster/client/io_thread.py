@@ -270,7 +270,8 @@ class IOThread:
             index = msg.get("index")
             try:
                 out = req.delivered(index if isinstance(index, int) else len(req.tokens), msg["tokens"],
-                                    msg.get("versions") or [], msg.get("text"), msg.get("logprobs"))
+                                    msg.get("versions") or [], msg.get("text"), msg.get("logprobs"),
+                                    msg.get("top_logprobs"))
                 if out is not None:
                     req.put(out)
             except ValueError as e:

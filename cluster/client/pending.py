@@ -35,6 +35,7 @@ class PendingRequest:
         self.versions: list[tuple[int, int]] = []  # their compact weight versions
         self.text: str | None = None  # the text streamed so far (when the submit asked for text)
         self.logprobs: list[float] = []  # the streamed tokens' logprobs (when asked for)
+        self.top_logprobs: list | None = None  # their most probable tokens, [(token, logprob), ...] each (asked for)
         self.resumes = 0  # resumes the server accepted
         self.dropped = False  # its caller stopped waiting for it (never resumed then)
         self.server: str | None = None  # the id of the server that accepted it (its `accepted` names it)
@@ -49,7 +50,7 @@ class PendingRequest:
                               "resumes": self.resumes + 1}
 
     def delivered(self, index: int, tokens: list[int], versions: list[list[int]], text: str | None = None,
-                  logprobs: list[float] | None = None) -> GenerationOutput | None:
+                  logprobs: list[float] | None = None, top_logprobs: list | None = None) -> GenerationOutput | None:
         """Streamed tokens from generated index `index`: the new ones are kept and the cumulative output returned;
         a repeat of tokens held (a resume's overlap) returns None. A gap: ValueError."""
         have = len(self.tokens)
@@ -64,11 +65,14 @@ class PendingRequest:
             self.text = (self.text or "") + (text if index == have else "")
         if isinstance(logprobs, list):
             self.logprobs.extend(logprobs[have - index:])
+        if isinstance(top_logprobs, list):
+            self.top_logprobs = (self.top_logprobs or []) + top_logprobs[have - index:]
         return GenerationOutput(request_id=self.request_id, prompt_ids=self.prompt_ids,
                                 generated_tokens=list(self.tokens), logprobs=list(self.logprobs),
                                 status=RequestStatus.DECODING, weight_versions=list(self.versions),
                                 weight_version=self.versions[0][1] if self.versions else 0, resumes=self.resumes,
-                                text=self.text)
+                                text=self.text, top_logprobs=None if self.top_logprobs is None else
+                                list(self.top_logprobs))
 
     def end(self, error: BaseException) -> None:
         """End it with `error` (to its stream and its future), unless it already ended."""

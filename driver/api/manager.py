@@ -220,27 +220,31 @@ class ContinuousBatchingManager:
     # ---------------------------------------------------------------- requests (driver)
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = False,
-                    eos_token_id: int | list[int] | None = None, priority: int = 0,
+                    eos_token_id: int | list[int] | None = None, priority: int = 0, top_logprobs: int = 0,
                     **logit_processor_kwargs: Any) -> str | None:
         """Queue a request; its id on the driver, None on other ranks (a no-op there). `priority`: lower numbers are
-        scheduled first (vLLM's meaning; FCFS within one; docs/architecture.md, "Fair scheduling")."""
+        scheduled first (vLLM's meaning; FCFS within one; docs/architecture.md, "Fair scheduling"). `top_logprobs`
+        (1..20): each output's `top_logprobs` holds every token's most probable (token, logprob) pairs."""
         if not self.is_driver:
             return None
         return self.submit(self.build_request(input_ids, request_id, max_new_tokens, streaming, record_timestamps,
-                                              eos_token_id, priority=priority, **logit_processor_kwargs))
+                                              eos_token_id, priority=priority, top_logprobs=top_logprobs,
+                                              **logit_processor_kwargs))
 
     def build_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                       streaming: bool = False, record_timestamps: bool = False,
                       eos_token_id: int | list[int] | None = None, *, strict_processors: bool = False,
                       resume_tokens: list[int] | None = None, resume_versions: list[tuple[int, int]] | None = None,
-                      resumes: int = 0, priority: int = 0, **logit_processor_kwargs: Any) -> Request:
+                      resumes: int = 0, priority: int = 0, top_logprobs: int = 0,
+                      **logit_processor_kwargs: Any) -> Request:
         """A validated request, not yet queued (RequestRejected, with its code, if it cannot be served).
         `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire).
         `resume_tokens`, `resume_versions`, `resumes`: an earlier run's delivered tokens (docs/recovery.md)."""
         return build_request(self, input_ids, f"req_{next(self._ids)}" if request_id is None else request_id,
                              max_new_tokens, streaming, record_timestamps, eos_token_id, logit_processor_kwargs,
                              strict_processors=strict_processors, resume_tokens=resume_tokens,
-                             resume_versions=resume_versions, resumes=resumes, priority=priority)
+                             resume_versions=resume_versions, resumes=resumes, priority=priority,
+                             top_logprobs=top_logprobs)
 
     def submit(self, req: Request, sink: Callable[[GenerationOutput], None] | None = None) -> str:
         """Queue a built request (driver only); `sink` receives its outputs on the loop thread (else the result

@@ -88,6 +88,37 @@ def _bias(v: Any, vocab: int | None) -> tuple[tuple[tuple[int, ...], float], ...
     return tuple(out.items())
 
 
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range of one bias: [-100, 100]
+
+
+def _logit_bias(v: Any, vocab: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, as [[token, bias], ...] (the wire's form) or {token: bias} (token keys may be strings of
+    digits, as JSON sends them): (token, bias) pairs, a token given twice takes the later bias."""
+    pairs = list(v.items()) if isinstance(v, dict) else v
+    if not isinstance(pairs, (list, tuple)) or len(pairs) > MAX_LOGIT_BIAS:
+        raise BadOption(f"not a list of at most {MAX_LOGIT_BIAS} [token, bias] pairs")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise BadOption("each entry must be a [token, bias] pair")
+        token = int(pair[0]) if isinstance(pair[0], str) and pair[0].isdigit() else pair[0]
+        bias = real(pair[1])
+        if bias is None or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise BadOption(f"bias {pair[1]!r} is not a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        out[_token(token, vocab)] = bias
+    return tuple(out.items())
+
+
+def _structured(v: Any, _: int | None) -> str:
+    from driver.engine.structured import BadSpec, grammar_of
+
+    try:
+        return grammar_of(v)
+    except BadSpec as e:
+        raise BadOption(str(e)) from None
+
+
 def _forced_eos(v: Any, vocab: int | None) -> tuple[int, ...]:
     return (_token(v, vocab),) if integer(v) is not None else _ids(v, vocab, MAX_EOS_TOKEN_IDS, empty=False)
 
@@ -106,6 +137,9 @@ OPTION_CHECKS: dict[str, tuple[Callable[[Any, int | None], Any], str]] = {
     "suppress_tokens": (lambda v, n: _ids(v, n, MAX_OPTION_IDS), f"a list of at most {MAX_OPTION_IDS} token ids"),
     "begin_suppress_tokens": (lambda v, n: _ids(v, n, MAX_OPTION_IDS),
                               f"a list of at most {MAX_OPTION_IDS} token ids"),
+    "logit_bias": (_logit_bias, f"at most {MAX_LOGIT_BIAS} [token id, bias in [-100, 100]] pairs"),
+    "structured_output": (_structured, "one of {json_schema: schema}, {json_object: true}, {regex: str}, "
+                                       "{grammar: Lark text}"),
 }
 
 

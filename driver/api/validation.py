@@ -10,7 +10,8 @@ from typing import Any
 
 from cluster.config import DEFAULT_MAX_NEW_TOKENS
 from cluster.errors import Code, RequestRejected
-from cluster.protocol import MAX_EOS_TOKEN_IDS, MAX_REQUEST_ID_CHARS, PRIORITY_MAX, PRIORITY_MIN, SAMPLING_FIELDS
+from cluster.protocol import (MAX_EOS_TOKEN_IDS, MAX_REQUEST_ID_CHARS, MAX_TOP_LOGPROBS, PRIORITY_MAX, PRIORITY_MIN,
+                              SAMPLING_FIELDS)
 from driver.api.option_checks import OPTION_CHECKS, check_forced_not_suppressed, check_option, integer, real, shown
 from driver.engine.request import Request, ResumedRequest, SamplingParams
 
@@ -71,6 +72,8 @@ SAMPLING_RANGES: dict[str, tuple[Callable[[Any], Any], str]] = {
     "top_p": (_in(lambda x: 0 < x <= 1), "a number in (0, 1]"),
     "repetition_penalty": (_in(lambda x: math.isfinite(x) and x > 0), "a finite number > 0"),
     "seed": (_seed, "an integer in [-2**63, 2**63 - 1]"),
+    "presence_penalty": (_in(lambda x: -2 <= x <= 2), "a number in [-2, 2]"),
+    "frequency_penalty": (_in(lambda x: -2 <= x <= 2), "a number in [-2, 2]"),
 }
 
 
@@ -125,6 +128,15 @@ def check_priority(priority: Any, request_id: str) -> int:
         raise RequestRejected(f"request {request_id}: priority={shown(priority)}; priority must be an integer in "
                               f"[{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is served first)", Code.BAD_FIELD, request_id)
     return p
+
+
+def check_top_logprobs(top: Any, request_id: str) -> int:
+    """How many of each token's most probable alternatives to report: an integer in [0, MAX_TOP_LOGPROBS]."""
+    k = integer(top)
+    if k is None or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise RequestRejected(f"request {request_id}: top_logprobs={shown(top)}; top_logprobs must be an integer in "
+                              f"[0, {MAX_TOP_LOGPROBS}]", Code.BAD_FIELD, request_id)
+    return k
 
 
 NO_EOS = -1  # transformers' placeholder for "no EOS token" (the benchmarks send it): accepted, matches nothing
@@ -198,12 +210,14 @@ def check_resume(tokens: Any, versions: Any, resumes: Any, request_id: str, voca
 def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens: int | None, streaming: bool,
                   record_timestamps: bool, eos_token_id: Any, kwargs: dict[str, Any],
                   strict_processors: bool = False, resume_tokens: Any = None, resume_versions: Any = None,
-                  resumes: Any = 0, priority: Any = 0) -> Request:
+                  resumes: Any = 0, priority: Any = 0, top_logprobs: Any = 0) -> Request:
     """A validated Request from add_request's arguments and the manager's generation config; with `resume_tokens`
-    (or `resumes` > 0) a ResumedRequest, whose `max_new_tokens` counts the resumed tokens too."""
+    (or `resumes` > 0) a ResumedRequest, whose `max_new_tokens` counts the resumed tokens too. `top_logprobs` > 0:
+    each token's most probable alternatives too (with the logprobs)."""
     rc, gen = manager.effective_config, manager.generation_config
     request_id = check_request_id(request_id)
     priority = check_priority(priority, request_id)
+    top = check_top_logprobs(top_logprobs, request_id)
     vocab = manager.model.config.vocab_size
     prompt = check_prompt(input_ids, request_id, vocab, rc.max_model_len)
     if max_new_tokens is None:
@@ -242,14 +256,30 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
     else:
         eos = getattr(gen, "eos_token_id", None)
         eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+    grammar = structured_state(manager, sampling, eos, request_id)
+    if grammar is not None:  # a complete grammar allows only EOS: it ends the request, ignore_eos or not
+        eos = eos | grammar.eos
     common = dict(request_id=request_id, eos_token_ids=eos, sampling=sampling, streaming=streaming,
-                  record_timestamps=record_timestamps, return_logprobs=manager.config.return_logprobs,
-                  priority=priority)
+                  record_timestamps=record_timestamps, return_logprobs=manager.config.return_logprobs or top > 0,
+                  num_top_logprobs=top, priority=priority, grammar=grammar)
     tokens, versions, count = check_resume(resume_tokens, resume_versions, resumes, request_id, vocab, mnt, eos)
     if not count:
         return Request(prompt_ids=prompt, max_new_tokens=mnt, **common)
     return ResumedRequest(prompt_ids=prompt + tokens, max_new_tokens=mnt - len(tokens), resumed_tokens=len(tokens),
                           resume_versions=versions, resumes=count, **common)
+
+
+def structured_state(manager: Any, sampling: SamplingParams, eos: frozenset[int], request_id: str) -> Any:
+    """The request's grammar matcher when it asks for a structured output (driver/engine/structured.py), else None."""
+    if sampling.structured_output is None:
+        return None
+    from driver.engine.structured import grammar_state
+
+    try:
+        return grammar_state(sampling.structured_output, manager.model.model_dir, manager.model.config.vocab_size,
+                             eos)
+    except RequestRejected as e:
+        raise RequestRejected(f"request {request_id}: {e.message}", e.code, request_id) from None
 
 
 def supported_generation_config(generation_config: Any, drop: bool) -> Any:

@@ -234,7 +234,8 @@ class Engine:
                 self.end(req, RequestStatus.FAILED, f"request {req.request_id}: sampling failed: {draw.error!r}",
                          Code.SAMPLING_FAILED)
             else:
-                self._append(req, [draw.token], None if draw.logprob is None else [draw.logprob], now, version)
+                self._append(req, [draw.token], None if draw.logprob is None else [draw.logprob], now, version,
+                             None if draw.top is None else [draw.top])
             events.append(req)
         return events
 
@@ -252,8 +253,10 @@ class Engine:
             events.append(req)
         return events
 
-    def _append(self, req: Request, row: list[int], logprobs: list[float] | None, now: float, version: int) -> None:
-        """Append a live request's new tokens in order, cut after the first EOS or at its limits, and end it there."""
+    def _append(self, req: Request, row: list[int], logprobs: list[float] | None, now: float, version: int,
+                top: list | None = None) -> None:
+        """Append a live request's new tokens in order (with their logprobs and top tokens when given), cut after the
+        first EOS or at its limits, and end it there."""
         done = len(req.generated)
         n = max(1, min(len(row), req.max_new_tokens - done, self.rc.max_model_len - len(req.prompt_ids) - done))
         eos = req.eos_token_ids
@@ -266,6 +269,8 @@ class Engine:
         req.generated.extend(row[:n])
         if logprobs is not None:
             req.logprobs.extend(logprobs[:n])
+        if top is not None:
+            req.top_logprobs.extend(top[:n])
         if req.record_timestamps:
             req.timestamps.extend([now] * n)
         if req.status != RequestStatus.PENDING:  # PENDING: preempted while its tokens were in flight

@@ -12,6 +12,7 @@ import torch
 from driver.engine.constraint_processors import NONE, Constraints, add_bias, ban, force, padded
 from cluster.device_lists import on_device
 from driver.engine.request import SamplingParams
+from driver.engine.structured import mask_rows
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class SampleRow:
     seen: tuple[int, ...] = ()  # the token ids a repetition penalty applies to (prompt and generated)
     logprobs: bool = False
     constraints: Constraints = NONE  # the generation options' edits for this step
+    counts: tuple[tuple[int, int], ...] = ()  # (token, times generated) when a presence/frequency penalty is set
+    top: int = 0  # how many of the most probable tokens to report with their logprobs
+    allowed: torch.Tensor | None = None  # a structured output's bitmask of allowed tokens (structured.py)
 
     @property
     def samples(self) -> bool:
@@ -34,7 +38,8 @@ class SampleRow:
     def plain(self) -> bool:
         """Greedy with nothing to process: its token is the argmax of its raw logits."""
         c = self.constraints
-        return not self.params.do_sample and not self.penalised and not (c.bias or c.forced or c.banned)
+        return (not self.params.do_sample and not self.penalised and not (c.bias or c.forced or c.banned)
+                and not self.params.logit_bias and not self.counts and self.allowed is None)
 
     @property
     def penalised(self) -> bool:
@@ -59,6 +64,15 @@ def on_rows(x: torch.Tensor, rows: list[int], fn: Callable[[torch.Tensor, list[i
     index = on_device(rows, torch.long, x.device)
     out = x.clone() if x is original else x
     return out.index_copy_(0, index, fn(x.index_select(0, index), rows))
+
+
+def additive_penalties(x: torch.Tensor, counts: list[tuple[tuple[int, int], ...]], frequency: list[float],
+                       presence: list[float]) -> torch.Tensor:
+    """OpenAI's penalties: each generated token's logit less count * frequency + presence (padding: count 0)."""
+    ids = on_device(padded([tuple(t for t, _ in c) for c in counts]), torch.long, x.device)
+    n = on_device(padded([tuple(k for _, k in c) for c in counts], 0), x.dtype, x.device)
+    penalty = n * column(frequency, x.dtype, x.device) + (n > 0) * column(presence, x.dtype, x.device)
+    return x.scatter_add(1, ids, -penalty)
 
 
 def column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -124,17 +138,23 @@ def top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.
 
 
 def process_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Sequence bias, repetition penalty, forced and banned tokens, temperature, top-k and top-p for a batch
+    """Sequence and logit bias, repetition penalty, presence and frequency penalties, forced and banned tokens, a
+    structured output's mask, temperature, top-k and top-p for a batch
     (the input itself when no row needs anything). Never writes into `logits`."""
     vocab = logits.shape[-1]
-    x = on_rows(logits, [i for i, r in enumerate(rows) if r.constraints.bias], lambda t, ix: add_bias(
-        t, [rows[i].constraints.bias for i in ix]), logits)
+    x = on_rows(logits, [i for i, r in enumerate(rows) if r.constraints.bias or r.params.logit_bias],
+                lambda t, ix: add_bias(t, [rows[i].constraints.bias + rows[i].params.logit_bias for i in ix]), logits)
     x = on_rows(x, [i for i, r in enumerate(rows) if r.penalised], lambda t, ix: penalise(
         t, [rows[i].seen for i in ix], [rows[i].params.repetition_penalty for i in ix]), logits)
+    x = on_rows(x, [i for i, r in enumerate(rows) if r.counts], lambda t, ix: additive_penalties(
+        t, [rows[i].counts for i in ix], [rows[i].params.frequency_penalty for i in ix],
+        [rows[i].params.presence_penalty for i in ix]), logits)
     x = on_rows(x, [i for i, r in enumerate(rows) if r.constraints.forced], lambda t, ix: force(
         t, [rows[i].constraints.forced for i in ix]), logits)
     x = on_rows(x, [i for i, r in enumerate(rows) if r.constraints.banned], lambda t, ix: ban(
         t, [rows[i].constraints.banned for i in ix]), logits)
+    x = on_rows(x, [i for i, r in enumerate(rows) if r.allowed is not None], lambda t, ix: mask_rows(
+        t, [rows[i].allowed for i in ix]), logits)
     x = on_rows(x, [i for i, r in enumerate(rows) if r.scaled], lambda t, ix: t / column(
         [rows[i].params.temperature for i in ix], t.dtype, t.device), logits)
     return on_rows(x, [i for i, r in enumerate(rows) if r.filtered(vocab)], lambda t, ix: top_k_top_p(

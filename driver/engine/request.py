@@ -30,6 +30,12 @@ class SamplingParams:
     forced_eos_token_id: tuple[int, ...] = ()
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
+    # OpenAI's: (token, bias) added to its logit; -(count * frequency + (count > 0) * presence) for every token the
+    # request generated (its prompt aside), before temperature (logits_processing.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    structured_output: str | None = None  # an llguidance grammar (driver/engine/structured.py): a token mask
 
     @property
     def constrained(self) -> bool:
@@ -42,11 +48,12 @@ class SamplingParams:
     def needs_history(self) -> bool:
         """Whether sampling reads the request's tokens so far (repetition penalty, generation options): then a
         step's rows wait until every earlier token is on the host, and the request never runs in a burst."""
-        return self.repetition_penalty != 1.0 or self.constrained
+        return (self.repetition_penalty != 1.0 or self.constrained or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or self.structured_output is not None)
 
     @property
     def greedy(self) -> bool:
-        return not self.do_sample and not self.needs_history
+        return not self.do_sample and not self.needs_history and not self.logit_bias
 
 
 @dataclass(eq=False)  # identity, not field equality: requests are tracked by reference
@@ -59,12 +66,14 @@ class Request:
     streaming: bool = False
     record_timestamps: bool = False
     return_logprobs: bool = False
+    num_top_logprobs: int = 0  # > 0: each token's most probable alternatives too (implies return_logprobs)
     # fair scheduling (driver/engine/fair_queue.py): lower priority numbers go first; clients take turns
     priority: int = 0
     client: Hashable = LOCAL_CLIENT  # who sent it: the front door's ZeroMQ identity, else LOCAL_CLIENT
     arrival: int = -1  # the scheduler's arrival number (FCFS within a client), set when it is queued
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per token, num_top_logprobs
     timestamps: list[float] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     error: str | None = None
@@ -86,6 +95,7 @@ class Request:
     sample_cache: object = field(default=None, repr=False)  # its SampleRow when sampling reads no history (sampler.py)
     # driver.engine.constraint_processors.History: what the generation options keep between steps, made on first use
     history: object = None
+    grammar: object = None  # driver.engine.structured.GrammarState when sampling.structured_output is set
     # how many of prompt_ids' last tokens were generated before a restart (a client's resume_tokens): they count in
     # the token index, so the resumed request samples what the uninterrupted one would have
     resumed_tokens: int = 0
@@ -157,7 +167,8 @@ class Request:
             lifespan=(self.start_time, self.end_time),
             timestamps=list(self.timestamps) if self.record_timestamps else None,
             weight_version=self.weight_versions[0][1] if self.weight_versions else 0,
-            weight_versions=list(self.weight_versions), error_code=self.error_code, finish_reason=self.finish_reason)
+            weight_versions=list(self.weight_versions), error_code=self.error_code, finish_reason=self.finish_reason,
+            top_logprobs=list(self.top_logprobs) if self.num_top_logprobs else None)
 
 
 @dataclass(eq=False)
@@ -181,6 +192,8 @@ class ResumedRequest(Request):
                 out.logprobs = [float("nan")] * n + out.logprobs
             if out.timestamps is not None:
                 out.timestamps = [float("nan")] * n + out.timestamps
+            if out.top_logprobs is not None:
+                out.top_logprobs = [()] * n + out.top_logprobs
         out.weight_versions = join_versions(self.resume_versions, [(i + n, v) for i, v in out.weight_versions])
         out.weight_version = out.weight_versions[0][1] if out.weight_versions else out.weight_version
         out.resumes = self.resumes

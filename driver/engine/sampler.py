@@ -6,6 +6,7 @@ fails fails only its own request: when the batched computation raises, the rows 
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
@@ -17,6 +18,7 @@ from driver.engine.counter_noise import gumbel, request_key, signed64
 from cluster.device_lists import on_device
 from driver.engine.logits_processing import SampleRow, on_rows, process_logits
 from driver.engine.request import Request
+from driver.engine.top_logprobs import Top, top_of, top_pairs, top_to_host
 from worker.shard_argmax import ShardArgmax
 
 
@@ -26,6 +28,7 @@ class Draw(NamedTuple):
     token: int | None
     logprob: float | None = None
     error: Exception | None = None
+    top: tuple[tuple[int, float], ...] | None = None  # the most probable tokens and logprobs, when asked for
 
 
 class InvalidLogits(RuntimeError):
@@ -33,11 +36,13 @@ class InvalidLogits(RuntimeError):
 
 
 class Picks(NamedTuple):
-    """A batch's choices, on the logits' device: tokens [N] int64, logprobs [N] float32, invalid [N] bool."""
+    """A batch's choices, on the logits' device: tokens [N] int64, logprobs [N] float32, invalid [N] bool, and
+    the most probable tokens of the rows that ask (None: none asks)."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
     invalid: torch.Tensor
+    top: Top | None = None
 
 
 def with_noise(processed: torch.Tensor, rows: list[SampleRow], offset: int = 0,
@@ -72,7 +77,7 @@ def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0, plain: bo
         logprobs = processed.gather(1, tokens[:, None])[:, 0] - processed.logsumexp(-1)
     else:
         logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
-    return Picks(tokens, logprobs, invalid)
+    return Picks(tokens, logprobs, invalid, top_of(processed, [r.top for r in rows]))
 
 
 def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
@@ -84,11 +89,28 @@ def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
         req.sample_key = request_key(p.seed, seed, req.request_id)
     if not p.needs_history:
         if req.sample_cache is None:
-            req.sample_cache = SampleRow(req.request_id, p, req.sample_key, 0, (), req.return_logprobs)
+            req.sample_cache = SampleRow(req.request_id, p, req.sample_key, 0, (), req.return_logprobs,
+                                         top=req.num_top_logprobs)
         return req.sample_cache
     return SampleRow(req.request_id, p, req.sample_key, req.token_index + ahead,
                      tuple(set(req.tokens)) if p.repetition_penalty != 1.0 else (), req.return_logprobs,
-                     constraints(req))
+                     constraints(req), generated_counts(req), req.num_top_logprobs,
+                     None if req.grammar is None else req.grammar.allowed(all_generated(req)))
+
+
+def all_generated(req: Request) -> list[int]:
+    """Every token the request generated, those before a restart (the tail of its prompt) first."""
+    return (req.prompt_ids[len(req.prompt_ids) - req.resumed_tokens:] + req.generated if req.resumed_tokens
+            else req.generated)
+
+
+def generated_counts(req: Request) -> tuple[tuple[int, int], ...]:
+    """(token, times generated) over the request's generated tokens, those before a restart included, when a
+    presence or frequency penalty reads them (else empty)."""
+    p = req.sampling
+    if p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+        return ()
+    return tuple(Counter(all_generated(req)).items())
 
 
 class Launched(NamedTuple):
@@ -102,28 +124,31 @@ class Launched(NamedTuple):
     rows: list[SampleRow]
     host: torch.Tensor | None
     event: object = None
+    top: Top | None = None  # the rows' most probable tokens, on the host once `event` fires
 
 
-def to_host(picks: Picks) -> tuple[torch.Tensor, object]:
-    """Start the one transfer of (tokens, logprobs, invalid) to the host; returns (host tensor, CUDA event)."""
+def to_host(picks: Picks) -> tuple[torch.Tensor, object, Top | None]:
+    """Start the one transfer of (tokens, logprobs, invalid) and the top tokens to the host; returns (host tensor,
+    CUDA event, top on the host)."""
     stacked = torch.stack([picks.tokens.double(), picks.logprobs.double(), picks.invalid.double()])
     if stacked.device.type != "cuda":
-        return stacked, None
+        return stacked, None, picks.top
     host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True).copy_(stacked, non_blocking=True)
+    top = top_to_host(picks.top)
     event = torch.cuda.Event()
     event.record()
-    return host, event
+    return host, event, top
 
 
-def host_draws(host: torch.Tensor, rows: list[SampleRow]) -> list[Draw]:
-    """Draws from the transferred (tokens, logprobs, invalid) rows."""
+def host_draws(host: torch.Tensor, rows: list[SampleRow], top: Top | None = None) -> list[Draw]:
+    """Draws from the transferred (tokens, logprobs, invalid) rows and their top tokens."""
     out = []
-    for row, tok, lp, bad in zip(rows, *host.tolist()):
+    for row, tok, lp, bad, alts in zip(rows, *host.tolist(), top_pairs(top, [r.top for r in rows])):
         if bad:
             out.append(Draw(None, None, InvalidLogits(
                 f"request {row.request_id}: its logits hold NaN or +inf, or no token survived its processors")))
         else:
-            out.append(Draw(int(tok), lp if row.logprobs else None))
+            out.append(Draw(int(tok), lp if row.logprobs else None, top=alts))
     return out
 
 
@@ -189,7 +214,7 @@ class Sampler:
         index = None if len(live) == n else on_device(live, torch.int64, device)
         if chosen:  # the plan's argmax_on_shards (plain greedy, no logprobs), with the check `pick` makes
             best, tokens = logits if index is None else (logits.best[index], logits.tokens[index])
-            host, event = to_host(Picks(tokens, torch.zeros_like(best), ~best.isfinite()))
+            host, event, _ = to_host(Picks(tokens, torch.zeros_like(best), ~best.isfinite()))
             return Launched(logits.tokens, early, live, rows, host, event)
         mine = logits if index is None else logits[index]
         try:
@@ -203,8 +228,8 @@ class Sampler:
             return Launched(tokens.to(logits.device), alone, [], [], None)
         tokens = picks.tokens if index is None else torch.zeros(n, dtype=torch.int64, device=logits.device).index_copy_(
             0, index, picks.tokens)
-        host, event = to_host(picks)
-        return Launched(tokens, early, live, rows, host, event)
+        host, event, top = to_host(picks)
+        return Launched(tokens, early, live, rows, host, event, top)
 
     @staticmethod
     def collect(launched: Launched) -> list[Draw]:
@@ -213,7 +238,7 @@ class Sampler:
         if launched.host is not None:
             if launched.event is not None:
                 launched.event.synchronize()
-            for i, draw in zip(launched.live, host_draws(launched.host, launched.rows)):
+            for i, draw in zip(launched.live, host_draws(launched.host, launched.rows, launched.top)):
                 out[i] = draw
         return out
 
@@ -221,7 +246,7 @@ class Sampler:
     def collect_tokens(launched: Launched) -> tuple[np.ndarray, np.ndarray | None] | None:
         """`collect` as arrays, (tokens int64, logprobs float64 when some row asked), when every row is live and
         drew a token; else None (then `collect`)."""
-        if launched.host is None or len(launched.live) != len(launched.early) or \
+        if launched.host is None or launched.top is not None or len(launched.live) != len(launched.early) or \
                 launched.early.count(None) != len(launched.early):
             return None
         if launched.event is not None:
@@ -236,7 +261,8 @@ class Sampler:
         """A burst's draws at once: (the live rows, each one's tokens, each one's logprobs when some row asked).
         None when some row failed or fell back to one row at a time in any forward: then `collect` one by one."""
         live = launched[0].live
-        if any(x.host is None or x.live != live or any(d is not None for d in x.early) for x in launched):
+        if any(x.host is None or x.top is not None or x.live != live or any(d is not None for d in x.early)
+               for x in launched):
             return None
         for x in launched:
             if x.event is not None:
@@ -251,9 +277,9 @@ class Sampler:
     def _alone(logits: torch.Tensor, row: SampleRow, offset: int) -> Draw:
         """One row's pick, then its transfer to the host, waited for."""
         try:
-            host, event = to_host(pick(logits, [row], offset))
+            host, event, top = to_host(pick(logits, [row], offset))
             if event is not None:
                 event.synchronize()
-            return host_draws(host, [row])[0]
+            return host_draws(host, [row], top)[0]
         except Exception as e:  # noqa: BLE001
             return Draw(None, None, e)

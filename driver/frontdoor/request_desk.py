@@ -77,7 +77,7 @@ class RequestDesk:
             req = self.manager.build_request(input_ids, rid, s.max_new_tokens, s.streaming, False, s.eos_token_id,
                                              strict_processors=True, resume_tokens=s.resume_tokens,
                                              resume_versions=s.resume_versions, resumes=s.resumes,
-                                             priority=s.priority, **s.sampling)
+                                             priority=s.priority, top_logprobs=s.top_logprobs, **s.sampling)
         except RequestRejected as e:
             raise P.ProtocolError(e.code, e.message, mid, rid) from None
         req.client = ident  # the scheduler's turns go by connection (driver/engine/fair_queue.py)
@@ -163,6 +163,8 @@ class RequestDesk:
         extra: dict[str, Any] = {} if ticket.text is None else {"text": ticket.text.take_delta()}
         if ticket.logprobs:
             extra["logprobs"] = out.logprobs[start:ticket.sent]
+        if out.top_logprobs is not None:
+            extra["top_logprobs"] = out.top_logprobs[start:ticket.sent]
         self.send(ticket.ident, P.TOKENS, request_id=ticket.rid, tokens=out.generated_tokens[start:], index=start,
                   versions=[list(p) for p in versions_between(out.weight_versions, start, ticket.sent)], **extra)
 

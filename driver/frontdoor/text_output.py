@@ -126,6 +126,8 @@ class TextOutput:
         out.generated_tokens, out.logprobs = out.generated_tokens[:n], out.logprobs[:n]
         if out.timestamps is not None:
             out.timestamps = out.timestamps[:n]
+        if out.top_logprobs is not None:
+            out.top_logprobs = out.top_logprobs[:n]
         out.weight_versions = versions_between(out.weight_versions, 0, n)
         out.status, out.finish_reason, out.stop_string = RequestStatus.FINISHED, "stop", self.matched
         out.error = out.error_code = None

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from cluster.client import AsyncClient
 from cluster.errors import ClientError, Code
 from launch.gateway.admin_routes import admin_router
-from launch.gateway.errors import HttpError
+from launch.gateway.errors import MODEL_NOT_FOUND, HttpError
 from cluster.metrics_export import render
 from launch.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from launch.gateway.openai_serving import Model, OpenAIServing, until_done_or_gone
@@ -67,10 +67,20 @@ def make_app(client: AsyncClient, model: Model, admin_token: str | None) -> Fast
         data = await client.health()  # a refusal: on_client_error answers it
         return JSONResponse(data, status_code=200 if data.get("ok") else 503)
 
+    def card() -> dict:
+        return {"id": model.name, "object": "model", "created": int(time.time()), "owned_by": "lockstep",
+                "root": model.path}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "lockstep", "root": model.path}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict:
+        if not model.matches(model_id):
+            raise HttpError(MODEL_NOT_FOUND, f"the model {model_id!r} does not exist; this server serves "
+                                             f"{model.name!r}", "model")
+        return card()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -78,6 +88,12 @@ def make_app(client: AsyncClient, model: Model, admin_token: str | None) -> Fast
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def answer(request: Request, body: Any, chat: bool) -> Response:
+        try:
+            return await answer_or_raise(request, body, chat)
+        except HttpError as e:  # a refusal of the structured output names the field that asked for it
+            raise body.named(e) from None
+
+    async def answer_or_raise(request: Request, body: Any, chat: bool) -> Response:
         choices, params = serving.parts(body, chat)
         if body.stream:
             events = serving.stream_events(body, chat, choices, params)

@@ -27,6 +27,11 @@ STATUS: dict[str, int] = {
     Code.WEIGHTS_DIVERGED: 503, Code.SLOW_CLIENT: 503, Code.CLIENT_CLOSED: 503,
 }
 
+# the OpenAI field a driver's bad_field names (its message says `name=value`): the wire's name -> OpenAI's
+PARAMS = {"seed": "seed", "temperature": "temperature", "top_p": "top_p", "logit_bias": "logit_bias",
+          "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "priority": "priority",
+          "structured_output": "response_format"}
+
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
@@ -45,7 +50,10 @@ class HttpError(Exception):
 
     @classmethod
     def of(cls, error: LockstepError) -> "HttpError":
-        return cls(error.code, error.message)
+        """The driver's error; a bad_field names its OpenAI field in `param` where the message names it."""
+        param = next((p for name, p in PARAMS.items() if f"{name}=" in error.message), None) \
+            if error.code == Code.BAD_FIELD else None
+        return cls(error.code, error.message, param)
 
     @property
     def status(self) -> int:

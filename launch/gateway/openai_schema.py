@@ -1,25 +1,42 @@
 """OpenAI's request bodies (pydantic) and what each asks of a Lockstep submit. Unknown fields are ignored, as
-OpenAI-compatible servers do; known fields this server cannot honour are refused with `unsupported`. Torch-free."""
+OpenAI-compatible servers do; a value out of its range is refused with `bad_field` naming the field, and known
+fields this server cannot honour with `unsupported` (docs/http.md lists every field). Torch-free."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.errors import Code
-from cluster.protocol import MAX_STOP_STRINGS, PRIORITY_MAX, PRIORITY_MIN
+from cluster.protocol import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, PRIORITY_MAX, PRIORITY_MIN
 from launch.gateway.errors import HttpError
 
 MAX_N = 16  # choices per request (each is one submit)
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what the wire's integers hold
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}  # vLLM's fields
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # accepted: the output always follows the schema (a token mask, not a hint)
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
@@ -28,13 +45,17 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever EOS says (benchmarks)
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # vLLM's extension: lower is scheduled first
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extensions: a JSON schema, a regex, a Lark grammar
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -45,29 +66,69 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise HttpError(Code.UNSUPPORTED, f"{name} is not supported (repetition_penalty is)", name)
-        if self.logit_bias:
-            raise HttpError(Code.UNSUPPORTED, "logit_bias is not supported", "logit_bias")
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.isdigit() or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias maps token ids to biases in [-100, 100], got {token!r}: {value!r}")
+        return bias
 
-    def submit_params(self, max_new_tokens: int | None, logprobs: bool, text: bool) -> dict[str, Any]:
-        """The submit keywords this request asks for, the prompt aside; `text`: ask for text (there is a tokenizer)."""
+    @model_validator(mode="after")
+    def _stream_options(self) -> "_Common":
+        if self.stream_options is not None and not self.stream:
+            raise HttpError(Code.BAD_FIELD, "stream_options can only be set when stream is true", "stream_options")
+        return self
+
+    def check_supported(self) -> None:
+        """HttpError (unsupported) for a field this server cannot honour."""
+
+    def named(self, error: HttpError) -> HttpError:
+        """`error` with `param` the field that set the structured output, when the driver refused that
+        (its message names the wire's `structured_output`: launch/gateway/errors.py maps it to response_format)."""
+        if error.param == "response_format":
+            error.param = next((n for n in GUIDED if getattr(self, n) is not None), error.param)
+        return error
+
+    def structured_output(self) -> dict[str, Any] | None:
+        """The wire's `structured_output` spec (driver/engine/structured.py) of response_format or vLLM's guided_*
+        fields (at most one of them), None for plain text."""
+        specs: list[tuple[str, dict[str, Any]]] = []
+        f = self.response_format
+        if f is not None and f.type == "json_object":
+            specs.append(("response_format", {"json_object": True}))
+        elif f is not None and f.type == "json_schema":
+            if f.json_schema is None:
+                raise HttpError(Code.BAD_FIELD, "response_format of type json_schema needs its json_schema",
+                                "response_format")
+            specs.append(("response_format", {"json_schema": f.json_schema.json_schema}))
+        for name, kind in GUIDED.items():
+            if getattr(self, name) is not None:
+                specs.append((name, {kind: getattr(self, name)}))
+        if len(specs) > 1:
+            raise HttpError(Code.BAD_FIELD, f"at most one of {', '.join(n for n, _ in specs)} may be set", specs[1][0])
+        return specs[0][1] if specs else None
+
+    def submit_params(self, max_new_tokens: int | None, logprobs: bool, top: int, text: bool) -> dict[str, Any]:
+        """The submit keywords this request asks for, the prompt aside; `top`: the most probable tokens to report
+        with each token; `text`: ask for text (there is a tokenizer)."""
         self.check_supported()
         # temperature 0 is greedy, as in OpenAI; unset: the checkpoint's generation config
         params = {"max_new_tokens": max_new_tokens, "return_text": text or None,
                   "do_sample": None if self.temperature is None else self.temperature > 0,
                   "temperature": self.temperature or None, "top_p": self.top_p, "seed": self.seed,
                   "eos_token_id": -1 if self.ignore_eos else None, "stop": self.stops() or None,
-                  "logprobs": logprobs or None, "priority": self.priority or None}
+                  "logprobs": logprobs or None, "top_logprobs": top or None, "priority": self.priority or None,
+                  "presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
+                  "logit_bias": [[int(t), b] for t, b in self.logit_bias.items()] if self.logit_bias else None,
+                  "structured_output": self.structured_output()}
         return {k: v for k, v in params.items() if v is not None}
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=1)  # only the chosen token's logprob is available
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the chosen token's, and this many top ones
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -85,15 +146,16 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise HttpError(Code.UNSUPPORTED, "echo is not supported", "echo")
+        if self.echo and self.logprobs is not None:
+            raise HttpError(Code.UNSUPPORTED, "echo with logprobs is not supported (the prompt's logprobs are not "
+                                              "computed)", "echo")
         if self.suffix:
             raise HttpError(Code.UNSUPPORTED, "suffix is not supported", "suffix")
         if self.best_of not in (None, self.n):
             raise HttpError(Code.UNSUPPORTED, "best_of other than n is not supported", "best_of")
 
     def params(self, text: bool) -> dict[str, Any]:
-        return self.submit_params(self.max_tokens, self.logprobs is not None, text)
+        return self.submit_params(self.max_tokens, self.logprobs is not None, self.logprobs or 0, text)
 
 
 class ChatMessage(BaseModel):
@@ -114,18 +176,25 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=1)  # only the chosen token's logprob is available
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None  # tools' deprecated form
+    audio: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise HttpError(Code.UNSUPPORTED, "tools are not supported", "tools")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise HttpError(Code.UNSUPPORTED, f"{name} are not supported (no tool calling)", name)
+        if self.audio is not None:
+            raise HttpError(Code.UNSUPPORTED, "audio output is not supported (text only)", "audio")
+        if self.top_logprobs and not self.logprobs:
+            raise HttpError(Code.BAD_FIELD, "top_logprobs needs logprobs to be true", "top_logprobs")
 
     def params(self, text: bool) -> dict[str, Any]:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.submit_params(limit, self.logprobs, text)
+        return self.submit_params(limit, self.logprobs, self.top_logprobs or 0, text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -49,19 +50,29 @@ class Choice:
     text: str = ""
     tokens: int = 0
     last: GenerationOutput | None = None
+    echo: str = ""  # the prompt's text, when the call asked for it before the completion (`echo`)
+    chars: int = 0  # the running length of the reported tokens' texts (their logprobs' text_offset)
 
     def params(self, params: dict[str, Any]) -> dict[str, Any]:
         return params if self.seed is None else params | {"seed": self.seed}
 
-    def advance(self, out: GenerationOutput) -> tuple[str, list[int], list[float]]:
-        """The text, tokens and logprobs new in `out` since the last call."""
+    def advance(self, out: GenerationOutput) -> tuple[str, Tokens]:
+        """The text and tokens (with their logprobs) new in `out` since the last call."""
         text = getattr(out, "text", None) or ""
         delta = text[len(self.text):] if text.startswith(self.text) else ""
         self.text += delta
-        new = out.generated_tokens[self.tokens:]
-        logprobs = list(out.logprobs[self.tokens:self.tokens + len(new)])
-        self.tokens, self.last = len(out.generated_tokens), out
-        return delta, new, logprobs
+        start, self.tokens, self.last = self.tokens, len(out.generated_tokens), out
+        top = out.top_logprobs[start:self.tokens] if out.top_logprobs is not None else None
+        return delta, Tokens(out.generated_tokens[start:], list(out.logprobs[start:self.tokens]), top)
+
+
+@dataclass
+class Tokens:
+    """Some of a choice's tokens, their logprobs and (asked for) their most probable alternatives."""
+
+    ids: list[int]
+    logprobs: list[float]
+    top: list | None = None
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -70,6 +81,14 @@ def choice_seed(seed: int | None, index: int) -> int | None:
         return seed
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # in [0, 2^63): a valid seed on the wire
+
+
+MIN_LOGPROB = -9999.0  # what a -inf logprob (a token its filters dropped) is reported as: JSON has no infinity
+
+
+def finite(logprob: float) -> float | None:
+    """A logprob JSON can carry: -inf as MIN_LOGPROB, NaN (a token delivered before a resume) as null."""
+    return None if math.isnan(logprob) else max(logprob, MIN_LOGPROB)
 
 
 def finish_reason(out: GenerationOutput, max_new_tokens: int | None) -> str:
@@ -114,8 +133,16 @@ class OpenAIServing:
         sources = ([{"input_ids": self.chat_prompt(body)}] if chat
                    else [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in body.prompts()])
         base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        return [Choice(p * body.n + i, src, f"{base}-{p * body.n + i}", choice_seed(body.seed, p * body.n + i))
-                for p, src in enumerate(sources) for i in range(body.n)], params
+        echo = [self.prompt_text(src) if not chat and body.echo else "" for src in sources]
+        return [Choice(p * body.n + i, src, f"{base}-{p * body.n + i}", choice_seed(body.seed, p * body.n + i),
+                       echo=echo[p]) for p, src in enumerate(sources) for i in range(body.n)], params
+
+    def prompt_text(self, source: dict[str, Any]) -> str:
+        """A prompt's text (`echo`): as sent, or its token ids decoded (empty without a tokenizer)."""
+        if "text" in source:
+            return source["text"]
+        tok = self.model.tokenizer
+        return tok.decode(source["input_ids"], skip_special_tokens=True) if tok is not None else ""
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tok = self.model.tokenizer
@@ -201,18 +228,26 @@ class OpenAIServing:
         done = sum(c.tokens for c in choices)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
-    def _logprobs(self, body: Any, chat: bool, tokens: list[int], logprobs: list[float], offset: int) -> Any:
-        """OpenAI's logprobs of these tokens (the text before them `offset` long), None when the call asked none."""
+    def _logprobs(self, body: Any, chat: bool, c: Choice, tokens: Tokens) -> Any:
+        """OpenAI's logprobs of these tokens of choice `c` (their text_offset from the running length of its tokens'
+        texts, after the echoed prompt), None when the call asked none."""
         if (not body.logprobs) if chat else body.logprobs is None:
             return None
-        texts = [self.model.token_text(t) for t in tokens]
+        text = self.model.token_text
+        texts = [text(t) for t in tokens.ids]
+        logprobs = [finite(lp) for lp in tokens.logprobs]
+        tops = [[(text(t), finite(lp)) for t, lp in alts] for alts in tokens.top] if tokens.top is not None \
+            else [[] for _ in texts]
         if chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
-                                 "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode())}]
-                                 if body.top_logprobs else []} for s, lp in zip(texts, logprobs)]}
-        offsets = list(accumulate(map(len, texts), initial=offset))[:len(texts)]
+            def entry(s: str, lp: float) -> dict[str, Any]:
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            return {"content": [entry(s, lp) | {"top_logprobs": [entry(*a) for a in alts]}
+                                for s, lp, alts in zip(texts, logprobs, tops)]}
+        offsets = list(accumulate(map(len, texts), initial=c.chars + len(c.echo)))
+        c.chars = offsets.pop() - len(c.echo)
+        # OpenAI's and vLLM's: the top `logprobs` tokens and the chosen one (logprobs=0: the chosen one alone)
         return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets,
-                "top_logprobs": [{s: lp} for s, lp in zip(texts, logprobs)] if body.logprobs >= 1 else None}
+                "top_logprobs": [dict(alts) | {s: lp} for s, lp, alts in zip(texts, logprobs, tops)]}
 
     def _head(self, choices: list[Choice], chat: bool, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion" + ".chunk" * chunk) if chat else "text_completion"
@@ -225,9 +260,10 @@ class OpenAIServing:
         limit = params.get("max_new_tokens")
         out_choices = []
         for c in choices:
-            lp = self._logprobs(body, chat, c.last.generated_tokens, c.last.logprobs, 0)
+            out = c.last
+            lp = self._logprobs(body, chat, c, Tokens(out.generated_tokens, out.logprobs, out.top_logprobs))
             d: dict[str, Any] = {"index": c.index, "logprobs": lp, "finish_reason": finish_reason(c.last, limit)}
-            d |= {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
+            d |= {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.echo + c.text}
             out_choices.append(d)
         return self._head(choices, chat, False) | {"choices": out_choices, "usage": self._usage(choices)}
 
@@ -245,13 +281,16 @@ class OpenAIServing:
                 yield sse(head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]} | extra)
         try:
+            echoed: set[int] = set()
             async for c, out in outputs:
-                offset = len(c.text)
-                delta, new, logprobs = c.advance(out)
+                delta, new = c.advance(out)
                 reason = finish_reason(out, limit) if out.is_finished() else None
-                if not (delta or new or reason):
+                if not (delta or new.ids or reason):
                     continue
-                lp = self._logprobs(body, chat, new, logprobs, offset) if new else None
+                lp = self._logprobs(body, chat, c, new) if new.ids else None
+                if c.echo and c.index not in echoed:  # the prompt's text comes first, in the choice's first chunk
+                    echoed.add(c.index)
+                    delta = c.echo + delta
                 d: dict[str, Any] = {"index": c.index, "logprobs": lp, "finish_reason": reason}
                 d |= {"delta": {"content": delta} if delta or not reason else {}} if chat else {"text": delta}
                 yield sse(head | {"choices": [d]} | extra)
