@@ -31,6 +31,7 @@ from driver.engine.request import Request
 from driver.api.serving_metrics import ServingMetrics
 from driver.api.update_calls import WeightUpdates
 from driver.api.validation import build_request, supported_generation_config
+from worker.cpu_threads import release_openmp_pool
 from worker.loop import worker_loop
 from worker.memory import use_device
 from worker.weights import UpdateCall
@@ -143,6 +144,8 @@ class ContinuousBatchingManager:
             self.closed = False
         self.thread = threading.Thread(target=self._run_loop, name="lockstep-loop", daemon=True)
         self.groups.control_owner = self.thread  # the loop's from here on, before it even runs
+        if self.groups.device.type == "cpu":  # the loop thread runs the forwards: this thread's OpenMP pool goes
+            release_openmp_pool()
         self.thread.start()
 
     def is_running(self) -> bool:
