@@ -12,31 +12,9 @@ import openai
 import pytest
 
 from cluster.errors import Code
-from tests.test_http import PROMPT_IDS, http
+from tests.test_http import PROMPT_IDS, http, model_dir, oai, server, tok  # noqa: F401  (the shared fixtures)
 
 NEW = 10
-
-
-@pytest.fixture(scope="module")
-def model_dir(make_checkpoint):
-    return make_checkpoint("llama", seed=3)
-
-
-@pytest.fixture(scope="module")
-def server(http_server):
-    return http_server  # tests/conftest.py: shared with tests/test_http.py
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,18 @@ def run(m, rid: str, **kwargs):
             return out
 
 
+def failing_at_step_3(make_checkpoint, monkeypatch):
+    """A started TP=1 manager whose driver loop fails at step 3 (an injected fault)."""
+    import cluster
+    from cluster import faults
+
+    monkeypatch.setattr(faults, "RULES", [("driver_step", {"step": "3"})])
+    m = cluster.load(make_checkpoint("llama")).init_continuous_batching(
+        continuous_batching_config=cluster.ContinuousBatchingConfig(page_size=16))
+    m.start()
+    return m
+
+
 @pytest.mark.parametrize("params", [{}, SAMPLED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("k", [0, 1, 6, 13])
 def test_resume_after_k_tokens_is_the_uninterrupted_run(manager, params, k):
@@ -94,14 +106,9 @@ def test_a_failed_manager_refuses_new_requests_with_its_failure_code(make_checkp
     """A submit that reaches a manager whose loop died (a rank lost, the driver failed) is refused with the
     failure's own code, not `stopped`: a resuming client resumes what is refused so (cluster/client/io_thread.py,
     RESUMABLE) once the restarted group serves, as it resumes what was in flight."""
-    import cluster
-    from cluster import faults
     from cluster.errors import Code, ManagerStopped
 
-    monkeypatch.setattr(faults, "RULES", [("driver_step", {"step": "3"})])
-    m = cluster.load(make_checkpoint("llama")).init_continuous_batching(
-        continuous_batching_config=cluster.ContinuousBatchingConfig(page_size=16))
-    m.start()
+    m = failing_at_step_3(make_checkpoint, monkeypatch)
     try:
         rid = m.add_request([1, 17, 33, 9, 250], max_new_tokens=14)
         out = m.get_result(rid, timeout=60)
@@ -121,8 +128,6 @@ def test_a_loop_going_down_says_no_health_and_takes_no_resubmit(make_checkpoint,
     an accepted resubmit counts a resume, and the dying manager then fails it again."""
     import threading
 
-    import cluster
-    from cluster import faults
     from cluster import protocol as P
     from cluster.errors import Code
     from driver.api.driver_loop import DriverLoop
@@ -137,10 +142,7 @@ def test_a_loop_going_down_says_no_health_and_takes_no_resubmit(make_checkpoint,
         release.wait(30)
 
     monkeypatch.setattr(DriverLoop, "_close", held_close)
-    monkeypatch.setattr(faults, "RULES", [("driver_step", {"step": "3"})])
-    m = cluster.load(make_checkpoint("llama")).init_continuous_batching(
-        continuous_batching_config=cluster.ContinuousBatchingConfig(page_size=16))
-    m.start()
+    m = failing_at_step_3(make_checkpoint, monkeypatch)
     try:
         rid = m.add_request([1, 17, 33, 9, 250], max_new_tokens=14)
         assert closed.wait(60) and m.get_result(rid, timeout=10).status == RequestStatus.FAILED

@@ -56,6 +56,29 @@ class SamplingParams:
         return not self.do_sample and not self.needs_history and not self.logit_bias
 
 
+class RowCount:
+    """A count the step keeps in the request's row of the persistent batch (array `column`) while it has one, and
+    in the request itself (`_<name>`) otherwise; reads and writes go to whichever holds it."""
+
+    def __init__(self, column: str) -> None:
+        self.column = column
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.own = "_" + name
+
+    def __get__(self, req: "Request | None", owner: type) -> "int | RowCount":
+        if req is None:
+            return self
+        b = req.batch
+        return getattr(req, self.own) if b is None else int(getattr(b, self.column)[req.slot])
+
+    def __set__(self, req: "Request", value: int) -> None:
+        if req.batch is None:
+            setattr(req, self.own, value)
+        else:
+            getattr(req.batch, self.column)[req.slot] = value
+
+
 @dataclass(eq=False)  # identity, not field equality: requests are tracked by reference
 class Request:
     request_id: str
@@ -79,7 +102,7 @@ class Request:
     error: str | None = None
     error_code: str | None = None  # cluster.errors.Code, set with `error`
     finish_reason: str | None = None  # set with a terminal status (cluster/outputs.py FINISH_REASONS, or "length")
-    # num_computed and num_pending (properties below) while the request has no row in the persistent batch
+    # num_computed and num_pending (RowCount below) while the request has no row in the persistent batch
     _num_computed: int = field(default=0, repr=False)
     _num_pending: int = field(default=0, repr=False)
     slot: int = -1  # its row in the persistent batch (driver/engine/persistent_batch.py), -1: none
@@ -103,32 +126,11 @@ class Request:
     # one copy of prompt_ids that every output of this request shares, so a streamed token costs no prompt copy
     prompt_out: list[int] | None = field(default=None, repr=False)
 
-    @property
-    def num_computed(self) -> int:
-        """Tokens whose K/V are in the cache (or are being computed by the step in flight)."""
-        b = self.batch
-        return self._num_computed if b is None else int(b.computed[self.slot])
-
-    @num_computed.setter
-    def num_computed(self, value: int) -> None:
-        if self.batch is None:
-            self._num_computed = value
-        else:
-            self.batch.computed[self.slot] = value
-
-    @property
-    def num_pending(self) -> int:
-        """Overlapped scheduling: tokens sampled by a step in flight, not on the host yet (the next step reads them
-        on the device); they count in num_computed once a step has run them, never in `generated`."""
-        b = self.batch
-        return self._num_pending if b is None else int(b.pending[self.slot])
-
-    @num_pending.setter
-    def num_pending(self, value: int) -> None:
-        if self.batch is None:
-            self._num_pending = value
-        else:
-            self.batch.pending[self.slot] = value
+    # tokens whose K/V are in the cache (or are being computed by the step in flight)
+    num_computed = RowCount("computed")
+    # overlapped scheduling: tokens sampled by a step in flight, not on the host yet (the next step reads them on
+    # the device); they count in num_computed once a step has run them, never in `generated`
+    num_pending = RowCount("pending")
 
     @property
     def tokens(self) -> list[int]:

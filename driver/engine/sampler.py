@@ -190,10 +190,8 @@ class Sampler:
     def _all_rows(self, reqs: list[Request], ahead: list[int] | None
                   ) -> tuple[list[Draw | None], list[int], list[SampleRow], bool, list[int]]:
         """`rows` when every row is live and none may fail: kept rows where sampling reads no history."""
-        rows = [r.sample_cache if r.sample_cache is not None else sample_row(r, self.seed) for r in reqs]
-        if any(r.sampling.needs_history for r in reqs):  # their rows change every step: made anew
-            rows = [sample_row(r, self.seed, ahead[i] if ahead else 0) if r.sampling.needs_history else rows[i]
-                    for i, r in enumerate(reqs)]
+        rows = [r.sample_cache if r.sample_cache is not None  # kept; a history row is made anew every step
+                else sample_row(r, self.seed, ahead[i] if ahead else 0) for i, r in enumerate(reqs)]
         index = [r.resumed_tokens + len(r.generated) for r in reqs]
         if ahead is not None:
             index = [i + a for i, a in zip(index, ahead)]
