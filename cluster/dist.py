@@ -239,3 +239,14 @@ def agree_messages(message: str, groups: Groups, max_bytes: int = 1024) -> list[
         table[groups.rank, :len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     dist.all_reduce(table, group=groups.control_group)
     return [bytes(row[row != 0].tolist()).decode(errors="replace") for row in table]
+
+
+def agree_figures(values: list[int], groups: Groups) -> list[list[int]]:
+    """Every rank's row of integers (all rows of one length), e.g. memory figures. Every rank calls it."""
+    groups.check_control_thread()
+    if not groups.distributed:
+        return [list(values)]
+    table = torch.zeros(groups.world_size, len(values), dtype=torch.int64)
+    table[groups.rank] = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(table, group=groups.control_group)
+    return table.tolist()

@@ -33,6 +33,9 @@ class Code:
     DRIVER_FAILED = "driver_failed"  # (in `error`) the driver's own loop failed (no other rank did)
     WEIGHT_UPDATE_FAILED = "weight_update_failed"
     WEIGHTS_DIVERGED = "weights_diverged"  # a rank failed while copying new weights: ranks now differ
+    NOT_PAUSED = "not_paused"  # release_memory on an engine that is not paused (docs/weights.md, "Releasing memory")
+    WEIGHTS_NOT_RESTORED = "weights_not_restored"  # resume_memory("weights") with no host copy and no update since
+    MEMORY_RESTORE_FAILED = "memory_restore_failed"  # a rank could not take its memory back (out of memory ...)
     SERVER_GONE = "server_gone"  # client side: the server stopped answering
     CLIENT_FAILED = "client_failed"  # client side: the client's own I/O thread failed
     CLIENT_CLOSED = "client_closed"  # client side: the client was closed while the call was outstanding
@@ -92,6 +95,15 @@ class WeightUpdateError(ClientError):
         where = f"rank {rank}: " if rank is not None and not reason.startswith("rank ") else ""
         super().__init__(Code.WEIGHT_UPDATE_FAILED, f"weight update refused: {where}{reason}")
         self.rank, self.reason, self.result = rank, reason, result or {}
+
+
+class MemoryCallRefused(ClientError):
+    """A `release_memory` / `resume_memory` that was refused (or could not restore) on every rank alike; `code` says
+    why (not_paused, weights_not_restored, memory_restore_failed, bad_field), `rank` the first rank that refused."""
+
+    def __init__(self, code: str, message: str, rank: int | None = None, result: dict | None = None):
+        super().__init__(code, message)
+        self.rank, self.result = rank, result or {}
 
 
 class RequestLost(ClientError):

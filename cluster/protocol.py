@@ -19,8 +19,11 @@ DEFAULT_MAX_FRAME_BYTES = 4 << 20
 # client -> server
 SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PING, BYE = (
     "submit", "cancel", "pause", "resume", "update_weights", "stats", "health", "ping", "bye")
-CLIENT_KINDS = (SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PING, BYE)
-ADMIN_KINDS = (PAUSE, RESUME, UPDATE_WEIGHTS)  # reserved to admin clients (docs/protocol.md, "Admin")
+RELEASE_MEMORY, RESUME_MEMORY = "release_memory", "resume_memory"  # docs/protocol.md, "Releasing memory"
+CLIENT_KINDS = (SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PING, BYE, RELEASE_MEMORY,
+                RESUME_MEMORY)
+ADMIN_KINDS = (PAUSE, RESUME, UPDATE_WEIGHTS, RELEASE_MEMORY, RESUME_MEMORY)  # admin clients only ("Admin")
+MEMORY_TAGS = ("kv_cache", "weights")  # what release_memory / resume_memory may name
 # server -> client
 ACCEPTED, REJECTED, TOKENS, FINAL, REPLY, ERROR, PONG = (
     "accepted", "rejected", "tokens", "final", "reply", "error", "pong")
@@ -190,6 +193,15 @@ def check_stop(value: Any, mid: Any = None, rid: str | None = None) -> list[str]
     if len(value) > MAX_STOP_STRINGS:
         raise _bad(f"stop lists {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed", mid, rid)
     return value or None
+
+
+def check_memory_tags(value: Any, mid: Any = None) -> list[str]:
+    """A release_memory / resume_memory's `tags` (absent: both): a non-empty list of MEMORY_TAGS."""
+    if value is None:
+        return list(MEMORY_TAGS)
+    if not isinstance(value, list) or not value or not all(v in MEMORY_TAGS for v in value):
+        raise _bad(f"tags must be a non-empty list of {list(MEMORY_TAGS)}", mid)
+    return value
 
 
 # ---------------------------------------------------------------- update_weights (push source)

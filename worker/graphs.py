@@ -151,6 +151,18 @@ class DecodeGraphs:
         self.stats["replays"] += 1
         return graph.output
 
+    def drop_all(self) -> None:
+        """Forget every captured graph (their memory pool goes with them on CUDA) and the address snapshot: memory
+        they read is being released (docs/weights.md, "Releasing memory"), so the next step re-captures every
+        bucket it needs. Every rank of the device group calls it at the same boundary (captures all-reduce)."""
+        self.graphs.clear()
+        self.static.clear()
+        self.addresses = {}
+        if isinstance(self.factory, CudaGraphFactory):
+            self.factory.pool = torch.cuda.graph_pool_handle()  # the old pool is freed with its last graph
+        self.stats["captured_buckets"], self.stats["kv_widths"] = [], []
+        self.stats["drops"] = self.stats.get("drops", 0) + 1
+
     def changed_addresses(self, now: dict[str, int]) -> list[str]:
         """Names whose address differs from the snapshot at capture (or that vanished); none before capture."""
         return sorted(k for k, ptr in self.addresses.items() if now.get(k) != ptr)

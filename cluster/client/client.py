@@ -19,6 +19,7 @@ from cluster import protocol as P
 from cluster.client.io_thread import RESUMABLE, IOThread, PendingRequest, settle, then
 from cluster.client.resume import Resumer
 from cluster.errors import ClientError, RequestLost, ServerGone, WeightUpdateError  # noqa: F401  (re-exported)
+from cluster.errors import MemoryCallRefused
 from cluster.outputs import GenerationOutput
 
 
@@ -29,6 +30,15 @@ def weight_update_result(data: dict) -> dict:
     rank = data.get("rank")
     rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
     raise WeightUpdateError(str(data.get("error") or "the cluster refused the update"), rank, data)
+
+
+def memory_call_result(data: dict) -> dict:
+    """The result of release_memory / resume_memory, or MemoryCallRefused (its `code`, `rank`) when refused."""
+    if data.get("ok") is True:
+        return data
+    rank = data.get("rank")
+    rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+    raise MemoryCallRefused(str(data.get("code") or P.Code.INTERNAL), str(data.get("error")), rank, data)
 
 
 class Client:
@@ -160,6 +170,9 @@ class Client:
         return then(self.io.call(P.UPDATE_WEIGHTS, path=path, kv_policy=kv_policy),
                     lambda msg: weight_update_result(msg["data"]))
 
+    def memory_future(self, kind: str, tags: tuple[str, ...] | list[str], **fields: Any) -> Future:
+        return then(self.io.call(kind, tags=list(tags), **fields), lambda msg: memory_call_result(msg["data"]))
+
     def data_future(self, kind: str, **fields: Any) -> Future:
         """A call whose reply carries `data` (stats, health, cancel)."""
         return then(self.io.call(kind, **fields), lambda msg: msg["data"])
@@ -226,6 +239,16 @@ class Client:
         """Load new weights on every rank, all or none: the result, or WeightUpdateError (`rank`, `reason`)."""
         return self._wait(self.update_weights_future(path, kv_policy))
 
+    def release_memory(self, tags: tuple[str, ...] | list[str] = P.MEMORY_TAGS,
+                       keep_weights_on_host: bool = True) -> dict:
+        """Free the tagged device memory on every rank; this client must hold the pause (else `not_paused`).
+        Returns each rank's memory figures; MemoryCallRefused with its `code` when refused."""
+        return self._wait(self.memory_future(P.RELEASE_MEMORY, tags, keep_weights_on_host=keep_weights_on_host))
+
+    def resume_memory(self, tags: tuple[str, ...] | list[str] = P.MEMORY_TAGS) -> dict:
+        """Take the tagged memory back (`weights_not_restored` if weights without a host copy were not updated)."""
+        return self._wait(self.memory_future(P.RESUME_MEMORY, tags))
+
     def stats(self) -> dict:
         return self._wait(self.data_future(P.STATS))
 
@@ -275,6 +298,14 @@ class AsyncClient:
 
     async def update_weights(self, path: str, kv_policy: str = "keep") -> dict:
         return await wrap_future(self.client.update_weights_future(path, kv_policy))
+
+    async def release_memory(self, tags: tuple[str, ...] | list[str] = P.MEMORY_TAGS,
+                             keep_weights_on_host: bool = True) -> dict:
+        return await wrap_future(self.client.memory_future(P.RELEASE_MEMORY, tags,
+                                                           keep_weights_on_host=keep_weights_on_host))
+
+    async def resume_memory(self, tags: tuple[str, ...] | list[str] = P.MEMORY_TAGS) -> dict:
+        return await wrap_future(self.client.memory_future(P.RESUME_MEMORY, tags))
 
     async def stats(self) -> dict:
         return await wrap_future(self.client.data_future(P.STATS))

@@ -48,9 +48,10 @@ class DriverLoop:
         try:
             while True:
                 m.loop_beat = time.monotonic()
-                if m.held:  # a held loop runs no step: collect the one in flight now, not at the next plan
+                held = m.held or bool(m.memory.released)  # released memory: no step until it is resumed
+                if held:  # a held loop runs no step: collect the one in flight now, not at the next plan
                     self._flush()
-                idle = m.held or not engine.has_work()
+                idle = held or not engine.has_work()
                 wait = idle and not m.stop_event.is_set() and not m.gate.requested
                 self._drain_inbox(self._until_heartbeat() if wait else 0.0)
                 if m.gate.requested:
@@ -60,9 +61,9 @@ class DriverLoop:
                     # the holders may have changed the weights: cached prefixes no longer match them
                     engine.blocks.forget_cached_prefixes()
                     continue
-                if m.stop_event.is_set() and (m.hard or not engine.has_work()):
+                if m.stop_event.is_set() and (m.hard or not engine.has_work() or m.memory.released):
                     break
-                if engine.has_work() and not m.held:
+                if engine.has_work() and not held:
                     self._step()
                 elif self.outbox:
                     self._send(Command.PUBLISH)
@@ -119,6 +120,10 @@ class DriverLoop:
             call, local, fut = arg
             self._send(Command.CALL, call=call.to_dict())
             self.m.updates.run_on_driver(call, local, fut)
+            self.last_plan = time.monotonic()
+        elif kind == "memory":
+            call, fut = arg
+            self.m.memory.run_on_driver(call, fut, lambda: self._send(Command.CALL, memory=call.to_dict()))
             self.last_plan = time.monotonic()
         elif kind == "cancel":
             rid, reason = arg

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import msgpack
 import numpy as np
@@ -26,6 +26,7 @@ from cluster.liveness import Liveness
 from cluster.outputs import GenerationOutput, RequestStatus
 from cluster.pause import PauseGate
 from driver.api.driver_loop import DriverLoop, is_collective_error
+from driver.api.memory_calls import MemoryCalls
 from driver.engine.engine import Engine
 from driver.engine.request import Request
 from driver.api.serving_metrics import ServingMetrics
@@ -34,6 +35,7 @@ from driver.api.validation import build_request, supported_generation_config
 from worker.cpu_threads import release_openmp_pool
 from worker.loop import worker_loop
 from worker.memory import use_device
+from worker.memory_release import MemoryCall
 from worker.weights import UpdateCall
 
 log = logging.getLogger("lockstep")
@@ -121,6 +123,7 @@ class ContinuousBatchingManager:
         self.liveness: Liveness | None = None
         self.wants_results = False  # a worker whose caller reads results asks the driver for them
         self.updates = WeightUpdates(self)
+        self.memory = MemoryCalls(self)  # release_memory / resume_memory (memory_calls.py)
         self.loop_beat = time.monotonic()  # when the loop last came round (the front door's deadline reads it)
         self._ids = iter(range(1 << 62))
         self._lock = threading.Lock()
@@ -193,7 +196,8 @@ class ContinuousBatchingManager:
         if self.is_running():
             self.stop(block=True, timeout=60)
         self.destroyed = True
-        if self.runner is not None and self.loop_error is None and self.failure is None and not self.is_running():
+        if (self.runner is not None and self.loop_error is None and self.failure is None and not self.is_running()
+                and not self.memory.released):
             self.model.keep_idle(self.config, self.runner, self.effective_config)
         if getattr(self.model, "persistent_manager", None) is self:
             self.model.persistent_manager = None
@@ -326,6 +330,18 @@ class ContinuousBatchingManager:
         """The front door's path (driver only): `done(result)` is called from the loop thread."""
         self.updates.update_weights_async(call, done)
 
+    # ---------------------------------------------------------------- memory between rollouts (memory_calls.py)
+    def release_memory(self, tags: Iterable[str] = ("kv_cache", "weights"), keep_weights_on_host: bool = True,
+                       timeout: float | None = None) -> dict[str, Any] | None:
+        """Free the tagged device memory on every rank of a paused engine; figures per rank. Every rank calls it
+        inside `pause()`; outside, only the driver's call acts (scheduling must be held)."""
+        return self.memory.call("release", tags, keep_weights_on_host, timeout)
+
+    def resume_memory(self, tags: Iterable[str] = ("kv_cache", "weights"),
+                      timeout: float | None = None) -> dict[str, Any] | None:
+        """Take the tagged memory back on every rank (weights from their host copy or the update since); as above."""
+        return self.memory.call("resume", tags, timeout=timeout)
+
     def hold_scheduling(self, hold: bool) -> None:
         """Stop (or restart) stepping without parking the ranks: the serving pause. In-flight requests keep
         their KV and new ones queue; workers keep receiving heartbeats, so a hold may last any time."""
@@ -350,6 +366,7 @@ class ContinuousBatchingManager:
             with self._lock:
                 self.closed = True
             self.updates.loop_ended()
+            self.memory.loop_ended()
 
 
 def run_worker_side(m: ContinuousBatchingManager) -> None:
@@ -363,6 +380,8 @@ def run_worker_side(m: ContinuousBatchingManager) -> None:
                 m.results.put(GenerationOutput.from_dict(d))
             if "call" in data:
                 m.updates.worker_call(UpdateCall(**data["call"]), plan.weight_version)
+            if "memory" in data:
+                m.memory.worker_call(MemoryCall(**data["memory"]))
     except BaseException as e:  # never silently: the driver must be able to name this rank
         m.loop_error = e
         m.failure = f"rank {m.groups.rank}: worker loop failed: {type(e).__name__}: {str(e)[:300]}"

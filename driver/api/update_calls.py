@@ -65,12 +65,14 @@ class WeightUpdates:
     def _run(self, call: UpdateCall, local: dict | None, expected: int | None) -> dict[str, Any]:
         """This rank's share: run_update with this rank's version, then bump it if every rank applied."""
         self.attempts += 1
+        self.m.memory.rank.before_update()  # released weights get their storage back (memory_calls.py)
         try:
             result = run_update(self.m.model.model, self.m.groups, call, local, version=self.version,
                                 expected=expected, attempt=self.attempts)
         except WeightsDiverged as e:
             self.diverged = e
             raise
+        self.m.memory.rank.after_update(result["ok"], bool(getattr(call, "partial", False)))
         if result["ok"]:
             self.version += 1
             # every tensor a captured CUDA graph reads must still be where it was captured, or the graphs would

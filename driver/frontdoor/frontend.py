@@ -190,6 +190,8 @@ class Frontend:
                 "model_name": os.path.basename(self.model_path) if self.model_path else None})
         elif kind == P.UPDATE_WEIGHTS:
             self._update_weights(ident, msg, mid)
+        elif kind in (P.RELEASE_MEMORY, P.RESUME_MEMORY):
+            self._memory_call(ident, msg, mid, kind)
         elif kind == P.BYE:
             self._drop_client(ident, "disconnect_cancels")
         elif kind == P.PING:  # refreshes last_seen (above); the pong tells the client the server lives
@@ -215,6 +217,20 @@ class Frontend:
             self.waker.wake()
 
         self.manager.update_weights_async(call, done)
+
+    def _memory_call(self, ident: bytes, msg: dict, mid: Any, kind: str) -> None:
+        """release_memory / resume_memory on every rank through the loop (driver/api/memory_calls.py)."""
+        from worker.memory_release import MemoryCall
+
+        action = "release" if kind == P.RELEASE_MEMORY else "resume"
+        call = MemoryCall(action, P.check_memory_tags(msg.get("tags"), mid),
+                          P.field(msg, "keep_weights_on_host", bool, True))
+
+        def done(result: dict) -> None:  # the loop thread: answered from the front door's thread
+            self.replies.append((ident, mid, result))
+            self.waker.wake()
+
+        self.manager.memory.call_async(call, done)
 
     # -------------------------------------------------------------- requests
     def _submit(self, ident: bytes, client: ClientState, s: P.Submit) -> None:

@@ -1,4 +1,5 @@
-"""The gateway's admin routes for training loops: `/pause`, `/resume`, `/update_weights`, `/weight_version`.
+"""The gateway's admin routes for training loops: `/pause`, `/resume`, `/update_weights`, `/weight_version`,
+`/release_memory`, `/resume_memory`.
 
 Each needs `Authorization: Bearer <token>` with the admin token (cluster/config.py `http_admin_token`): none set,
 403 to everyone; a missing or wrong one, 401. They are the driver's admin operations, sent by the gateway's own
@@ -21,6 +22,22 @@ class UpdateWeightsBody(BaseModel):
 
     path: str
     kv_policy: Literal["keep", "recompute"] = "keep"
+
+
+MemoryTag = Literal["kv_cache", "weights"]
+
+
+class ReleaseMemoryBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tags: list[MemoryTag] = ["kv_cache", "weights"]
+    keep_weights_on_host: bool = True
+
+
+class ResumeMemoryBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tags: list[MemoryTag] = ["kv_cache", "weights"]
 
 
 def check_token(request: Request, token: str | None) -> None:
@@ -53,6 +70,17 @@ def admin_router(client: AsyncClient, token: str | None) -> APIRouter:
     async def update_weights(request: Request, body: UpdateWeightsBody) -> dict:
         check_token(request, token)
         return await client.update_weights(body.path, body.kv_policy)
+
+    @router.post("/release_memory")
+    async def release_memory(request: Request, body: ReleaseMemoryBody | None = None) -> dict:
+        check_token(request, token)
+        body = body or ReleaseMemoryBody()
+        return await client.release_memory(body.tags, body.keep_weights_on_host)
+
+    @router.post("/resume_memory")
+    async def resume_memory(request: Request, body: ResumeMemoryBody | None = None) -> dict:
+        check_token(request, token)
+        return await client.resume_memory((body or ResumeMemoryBody()).tags)
 
     @router.get("/weight_version")
     async def weight_version(request: Request) -> dict:
