@@ -378,19 +378,15 @@ def test_a_gateway_on_a_taken_address_says_so(model_dir):
 
 
 def test_release_and_resume_memory_over_http(server, model_dir):
-    """The admin routes and the Client's calls: refused unpaused, freed on both ranks (one process here: each rank's
-    resident set is the process's), a resume without the weights refused until an update, then transformers' tokens
-    for a request that waited through it all."""
+    """Refused unpaused; freed on both ranks; resume refused until an update; then transformers' tokens."""
     status, body = http(server, "POST", "/release_memory", {"tags": ["kv_cache"]}, TOKEN)
     assert status == 409 and body["error"]["code"] == Code.NOT_PAUSED
     assert http(server, "POST", "/release_memory", {"tags": ["cpu"]}, TOKEN)[0] == 400
     assert http(server, "POST", "/pause", token=TOKEN) == (200, {"paused": True})
     try:
         status, r = http(server, "POST", "/release_memory", {"keep_weights_on_host": False}, TOKEN)
-        assert status == 200 and r["ok"] and r["released"] == ["kv_cache", "weights"], r
-        assert [f["rank"] for f in r["ranks"]] == [0, 1]
-        assert all(f["host_bytes"] == 0 and f["freed"] >= 0.8 * (f["kv_cache_bytes"] + f["weights_bytes"])
-                   for f in r["ranks"]), r
+        assert status == 200 and r["released"] == ["kv_cache", "weights"] and [f["rank"] for f in r["ranks"]] == [0, 1]
+        assert all(f["freed"] >= 0.8 * (f["kv_cache_bytes"] + f["weights_bytes"]) for f in r["ranks"]), r
         with Client(server.address) as c:
             rid = c.submit(PROMPT_IDS, max_new_tokens=NEW)  # queued: nothing steps while memory is released
             status, body = http(server, "POST", "/resume_memory", None, TOKEN)
@@ -399,7 +395,6 @@ def test_release_and_resume_memory_over_http(server, model_dir):
             assert c.resume_memory()["released"] == []
             assert http(server, "POST", "/resume", token=TOKEN) == (200, {"paused": False})
             assert c.result(rid, timeout=120).generated_tokens == hf_greedy(model_dir, [PROMPT_IDS], NEW)[0]
-    finally:
-        http(server, "POST", "/update_weights", {"path": str(model_dir)}, TOKEN)
-        http(server, "POST", "/resume_memory", None, TOKEN)
-        http(server, "POST", "/resume", token=TOKEN)
+    finally:  # the module's other tests share this server
+        for path, body in (("/update_weights", {"path": str(model_dir)}), ("/resume_memory", None), ("/resume", None)):
+            http(server, "POST", path, body, TOKEN)
