@@ -23,6 +23,12 @@ class UpdateWeightsBody(BaseModel):
     kv_policy: Literal["keep", "recompute"] = "keep"
 
 
+class PauseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["keep", "abort", "wait", "retract"] = "keep"  # cluster.pause.PAUSE_MODES (docs/weights.md)
+
+
 def check_token(request: Request, token: str | None) -> None:
     """HttpError unless the request carries the admin bearer token."""
     if token is None:
@@ -38,10 +44,12 @@ def admin_router(client: AsyncClient, token: str | None) -> APIRouter:
     router = APIRouter()
 
     @router.post("/pause")
-    async def pause(request: Request) -> dict:
+    async def pause(request: Request, body: PauseBody | None = None) -> dict:
+        """Answered once the pause is in force (a mode "wait": once every running request finished)."""
         check_token(request, token)
-        await client.pause()
-        return {"paused": True}
+        mode = (body or PauseBody()).mode
+        await client.pause(mode)
+        return {"paused": True, "mode": mode}
 
     @router.post("/resume")
     async def resume(request: Request) -> dict:
