@@ -15,7 +15,9 @@ from typing import Any
 from cluster.compile_settings import CompileSettings, compile_decision
 
 # Defaults where the seed says "inferred" and there is no GPU memory to infer from.
-LOCKSTEP_FIELDS = ("decode_burst",)  # ContinuousBatchingConfig's fields that transformers' class does not have
+# ContinuousBatchingConfig's fields that transformers' class does not have
+LOCKSTEP_FIELDS = ("decode_burst", "max_weight_lag", "stale_policy")
+STALE_POLICIES = ("end", "restart")  # what an update does to a request beyond its max_weight_lag (docs/weights.md)
 CPU_KV_CACHE_BYTES = 1 << 30  # KV budget on a CPU rank when num_blocks is None (1 GiB)
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
 DEFAULT_MAX_REQUESTS_PER_BATCH = {"cpu": 128, "cuda": 1024}
@@ -70,6 +72,10 @@ class ContinuousBatchingConfig:
     # Lockstep's own: multi-step decode. Overlapped, a decode-only batch whose rows need no token history on the
     # host runs up to this many forwards from one plan (StepPlan.burst); 1: one step a plan
     decode_burst: int = 1
+    # Lockstep's own: the default of every request's max_weight_lag (None: unbounded) and stale_policy ("end": finish
+    # with finish_reason "stale"; "restart": from its prompt under the new weights); docs/weights.md, "Staleness"
+    max_weight_lag: int | None = None
+    stale_policy: str = "end"
 
     def __post_init__(self) -> None:
         if self.use_default_compile_configs is not None:
@@ -126,6 +132,10 @@ class ContinuousBatchingConfig:
             bad("cpu_group_timeout", "must be positive or None")
         if not _is_int(self.decode_burst) or self.decode_burst < 1:
             bad("decode_burst", "must be a positive integer")
+        if self.max_weight_lag is not None and not (_is_int(self.max_weight_lag) and self.max_weight_lag >= 0):
+            bad("max_weight_lag", "must be a non-negative integer or None")
+        if self.stale_policy not in STALE_POLICIES:
+            bad("stale_policy", f"must be one of {STALE_POLICIES}")
 
     @classmethod
     def from_any(cls, obj: Any) -> "ContinuousBatchingConfig":

@@ -19,9 +19,11 @@ class RequestStatus(IntEnum):
     CANCELLED = 5
 
 
-# a request's finish_reason by its terminal status ("length", for max_new_tokens or the context, is set where it ends)
+# a request's finish_reason by its terminal status; set where it ends: "length" (max_new_tokens or the context),
+# "abort" (a pause of mode "abort", status CANCELLED) and "stale" (beyond its max_weight_lag at an update, FINISHED)
 FINISH_REASONS = {RequestStatus.FINISHED: "stop", RequestStatus.FAILED: "error", RequestStatus.CANCELLED: "cancelled"}
-OPTIONAL_KEYS = ("resumes", "text", "finish_reason", "stop_string", "top_logprobs")  # in to_dict only when set (0 or None: unset)
+OPTIONAL_KEYS = ("resumes", "text", "finish_reason", "stop_string", "top_logprobs", "pauses",
+                 "stale_restarts")  # in to_dict only when set (0 or None: unset)
 
 
 @dataclass
@@ -43,11 +45,14 @@ class GenerationOutput:
     error_code: str | None = None  # one of cluster.errors.Code when status is FAILED
     resumes: int = 0  # how many times the request was resumed after a failure (docs/recovery.md)
     text: str | None = None  # the generated text so far, a stop string trimmed off (None: text is off)
-    # why it ended: "stop" (EOS or a stop string), "length", "cancelled", "error"; None while it runs
+    # why it ended: "stop" (EOS or a stop string), "length", "cancelled", "error", "abort", "stale"; None while it runs
     finish_reason: str | None = None
     stop_string: str | None = None  # the stop string that ended it
     # per generated token, its most probable alternatives as (token, logprob) pairs (None: not asked for)
     top_logprobs: list | None = None
+    # each pause that held the request (docs/weights.md, "Pause modes"): (its generated tokens then, the pause's mode)
+    pauses: list[tuple[int, str]] | None = None
+    stale_restarts: int = 0  # times it restarted from its prompt for its max_weight_lag (docs/weights.md, "Staleness")
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
@@ -72,6 +77,8 @@ class GenerationOutput:
     def from_dict(cls, d: dict[str, Any]) -> "GenerationOutput":
         d = dict(d) | {"status": RequestStatus(d["status"]), "lifespan": tuple(d["lifespan"]),
                        "weight_versions": [tuple(p) for p in d.get("weight_versions", [])]}
+        if d.get("pauses"):
+            d["pauses"] = [tuple(p) for p in d["pauses"]]
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in d.items() if k in known})  # fields a newer server adds are skipped
 

@@ -8,6 +8,18 @@ import threading
 from contextlib import contextmanager, nullcontext
 from typing import Callable, ContextManager, Iterator
 
+# what a pause does to the requests the engine holds (docs/weights.md, "Pause modes"): "keep" freezes them with their
+# KV, "abort" ends them with their partial output, "wait" stops admitting and lets the running ones finish first,
+# "retract" frees their KV and sends them back to waiting (re-prefilled on resume)
+PAUSE_MODES = ("keep", "abort", "wait", "retract")
+
+
+def check_pause_mode(mode: object) -> str:
+    """`mode` if it is one of PAUSE_MODES, else ValueError naming it."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode={mode!r}: must be one of {', '.join(PAUSE_MODES)}")
+    return str(mode)
+
 
 class PauseGate:
     """Entries and parks are numbered: the k-th entry made while a loop runs belongs to the k-th park (the k-th
@@ -22,6 +34,7 @@ class PauseGate:
         self.exits = 0  # of those, the ones that left
         self.parks = 0  # parks begun
         self.parked = False
+        self.modes: dict[int, str] = {}  # entry number -> the pause mode its caller named
 
     @property
     def requested(self) -> bool:
@@ -34,15 +47,23 @@ class PauseGate:
         with self.cond:
             return self.parked and self.entries == self.parks and self.exits < self.parks
 
+    @property
+    def next_mode(self) -> str:
+        """The mode named by the entry the next park belongs to ("keep" when it named none)."""
+        with self.cond:
+            return self.modes.get(self.parks + 1, "keep")
+
     @contextmanager
-    def hold(self, loop_alive: Callable[[], bool]) -> Iterator[None]:
-        """Enter once this rank's loop is parked for this entry (at once if no loop runs), until it leaves."""
+    def hold(self, loop_alive: Callable[[], bool], mode: str = "keep") -> Iterator[None]:
+        """Enter once this rank's loop is parked for this entry (at once if no loop runs), until it leaves. `mode`
+        (PAUSE_MODES) is what the driver's loop does to its requests before that park."""
         with self.cond:
             self.holders += 1
             counted = loop_alive()  # with no loop there is no park to wait for, or to release later
             if counted:
                 self.entries += 1
                 ticket = self.entries
+                self.modes[ticket] = mode
             self.cond.notify_all()
             while counted and loop_alive() and not (self.parked and self.parks == ticket):
                 self.cond.wait(0.05)
@@ -62,6 +83,7 @@ class PauseGate:
         barrier()
         with lend(), self.cond:
             self.parks += 1
+            self.modes.pop(self.parks, None)
             self.parked = True
             self.cond.notify_all()
             while still_alive() and self.exits < self.parks:

@@ -11,6 +11,7 @@ from typing import Any
 import msgpack
 
 from cluster.errors import Code  # noqa: F401  (the codes live with the typed errors)
+from cluster.pause import PAUSE_MODES
 
 PROTOCOL_VERSION = 1
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
@@ -114,6 +115,8 @@ class Submit:
     logprobs: bool = False  # the chosen tokens' logprobs, also in streamed `tokens`
     priority: int = 0  # lower numbers are scheduled first (the range is checked where the request is built)
     top_logprobs: int = 0  # 1..MAX_TOP_LOGPROBS: each token's most probable alternatives with their logprobs
+    max_weight_lag: int | None = None  # None: the preset's (values checked where the request is built)
+    stale_policy: str | None = None  # "end" or "restart"; None: the preset's
 
     @property
     def wants_text(self) -> bool:
@@ -173,7 +176,16 @@ def parse_submit(msg: dict) -> Submit:
                   sampling=sampling, eos_token_id=eos, resume_tokens=resume_tokens, resume_versions=versions,
                   resumes=field(msg, "resumes", int, 0), stop=check_stop(msg.get("stop"), mid, rid),
                   return_text=field(msg, "return_text", bool, False), logprobs=field(msg, "logprobs", bool, False),
-                  priority=field(msg, "priority", int, 0), top_logprobs=check_top_logprobs(msg, mid, rid))
+                  priority=field(msg, "priority", int, 0), top_logprobs=check_top_logprobs(msg, mid, rid),
+                  max_weight_lag=field(msg, "max_weight_lag", int), stale_policy=field(msg, "stale_policy", str))
+
+
+def pause_mode(msg: dict) -> str:
+    """A pause message's `mode` (default "keep"): one of PAUSE_MODES (docs/protocol.md, "Client to server")."""
+    mode = field(msg, "mode", str, "keep")
+    if mode not in PAUSE_MODES:
+        raise _bad(f"mode={mode!r}: a pause's mode must be one of {', '.join(PAUSE_MODES)}", msg.get("mid"))
+    return mode
 
 
 def check_top_logprobs(msg: dict, mid: Any = None, rid: str | None = None) -> int:

@@ -166,7 +166,7 @@ def test_disconnect_mid_stream_cancels(server, oai, model_dir):
         if i == 2:
             break
     # paused, the request cannot finish its 400 tokens before a loaded gateway notices the close (CI saw it do so)
-    assert http(server, "POST", "/pause", token=TOKEN) == (200, {"paused": True})
+    assert http(server, "POST", "/pause", token=TOKEN) == (200, {"paused": True, "mode": "keep"})
     try:
         stream.close()
         deadline = time.monotonic() + 30
@@ -265,7 +265,7 @@ def test_admin_routes_need_the_token(server, model_dir):
     status, body = http(server, "GET", "/weight_version", token=TOKEN)
     assert status == 200
     version = body["weight_version"]
-    assert http(server, "POST", "/pause", token=TOKEN) == (200, {"paused": True})
+    assert http(server, "POST", "/pause", token=TOKEN) == (200, {"paused": True, "mode": "keep"})
     assert http(server, "POST", "/resume", token=TOKEN) == (200, {"paused": False})
     status, result = http(server, "POST", "/update_weights", {"path": str(model_dir), "kv_policy": "keep"}, TOKEN)
     assert status == 200 and result["ok"] and result["version"] == version + 1

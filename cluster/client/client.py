@@ -112,19 +112,23 @@ class Client:
                       eos_token_id: int | list[int] | None = None, resume_tokens: list[int] | None = None,
                       resume_versions: list[tuple[int, int]] | None = None, resumes: int = 0,
                       stop: list[str] | None = None, return_text: bool = False, logprobs: bool = False,
-                      priority: int = 0, top_logprobs: int = 0, **sampling: Any) -> tuple[PendingRequest, Future]:
+                      priority: int = 0, top_logprobs: int = 0, max_weight_lag: int | None = None,
+                      stale_policy: str | None = None, **sampling: Any) -> tuple[PendingRequest, Future]:
         """Send a submit; the future resolves to the request id once accepted (an id outstanding here raises
         `duplicate_request_id` at once). `resume_tokens` (`resume_versions`, `resumes`): resume by hand
         (docs/recovery.md). Outputs carry `text` when the submit is text, has `stop` strings or `return_text`.
         `priority`: lower numbers are scheduled first (vLLM's meaning; docs/protocol.md "Priority and fairness").
-        `top_logprobs` (1..20): each token's most probable alternatives, (token, logprob) pairs, with the logprobs."""
+        `top_logprobs` (1..20): each token's most probable alternatives, (token, logprob) pairs, with the logprobs.
+        `max_weight_lag`, `stale_policy`: the versions a request may span, and what an update beyond them does
+        ("end": finish_reason "stale"; "restart"); unset, the server's preset's (docs/weights.md, "Staleness")."""
         rid = request_id or os.urandom(12).hex()
         fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "streaming": streaming, "sampling": sampling,
                                   "request_id": rid, "eos_token_id": eos_token_id}
         # additive fields, sent only when used (an older server ignores what it does not know)
         fields |= {k: v for k, v in (("stop", list(stop) if stop is not None else None), ("return_text", return_text),
                                      ("logprobs", logprobs), ("priority", priority),
-                                     ("top_logprobs", top_logprobs)) if v}
+                                     ("top_logprobs", top_logprobs), ("stale_policy", stale_policy)) if v}
+        fields |= {"max_weight_lag": max_weight_lag} if max_weight_lag is not None else {}
         fields |= {"text": text} if text is not None else {"input_ids": None if input_ids is None else list(input_ids)}
         io = self.io
         req = PendingRequest(rid, input_ids, dict(fields), resumable=self.auto_resume)
@@ -156,15 +160,16 @@ class Client:
         io.call(P.SUBMIT, **fields).add_done_callback(on_reply)
         return req, accepted
 
-    def pause_future(self, pause: bool) -> Future:
-        """Pause (or resume); this client then holds the pause (or not) and pings while it does."""
+    def pause_future(self, pause: bool, mode: str = "keep") -> Future:
+        """Pause (or resume); this client then holds the pause (or not) and pings while it does. The reply comes once
+        the pause is in force (`mode`: docs/weights.md, "Pause modes")."""
         io = self.io
 
         def held(msg: dict) -> dict:
             io.set_pause_held(pause)
             return msg
 
-        return then(io.call(P.PAUSE if pause else P.RESUME), held)
+        return then(io.call(P.PAUSE, mode=mode) if pause else io.call(P.RESUME), held)
 
     def update_weights_future(self, path: str, kv_policy: str = "keep") -> Future:
         return then(self.io.call(P.UPDATE_WEIGHTS, path=path, kv_policy=kv_policy),
@@ -228,9 +233,11 @@ class Client:
     def cancel(self, request_id: str) -> None:
         self._wait(self.data_future(P.CANCEL, request_id=request_id))
 
-    def pause(self) -> None:
-        """Hold scheduling until `resume()` (in-flight requests keep their KV); released if this client goes quiet."""
-        self._wait(self.pause_future(True))
+    def pause(self, mode: str = "keep") -> None:
+        """Hold scheduling until `resume()`; released if this client goes quiet. Returns once the pause is in force.
+        `mode`: "keep" (in-flight requests keep their KV), "abort" (they end, finish_reason "abort"), "wait" (running
+        ones finish first, nothing new starts) or "retract" (their KV is freed; recomputed on resume)."""
+        self._wait(self.pause_future(True, mode))
 
     def resume(self) -> None:
         self._wait(self.pause_future(False))
@@ -290,8 +297,8 @@ class AsyncClient:
     async def cancel(self, request_id: str) -> None:
         await wrap_future(self.client.data_future(P.CANCEL, request_id=request_id))
 
-    async def pause(self) -> None:
-        await wrap_future(self.client.pause_future(True))
+    async def pause(self, mode: str = "keep") -> None:
+        await wrap_future(self.client.pause_future(True, mode))
 
     async def resume(self) -> None:
         await wrap_future(self.client.pause_future(False))

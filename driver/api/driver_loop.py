@@ -11,7 +11,7 @@ import logging
 import queue
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -20,6 +20,7 @@ from cluster.config import IDLE_HEARTBEAT_S
 from cluster.errors import Code, LockstepError
 from cluster.outputs import RequestStatus
 from cluster.plan import Command
+from driver.api.pause_modes import PauseModes
 from driver.engine.request import Request
 
 log = logging.getLogger("lockstep")
@@ -41,6 +42,9 @@ class DriverLoop:
         self.engine = manager.engine
         self.outbox: list[dict] = []  # outputs owed to worker ranks whose callers read results
         self.last_plan = time.monotonic()  # when the workers last heard from us
+        self.pauses = PauseModes(self.engine, self.emit)
+        # the serving pause asked for (hold_scheduling): its mode and who hears when it is in force (None: none)
+        self.hold_asked: tuple[str, Callable[[bool], None] | None] | None = None
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -54,12 +58,15 @@ class DriverLoop:
                 idle = held or not engine.has_work()
                 wait = idle and not m.stop_event.is_set() and not m.gate.requested
                 self._drain_inbox(self._until_heartbeat() if wait else 0.0)
-                if m.gate.requested:
+                self._hold()
+                if m.gate.requested and self._ready("manager", m.gate.next_mode):
                     self._send(Command.PAUSE)
                     m.gate.park(m.barrier, lambda: True, m.groups.lent)
+                    self.pauses.leave("manager")
                     self.last_plan = time.monotonic()  # the barriers were plans' worth of contact
                     # the holders may have changed the weights: cached prefixes no longer match them
                     engine.blocks.forget_cached_prefixes()
+                    self._emit_all(m.updates.take_ended())  # stale requests of an update run inside the pause
                     continue
                 if m.stop_event.is_set() and (m.hard or not engine.has_work() or m.memory.released):
                     break
@@ -74,6 +81,26 @@ class DriverLoop:
             self._send(Command.STOP)
         except BaseException as e:  # the loop must never die silently
             self._fail(e)
+
+    def _ready(self, who: str, mode: str) -> bool:
+        """Collect the step in flight, then act on the pause's mode (pause_modes.py): True once it may take effect."""
+        self._flush()
+        return self.pauses.ready(who, mode)
+
+    def _hold(self) -> None:
+        """Put the serving pause asked for in force once its mode allows (`m.held`: nothing steps), and say so."""
+        m = self.m
+        if self.hold_asked is None or m.held:
+            return
+        if m.stop_event.is_set():  # a stop ends the serving pause (`stop` let go of `held`): what is queued runs
+            self.hold_asked = None
+            self.pauses.leave("serving")
+            return
+        mode, done = self.hold_asked
+        m.held = self._ready("serving", mode)
+        if m.held and done is not None:
+            self.hold_asked = (mode, None)
+            done(True)
 
     def _until_heartbeat(self) -> float:
         return max(0.0, self.last_plan + IDLE_HEARTBEAT_S - time.monotonic())
@@ -121,10 +148,18 @@ class DriverLoop:
             self._send(Command.CALL, call=call.to_dict())
             self.m.updates.run_on_driver(call, local, fut)
             self.last_plan = time.monotonic()
+            self._emit_all(self.m.updates.take_ended())
         elif kind == "memory":
             call, fut = arg
             self.m.memory.run_on_driver(call, fut, lambda: self._send(Command.CALL, memory=call.to_dict()))
             self.last_plan = time.monotonic()
+        elif kind == "hold":  # the serving pause: (mode, done) to pause, None to resume
+            if self.hold_asked is not None and self.hold_asked[1] is not None:
+                self.hold_asked[1](False)  # superseded before it took effect
+            self.hold_asked, self.m.held = arg, False
+            if arg is None:
+                self.pauses.leave("serving")
+            self._hold()  # at this point of the inbox: what was queued after the pause is not aborted
         elif kind == "cancel":
             rid, reason = arg
             req = self.m.requests.get(rid)
@@ -148,6 +183,10 @@ class DriverLoop:
             self.m.results.put(out)
         if self.engine.workers_want_results():
             self.outbox.append(out.to_dict())
+
+    def _emit_all(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.emit(req)
 
     def _take_outbox(self, **extra: Any) -> bytes:
         """Outputs owed to the workers (and `extra` keys, such as a call), packed for the next plan."""

@@ -24,11 +24,12 @@ from cluster.dist import agree_all_ok, recv_plan, send_plan
 from cluster.errors import Code, ManagerStopped, QueueFull, RequestRejected
 from cluster.liveness import Liveness
 from cluster.outputs import GenerationOutput, RequestStatus
-from cluster.pause import PauseGate
+from cluster.pause import PauseGate, check_pause_mode
 from driver.api.driver_loop import DriverLoop, is_collective_error
 from driver.api.memory_calls import MemoryCalls
 from driver.engine.engine import Engine
 from driver.engine.request import Request
+from driver.engine.staleness import bound_staleness
 from driver.api.serving_metrics import ServingMetrics
 from driver.api.update_calls import WeightUpdates
 from driver.api.validation import build_request, supported_generation_config
@@ -115,7 +116,7 @@ class ContinuousBatchingManager:
         self.thread: threading.Thread | None = None
         self.stop_event = threading.Event()
         self.hard = self.destroyed = False
-        self.held = False  # scheduling held by a client's pause: requests queue, nothing steps
+        self.held = False  # scheduling held by a client's pause (set by the loop): requests queue, nothing steps
         self.loop_error: BaseException | None = None
         self.failure: str | None = None  # what the loop died of, naming the rank when it can
         self.failure_code: str | None = None  # cluster.errors.Code of that failure (rank_failed, driver_failed)
@@ -228,30 +229,34 @@ class ContinuousBatchingManager:
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = False,
                     eos_token_id: int | list[int] | None = None, priority: int = 0, top_logprobs: int = 0,
+                    max_weight_lag: int | None = None, stale_policy: str | None = None,
                     **logit_processor_kwargs: Any) -> str | None:
         """Queue a request; its id on the driver, None on other ranks (a no-op there). `priority`: lower numbers are
         scheduled first (vLLM's meaning; FCFS within one; docs/architecture.md, "Fair scheduling"). `top_logprobs`
-        (1..20): each output's `top_logprobs` holds every token's most probable (token, logprob) pairs."""
+        (1..20): each output's `top_logprobs` holds every token's most probable (token, logprob) pairs.
+        `max_weight_lag`, `stale_policy`: its staleness bound (None: the config's; docs/weights.md, "Staleness")."""
         if not self.is_driver:
             return None
         return self.submit(self.build_request(input_ids, request_id, max_new_tokens, streaming, record_timestamps,
                                               eos_token_id, priority=priority, top_logprobs=top_logprobs,
+                                              max_weight_lag=max_weight_lag, stale_policy=stale_policy,
                                               **logit_processor_kwargs))
 
     def build_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                       streaming: bool = False, record_timestamps: bool = False,
                       eos_token_id: int | list[int] | None = None, *, strict_processors: bool = False,
                       resume_tokens: list[int] | None = None, resume_versions: list[tuple[int, int]] | None = None,
-                      resumes: int = 0, priority: int = 0, top_logprobs: int = 0,
-                      **logit_processor_kwargs: Any) -> Request:
+                      resumes: int = 0, priority: int = 0, top_logprobs: int = 0, max_weight_lag: int | None = None,
+                      stale_policy: str | None = None, **logit_processor_kwargs: Any) -> Request:
         """A validated request, not yet queued (RequestRejected, with its code, if it cannot be served).
         `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire).
         `resume_tokens`, `resume_versions`, `resumes`: an earlier run's delivered tokens (docs/recovery.md)."""
-        return build_request(self, input_ids, f"req_{next(self._ids)}" if request_id is None else request_id,
-                             max_new_tokens, streaming, record_timestamps, eos_token_id, logit_processor_kwargs,
-                             strict_processors=strict_processors, resume_tokens=resume_tokens,
-                             resume_versions=resume_versions, resumes=resumes, priority=priority,
-                             top_logprobs=top_logprobs)
+        req = build_request(self, input_ids, f"req_{next(self._ids)}" if request_id is None else request_id,
+                            max_new_tokens, streaming, record_timestamps, eos_token_id, logit_processor_kwargs,
+                            strict_processors=strict_processors, resume_tokens=resume_tokens,
+                            resume_versions=resume_versions, resumes=resumes, priority=priority,
+                            top_logprobs=top_logprobs)
+        return bound_staleness(req, max_weight_lag, stale_policy, self.config)
 
     def submit(self, req: Request, sink: Callable[[GenerationOutput], None] | None = None) -> str:
         """Queue a built request (driver only); `sink` receives its outputs on the loop thread (else the result
@@ -314,11 +319,13 @@ class ContinuousBatchingManager:
 
     # ---------------------------------------------------------------- pause
     @contextmanager
-    def pause(self) -> Iterator[None]:
-        """Park every rank's loop at one step boundary; every rank must enter it."""
+    def pause(self, mode: str = "keep") -> Iterator[None]:
+        """Park every rank's loop at one step boundary; every rank must enter it. `mode` (the driver's rules): what
+        happens first to in-flight requests, "keep", "abort", "wait" or "retract" (docs/weights.md, "Pause modes")."""
+        check_pause_mode(mode)
         if self.is_driver:
             self.inbox.put(None)
-        with self.gate.hold(self.is_running):
+        with self.gate.hold(self.is_running, mode):
             yield
 
     # ---------------------------------------------------------------- weight updates
@@ -342,11 +349,11 @@ class ContinuousBatchingManager:
         """Take the tagged memory back on every rank (weights from their host copy or the update since); as above."""
         return self.memory.call("resume", tags, timeout=timeout)
 
-    def hold_scheduling(self, hold: bool) -> None:
-        """Stop (or restart) stepping without parking the ranks: the serving pause. In-flight requests keep
-        their KV and new ones queue; workers keep receiving heartbeats, so a hold may last any time."""
-        self.held = hold
-        self.inbox.put(None)
+    def hold_scheduling(self, hold: bool, mode: str = "keep", done: Callable[[bool], None] | None = None) -> None:
+        """Stop (or restart) stepping without parking the ranks: the serving pause. New requests queue; workers keep
+        receiving heartbeats, so a hold may last any time. `mode` acts on in-flight requests first (as `pause`);
+        `done(True)` from the loop thread once the hold is in force (False: a resume or pause came first)."""
+        self.inbox.put(("hold", (check_pause_mode(mode), done) if hold else None))
 
     def barrier(self) -> None:
         """All ranks meet (the pause's two barriers). Every rank's loop thread calls it."""

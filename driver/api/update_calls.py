@@ -14,6 +14,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable
 
 from cluster.errors import Code, ManagerStopped, WeightUpdateError
+from driver.engine.staleness import enforce_weight_lag
 from worker.weights import UpdateCall, WeightsDiverged, run_update
 
 POLL_S = 0.25  # how often a waiting caller looks whether the loop still runs
@@ -30,6 +31,7 @@ class WeightUpdates:
         self.version = 0  # the weight version this rank holds
         self.attempts = 0  # updates this rank has run (fault rules match on it)
         self.diverged: WeightsDiverged | None = None
+        self.ended: list = []  # the driver's: requests an update ended (stale), for the loop to emit (take_ended)
 
     def update_weights(self, source: Any, kv_policy: str = "keep", timeout: float | None = None) -> dict[str, Any]:
         """Swap the weights at one step boundary on every rank, all or none, and bump the weight version. Every rank
@@ -170,15 +172,18 @@ class WeightUpdates:
         if result["ok"]:
             e.weight_version += 1
             e.blocks.forget_cached_prefixes()
-            # every request holding KV: on the device, or swapped out to the host pool
-            holding = [r for r in e.scheduler.running if r.block_ids] + list(e.scheduler.host.held)
+            self.ended += enforce_weight_lag(e, call.kv_policy)  # before the KV policy: a restart frees its KV
             if call.kv_policy == "recompute":
-                for req in reversed(holding):
-                    e.scheduler.preempt(req)
-            else:
-                for req in holding:
+                e.scheduler.retract()
+            else:  # every request holding KV, on the device or swapped out to the host pool
+                for req in [r for r in e.scheduler.running if r.block_ids] + list(e.scheduler.host.held):
                     req.cacheable = False
         return result | {"version": e.weight_version}
+
+    def take_ended(self) -> list:
+        """The requests updates ended since the last call (the driver's loop thread emits them)."""
+        ended, self.ended = self.ended, []
+        return ended
 
     def worker_call(self, call: UpdateCall, plan_version: int) -> None:
         """A worker's share of an update the driver started (the worker loop thread, after its CALL plan); tensors

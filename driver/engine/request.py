@@ -125,6 +125,12 @@ class Request:
     sink: object = None  # callable(GenerationOutput) on the loop thread (the front door's), else the ResultRouter
     # one copy of prompt_ids that every output of this request shares, so a streamed token costs no prompt copy
     prompt_out: list[int] | None = field(default=None, repr=False)
+    # staleness (driver/engine/staleness.py): the versions its tokens may span (None: unbounded), what an update
+    # beyond them does ("end" or "restart"), and its restarts so far; and each pause that held it (pause_modes.py)
+    max_weight_lag: int | None = None
+    stale_policy: str = "end"
+    stale_restarts: int = 0
+    pauses: list[tuple[int, str]] = field(default_factory=list)
 
     # tokens whose K/V are in the cache (or are being computed by the step in flight)
     num_computed = RowCount("computed")
@@ -170,7 +176,9 @@ class Request:
             timestamps=list(self.timestamps) if self.record_timestamps else None,
             weight_version=self.weight_versions[0][1] if self.weight_versions else 0,
             weight_versions=list(self.weight_versions), error_code=self.error_code, finish_reason=self.finish_reason,
-            top_logprobs=list(self.top_logprobs) if self.num_top_logprobs else None)
+            top_logprobs=list(self.top_logprobs) if self.num_top_logprobs else None,
+            pauses=[(i + self.resumed_tokens, mode) for i, mode in self.pauses] or None,
+            stale_restarts=self.stale_restarts)
 
 
 @dataclass(eq=False)

@@ -66,6 +66,7 @@ class Scheduler:
         self.host = HostPool(rc.num_host_blocks)
         self.dropped: dict[Request, int] = {}  # preempted without a host copy -> tokens it had computed
         self.batch = PersistentBatch(rc.max_model_len)  # every held request's row
+        self.admitting = True  # False while a pause of mode "wait" lets the running requests finish
 
     def add(self, req: Request) -> None:
         self.batch.join(req)
@@ -80,7 +81,8 @@ class Scheduler:
         impossible: list[Request] = []
         budget = [self.rc.max_batch_tokens]
         first = self.rc.scheduler_type == "prefill_first"
-        for fill in (self._admit, self._continue) if first else (self._continue, self._admit):
+        fills = (self._admit, self._continue) if first else (self._continue, self._admit)
+        for fill in fills if self.admitting else (self._continue,):
             fill(batch, budget, impossible)
         return batch, impossible
 
@@ -213,6 +215,15 @@ class Scheduler:
             self.running.remove(req)
             self.waiting.push_front(req)
             self.num_preemptions += 1
+
+    def retract(self) -> list[Request]:
+        """Free the KV of every request holding some (on the device or in the host pool), newest first: each goes
+        back to waiting and recomputes its tokens when admitted again, under the weights in force then (an update's
+        kv_policy "recompute", a pause's mode "retract"). Returns them."""
+        holding = [r for r in self.running if r.block_ids] + list(self.host.held)
+        for req in reversed(holding):
+            self.preempt(req)
+        return holding
 
     def offload_stats(self) -> dict[str, int]:
         return asdict(self.host.stats)

@@ -63,15 +63,16 @@ class AdminPolicy:
 
 
 class PauseOwner:
-    """The client holding the serving pause (None: not paused); `hold(bool)` is manager.hold_scheduling."""
+    """The client holding the serving pause (None: not paused); `hold(bool, mode, done)` is manager.hold_scheduling."""
 
-    def __init__(self, hold: Callable[[bool], None]):
+    def __init__(self, hold: Callable[..., None]):
         self.hold, self.owner = hold, None
 
-    def pause(self, ident: bytes, mid: Any) -> None:
+    def pause(self, ident: bytes, mid: Any, mode: str = "keep", done: Callable[[bool], None] | None = None) -> None:
+        """`mode`: docs/weights.md, "Pause modes"; `done(in_force)` from the loop thread once the pause is in force."""
         self._check(ident, mid, "pause")
         self.owner = ident
-        self.hold(True)
+        self.hold(True, mode, done)
 
     def resume(self, ident: bytes, mid: Any) -> None:
         self._check(ident, mid, "resume")

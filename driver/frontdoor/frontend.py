@@ -173,9 +173,13 @@ class Frontend:
             self._submit(ident, client, P.parse_submit(msg))
         elif kind == P.CANCEL:
             self.desk.cancel(ident, client, P.field(msg, "request_id", str, required=True), mid)
-        elif kind in (P.PAUSE, P.RESUME):
-            (self.pause.pause if kind == P.PAUSE else self.pause.resume)(ident, mid)
-            self._send(ident, P.REPLY, mid=mid, data={"paused": kind == P.PAUSE})
+        elif kind == P.PAUSE:  # answered once the pause is in force (a mode "wait": once nothing runs)
+            mode = P.pause_mode(msg)
+            self.pause.pause(ident, mid, mode, lambda in_force: self._reply_later(ident, mid, {"paused": in_force,
+                                                                                                "mode": mode}))
+        elif kind == P.RESUME:
+            self.pause.resume(ident, mid)
+            self._send(ident, P.REPLY, mid=mid, data={"paused": False})
         elif kind == P.STATS:
             frontend = dict(self.counters, **self.desk.stats(), backlog=self.outbox.pending(),
                             paused=self.pause.owner is not None)
@@ -213,8 +217,7 @@ class Frontend:
         def done(result: dict) -> None:  # the loop thread: record what is served now, then answer
             if result.get("ok"):
                 self.weights.note_update(call.source, call.path if source == "checkpoint" else None, result["version"])
-            self.replies.append((ident, mid, result))  # sent from the front door's thread
-            self.waker.wake()
+            self._reply_later(ident, mid, result)
 
         self.manager.update_weights_async(call, done)
 
@@ -226,11 +229,12 @@ class Frontend:
         call = MemoryCall(action, P.check_memory_tags(msg.get("tags"), mid),
                           P.field(msg, "keep_weights_on_host", bool, True))
 
-        def done(result: dict) -> None:  # the loop thread: answered from the front door's thread
-            self.replies.append((ident, mid, result))
-            self.waker.wake()
+        self.manager.memory.call_async(call, lambda result: self._reply_later(ident, mid, result))
 
-        self.manager.memory.call_async(call, done)
+    def _reply_later(self, ident: bytes, mid: Any, data: dict) -> None:
+        """A reply from another thread (the loop's), sent from the front door's thread."""
+        self.replies.append((ident, mid, data))
+        self.waker.wake()
 
     # -------------------------------------------------------------- requests
     def _submit(self, ident: bytes, client: ClientState, s: P.Submit) -> None:

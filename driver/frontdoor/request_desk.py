@@ -19,6 +19,7 @@ from typing import Any, Callable
 from cluster import protocol as P
 from cluster.errors import Code, LockstepError, QueueFull, RequestRejected
 from cluster.outputs import FINISH_REASONS, GenerationOutput, RequestStatus, versions_between
+from driver.engine.staleness import settle_policy
 from driver.frontdoor.admission import Admission, Ticket
 from driver.frontdoor.text_output import TextOutput
 
@@ -77,13 +78,16 @@ class RequestDesk:
             req = self.manager.build_request(input_ids, rid, s.max_new_tokens, s.streaming, False, s.eos_token_id,
                                              strict_processors=True, resume_tokens=s.resume_tokens,
                                              resume_versions=s.resume_versions, resumes=s.resumes,
-                                             priority=s.priority, top_logprobs=s.top_logprobs, **s.sampling)
+                                             priority=s.priority, top_logprobs=s.top_logprobs,
+                                             max_weight_lag=s.max_weight_lag, stale_policy=s.stale_policy,
+                                             **s.sampling)
+            if s.stop:  # per-token outputs, so a stop string ends it at once (ticket.streaming: does the client
+                req.streaming = True  # get them); text already sent is never taken back: no stale restart
+                settle_policy(req, explicit=s.stale_policy is not None)
         except RequestRejected as e:
             raise P.ProtocolError(e.code, e.message, mid, rid) from None
         req.client = ident  # the scheduler's turns go by connection (driver/engine/fair_queue.py)
         req.return_logprobs = req.return_logprobs or s.logprobs
-        if s.stop:  # per-token outputs, so a stop string ends it at once (ticket.streaming: does the client get them)
-            req.streaming = True
         text = TextOutput.make(self.tokenizer, s.stop, s.resume_tokens) if s.wants_text else None
         # a resumed request's outputs start with the tokens its client already has: the stream goes on after them
         ticket = Ticket(rid, ident, s.streaming, req, sent=req.resumed_tokens, text=text, logprobs=s.logprobs)

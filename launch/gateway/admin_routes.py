@@ -39,6 +39,11 @@ class ResumeMemoryBody(BaseModel):
 
     tags: list[MemoryTag] = ["kv_cache", "weights"]
 
+class PauseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["keep", "abort", "wait", "retract"] = "keep"  # cluster.pause.PAUSE_MODES (docs/weights.md)
+
 
 def check_token(request: Request, token: str | None) -> None:
     """HttpError unless the request carries the admin bearer token."""
@@ -55,10 +60,12 @@ def admin_router(client: AsyncClient, token: str | None) -> APIRouter:
     router = APIRouter()
 
     @router.post("/pause")
-    async def pause(request: Request) -> dict:
+    async def pause(request: Request, body: PauseBody | None = None) -> dict:
+        """Answered once the pause is in force (a mode "wait": once every running request finished)."""
         check_token(request, token)
-        await client.pause()
-        return {"paused": True}
+        mode = (body or PauseBody()).mode
+        await client.pause(mode)
+        return {"paused": True, "mode": mode}
 
     @router.post("/resume")
     async def resume(request: Request) -> dict:

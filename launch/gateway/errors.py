@@ -30,7 +30,7 @@ STATUS: dict[str, int] = {
 # the OpenAI field a driver's bad_field names (its message says `name=value`): the wire's name -> OpenAI's
 PARAMS = {"seed": "seed", "temperature": "temperature", "top_p": "top_p", "logit_bias": "logit_bias",
           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "priority": "priority",
-          "structured_output": "response_format"}
+          "structured_output": "response_format", "stale_policy": "stale_policy"}
 
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}

@@ -52,6 +52,9 @@ class _Common(BaseModel):
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever EOS says (benchmarks)
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)  # vLLM's extension: lower is scheduled first
+    # Lockstep's: the weight versions a request may span, and what an update beyond does (docs/weights.md, "Staleness")
+    max_weight_lag: int | None = Field(None, ge=0)
+    stale_policy: Literal["end", "restart"] | None = None
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's extensions: a JSON schema, a regex, a Lark grammar
     guided_regex: str | None = None
@@ -121,7 +124,8 @@ class _Common(BaseModel):
                   "logprobs": logprobs or None, "top_logprobs": top or None, "priority": self.priority or None,
                   "presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
                   "logit_bias": [[int(t), b] for t, b in self.logit_bias.items()] if self.logit_bias else None,
-                  "structured_output": self.structured_output()}
+                  "structured_output": self.structured_output(), "max_weight_lag": self.max_weight_lag,
+                  "stale_policy": self.stale_policy}
         return {k: v for k, v in params.items() if v is not None}
 
 

@@ -92,9 +92,10 @@ def finite(logprob: float) -> float | None:
 
 
 def finish_reason(out: GenerationOutput, max_new_tokens: int | None) -> str:
-    """OpenAI's finish_reason: the server's (stop string or EOS: "stop"; a limit: "length")."""
+    """OpenAI's finish_reason: the server's (stop string or EOS: "stop"; a limit: "length"); "abort" (a pause of mode
+    abort) and "stale" (beyond max_weight_lag) pass through as vLLM passes "abort" (docs/http.md)."""
     reason = getattr(out, "finish_reason", None)
-    if reason in ("stop", "length"):
+    if reason in ("stop", "length", "abort", "stale"):
         return reason
     return "length" if max_new_tokens is not None and len(out.generated_tokens) >= max_new_tokens else "stop"
 
