@@ -52,10 +52,9 @@ class DriverLoop:
         try:
             while True:
                 m.loop_beat = time.monotonic()
-                held = m.held or bool(m.memory.released)  # released memory: no step until it is resumed
-                if held:  # a held loop runs no step: collect the one in flight now, not at the next plan
+                if self._holding():  # a held loop runs no step: collect the one in flight now, not at the next plan
                     self._flush()
-                idle = held or not engine.has_work()
+                idle = self._holding() or not engine.has_work()
                 wait = idle and not m.stop_event.is_set() and not m.gate.requested
                 self._drain_inbox(self._until_heartbeat() if wait else 0.0)
                 self._hold()
@@ -70,7 +69,7 @@ class DriverLoop:
                     continue
                 if m.stop_event.is_set() and (m.hard or not engine.has_work() or m.memory.released):
                     break
-                if engine.has_work() and not held:
+                if engine.has_work() and not self._holding():  # after _hold(): a hold in force now
                     self._step()
                 elif self.outbox:
                     self._send(Command.PUBLISH)
@@ -81,6 +80,10 @@ class DriverLoop:
             self._send(Command.STOP)
         except BaseException as e:  # the loop must never die silently
             self._fail(e)
+
+    def _holding(self) -> bool:
+        """No step runs: a serving pause is in force, or memory is released until it is resumed."""
+        return self.m.held or bool(self.m.memory.released)
 
     def _ready(self, who: str, mode: str) -> bool:
         """Collect the step in flight, then act on the pause's mode (pause_modes.py): True once it may take effect."""
