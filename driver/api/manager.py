@@ -12,7 +12,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
@@ -27,6 +26,7 @@ from cluster.outputs import GenerationOutput, RequestStatus
 from cluster.pause import PauseGate, check_pause_mode
 from driver.api.driver_loop import DriverLoop, is_collective_error
 from driver.api.memory_calls import MemoryCalls
+from driver.api.result_router import ResultRouter
 from driver.engine.engine import Engine
 from driver.engine.request import Request
 from driver.engine.staleness import bound_staleness
@@ -40,61 +40,6 @@ from worker.memory_release import MemoryCall
 from worker.weights import UpdateCall
 
 log = logging.getLogger("lockstep")
-
-
-class ResultRouter:
-    """Where outputs go: per-request result handlers (through their asyncio loop) or a shared result list, from
-    which `get(request_id)` takes that request's next output without disturbing the others."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.pending: deque[GenerationOutput] = deque()
-        self.handlers: dict[str, tuple[asyncio.AbstractEventLoop | None, Callable]] = {}
-
-    def register(self, request_id: str, callback: Callable, loop: asyncio.AbstractEventLoop | None) -> None:
-        """Send the request's outputs to `callback` through `loop`, or, with none, from the loop thread (be quick)."""
-        with self.cond:
-            self.handlers[request_id] = handler = (loop, callback)
-            early = [o for o in self.pending if o.request_id == request_id]  # what came before it, in order
-            for o in early:
-                self.pending.remove(o)
-            if any(o.is_finished() for o in early):
-                del self.handlers[request_id]
-        for o in early:
-            self._deliver(handler, o)
-
-    def put(self, out: GenerationOutput) -> None:
-        with self.cond:
-            handler = self.handlers.get(out.request_id)
-            if handler is None:
-                self.pending.append(out)
-                self.cond.notify_all()
-                return
-            if out.is_finished():  # looked up and removed under one lock
-                del self.handlers[out.request_id]
-        self._deliver(handler, out)
-
-    @staticmethod
-    def _deliver(handler: tuple[asyncio.AbstractEventLoop | None, Callable], out: GenerationOutput) -> None:
-        loop, callback = handler
-        if loop is None:
-            callback(out)
-        elif not loop.is_closed():
-            loop.call_soon_threadsafe(callback, out)
-
-    def get(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """The oldest output (of `request_id`, if given); None after `timeout` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self.cond:
-            while True:
-                for o in self.pending:
-                    if request_id is None or o.request_id == request_id:
-                        self.pending.remove(o)
-                        return o
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
-                self.cond.wait(left if left is not None else 0.5)
 
 
 class ContinuousBatchingManager:
