@@ -11,6 +11,7 @@ from typing import Any
 import msgpack
 
 from cluster.errors import Code  # noqa: F401  (the codes live with the typed errors)
+from cluster.samples import MAX_SAMPLES
 
 PROTOCOL_VERSION = 1
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
@@ -111,6 +112,7 @@ class Submit:
     logprobs: bool = False  # the chosen tokens' logprobs, also in streamed `tokens`
     priority: int = 0  # lower numbers are scheduled first (the range is checked where the request is built)
     top_logprobs: int = 0  # 1..MAX_TOP_LOGPROBS: each token's most probable alternatives with their logprobs
+    n: int = 1  # samples of the prompt (cluster/samples.py: its children `<id>__child#<i>` and itself), one prefill
 
     @property
     def wants_text(self) -> bool:
@@ -170,7 +172,16 @@ def parse_submit(msg: dict) -> Submit:
                   sampling=sampling, eos_token_id=eos, resume_tokens=resume_tokens, resume_versions=versions,
                   resumes=field(msg, "resumes", int, 0), stop=check_stop(msg.get("stop"), mid, rid),
                   return_text=field(msg, "return_text", bool, False), logprobs=field(msg, "logprobs", bool, False),
-                  priority=field(msg, "priority", int, 0), top_logprobs=check_top_logprobs(msg, mid, rid))
+                  priority=field(msg, "priority", int, 0), top_logprobs=check_top_logprobs(msg, mid, rid),
+                  n=check_samples(msg, mid, rid))
+
+
+def check_samples(msg: dict, mid: Any = None, rid: str | None = None) -> int:
+    """A submit's `n`: an integer in [1, MAX_SAMPLES] (the samples' ids derive from the request's: `accepted`'s)."""
+    n = field(msg, "n", int, 1)
+    if not 1 <= n <= MAX_SAMPLES:
+        raise _bad(f"n={n}; it must be an integer in [1, {MAX_SAMPLES}]", mid, rid)
+    return n
 
 
 def check_top_logprobs(msg: dict, mid: Any = None, rid: str | None = None) -> int:
