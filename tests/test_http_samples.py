@@ -11,7 +11,10 @@ from cluster.client import AsyncClient, Client
 from cluster.outputs import RequestStatus
 from cluster.samples import sample_ids
 from tests.conftest import hf_greedy
-from tests.test_http import PROMPT_IDS, model_dir, oai, server  # noqa: F401  (the shared fixtures)
+from tests import test_http
+from tests.test_http import PROMPT_IDS
+
+server, model_dir, oai = test_http.server, test_http.model_dir, test_http.oai  # the shared server's fixtures
 
 SAMPLED = dict(do_sample=True, temperature=1.0, seed=5, max_new_tokens=8, eos_token_id=-1)
 
