@@ -16,7 +16,7 @@ from enum import IntEnum
 import numpy as np
 
 PLAN_MAGIC = 0x10C5
-HEADER_LEN = 17
+HEADER_LEN = 18
 MIN_INLINE = 512  # int32 payload words the first frame of a control group has room for (then NEXT_INLINE's)
 STATE_PERIOD_S = 0.05  # how stale the driver lets its copy of the workers' state rows get during STEP plans
 
@@ -51,6 +51,7 @@ class H(IntEnum):
     ARGMAX_ON_SHARDS = 14  # 1: the step's tokens are chosen on the vocab shards (see StepPlan.argmax_on_shards)
     GATHER_STATE = 15  # 1: after the broadcasts every rank's state row is gathered on the driver (StepPlan.gather)
     NEXT_INLINE = 16  # the int32 payload words the next plan's frame has room for (cluster/dist.py `inline_words`)
+    NUM_PAGE_COPIES = 17  # KV page -> KV page copies after the swap-outs, before the swap-ins (n samples: forks)
 
 
 class S(IntEnum):
@@ -77,6 +78,8 @@ class StepPlan:
     block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [B, NB]
     swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [n, 2] (page, host slot)
     swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [m, 2] (host slot, page)
+    # [c, 2] (source page, destination page): a forked child's copy of its parent's partly filled last page
+    page_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
     data: bytes = b""
     # overlapped scheduling: every rank broadcasts this step's sampled tokens on the device group after its
     # forward; the NEXT step's input id -(1 + j) reads sampled row j of this step
@@ -112,6 +115,7 @@ class StepPlan:
             len(self.data))
         h[H.TABLE_WIDTH] = self.block_tables.shape[1] if self.block_tables.ndim == 2 else 0
         h[[H.NUM_SWAP_OUT, H.NUM_SWAP_IN]] = self.swap_out.shape[0], self.swap_in.shape[0]
+        h[H.NUM_PAGE_COPIES] = self.page_copies.shape[0]
         h[[H.SHARE_TOKENS, H.BURST, H.ARGMAX_ON_SHARDS]] = self.share_tokens, self.burst, self.argmax_on_shards
         h[H.GATHER_STATE] = self.gather
         h[H.PAYLOAD_LEN] = payload_len(h)
@@ -120,12 +124,12 @@ class StepPlan:
     def payload(self) -> np.ndarray:
         return np.concatenate([self.input_ids, self.q_lens, self.kv_lens, self.sample,
                                self.block_tables.reshape(-1), self.swap_out.reshape(-1),
-                               self.swap_in.reshape(-1)]).astype(np.int32, copy=False)
+                               self.swap_in.reshape(-1), self.page_copies.reshape(-1)]).astype(np.int32, copy=False)
 
 
 def payload_len(h: np.ndarray) -> int:
     t, b, nb = int(h[H.NUM_TOKENS]), int(h[H.NUM_SEQS]), int(h[H.TABLE_WIDTH])
-    return t + 3 * b + b * nb + 2 * (int(h[H.NUM_SWAP_OUT]) + int(h[H.NUM_SWAP_IN]))
+    return t + 3 * b + b * nb + 2 * (int(h[H.NUM_SWAP_OUT]) + int(h[H.NUM_SWAP_IN]) + int(h[H.NUM_PAGE_COPIES]))
 
 
 def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> StepPlan:
@@ -139,8 +143,8 @@ def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> S
                     gather=bool(h[H.GATHER_STATE]))
     if payload is not None and payload.size:
         n_out, n_in = int(h[H.NUM_SWAP_OUT]), int(h[H.NUM_SWAP_IN])
-        plan.input_ids, plan.q_lens, plan.kv_lens, plan.sample, tables, swap_out, swap_in = np.split(
-            payload[:payload_len(h)], np.cumsum([t, b, b, b, b * nb, 2 * n_out]))
-        plan.block_tables, plan.swap_out, plan.swap_in = (
-            tables.reshape(b, nb), swap_out.reshape(n_out, 2), swap_in.reshape(n_in, 2))
+        plan.input_ids, plan.q_lens, plan.kv_lens, plan.sample, tables, swap_out, swap_in, copies = np.split(
+            payload[:payload_len(h)], np.cumsum([t, b, b, b, b * nb, 2 * n_out, 2 * n_in]))
+        plan.block_tables, plan.swap_out, plan.swap_in, plan.page_copies = (
+            tables.reshape(b, nb), swap_out.reshape(n_out, 2), swap_in.reshape(n_in, 2), copies.reshape(-1, 2))
     return plan

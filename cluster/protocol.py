@@ -12,6 +12,7 @@ import msgpack
 
 from cluster.errors import Code  # noqa: F401  (the codes live with the typed errors)
 from cluster.pause import PAUSE_MODES
+from cluster.samples import MAX_SAMPLES
 
 PROTOCOL_VERSION = 1
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
@@ -117,6 +118,7 @@ class Submit:
     top_logprobs: int = 0  # 1..MAX_TOP_LOGPROBS: each token's most probable alternatives with their logprobs
     max_weight_lag: int | None = None  # None: the preset's (values checked where the request is built)
     stale_policy: str | None = None  # "end" or "restart"; None: the preset's
+    n: int = 1  # samples of the prompt (cluster/samples.py: its children `<id>__child#<i>` and itself), one prefill
 
     @property
     def wants_text(self) -> bool:
@@ -177,7 +179,8 @@ def parse_submit(msg: dict) -> Submit:
                   resumes=field(msg, "resumes", int, 0), stop=check_stop(msg.get("stop"), mid, rid),
                   return_text=field(msg, "return_text", bool, False), logprobs=field(msg, "logprobs", bool, False),
                   priority=field(msg, "priority", int, 0), top_logprobs=check_top_logprobs(msg, mid, rid),
-                  max_weight_lag=field(msg, "max_weight_lag", int), stale_policy=field(msg, "stale_policy", str))
+                  max_weight_lag=field(msg, "max_weight_lag", int), stale_policy=field(msg, "stale_policy", str),
+                  n=check_samples(msg, mid, rid))
 
 
 def pause_mode(msg: dict) -> str:
@@ -186,6 +189,14 @@ def pause_mode(msg: dict) -> str:
     if mode not in PAUSE_MODES:
         raise _bad(f"mode={mode!r}: a pause's mode must be one of {', '.join(PAUSE_MODES)}", msg.get("mid"))
     return mode
+
+
+def check_samples(msg: dict, mid: Any = None, rid: str | None = None) -> int:
+    """A submit's `n`: an integer in [1, MAX_SAMPLES] (the samples' ids derive from the request's: `accepted`'s)."""
+    n = field(msg, "n", int, 1)
+    if not 1 <= n <= MAX_SAMPLES:
+        raise _bad(f"n={n}; it must be an integer in [1, {MAX_SAMPLES}]", mid, rid)
+    return n
 
 
 def check_top_logprobs(msg: dict, mid: Any = None, rid: str | None = None) -> int:

@@ -57,19 +57,22 @@ def two_full_requests(host_pages: int) -> tuple[Scheduler, Request, Request]:
 
 
 def test_plan_carries_swaps_after_the_arrays():
-    assert HEADER_LEN == 17 and (H.NUM_SWAP_OUT, H.NUM_SWAP_IN, H.ARGMAX_ON_SHARDS, H.GATHER_STATE) == (12, 13, 14, 15)
+    assert HEADER_LEN == 18 and (H.NUM_SWAP_OUT, H.NUM_SWAP_IN, H.ARGMAX_ON_SHARDS, H.GATHER_STATE,
+                                 H.NUM_PAGE_COPIES) == (12, 13, 14, 15, 17)
     plan = StepPlan(step=3, argmax_on_shards=True, input_ids=np.arange(5, dtype=np.int32), q_lens=np.array([2, 3], np.int32),
                     kv_lens=np.array([4, 3], np.int32), sample=np.array([1, 1], np.int32),
                     block_tables=np.array([[1, 2], [3, 0]], np.int32),
-                    swap_out=np.array([[5, 0], [6, 1]], np.int32), swap_in=np.array([[7, 9]], np.int32))
+                    swap_out=np.array([[5, 0], [6, 1]], np.int32), swap_in=np.array([[7, 9]], np.int32),
+                    page_copies=np.array([[2, 4]], np.int32))
     h = plan.header()
-    assert (h[H.NUM_SWAP_OUT], h[H.NUM_SWAP_IN], h[H.PAYLOAD_LEN]) == (2, 1, 5 + 6 + 4 + 6)
+    assert (h[H.NUM_SWAP_OUT], h[H.NUM_SWAP_IN], h[H.NUM_PAGE_COPIES], h[H.PAYLOAD_LEN]) == (2, 1, 1, 5 + 6 + 4 + 8)
     back = plan_from_parts(h, plan.payload(), b"")
     assert back.swap_out.tolist() == [[5, 0], [6, 1]] and back.swap_in.tolist() == [[7, 9]]
+    assert back.page_copies.tolist() == [[2, 4]]
     assert back.block_tables.tolist() == [[1, 2], [3, 0]] and back.input_ids.tolist() == list(range(5))
     assert back.argmax_on_shards and not plan_from_parts(StepPlan().header(), None, b"").argmax_on_shards
     plain = plan_from_parts(StepPlan().header(), None, b"")
-    assert plain.swap_out.shape == (0, 2) and plain.swap_in.shape == (0, 2)
+    assert plain.swap_out.shape == (0, 2) and plain.swap_in.shape == (0, 2) and plain.page_copies.shape == (0, 2)
 
 
 def test_host_pool_sized_in_pages_and_capped_by_the_ram():

@@ -103,8 +103,12 @@ def test_random_joins_steps_preemptions_and_cancels_keep_the_arrays_equal_to_the
             prompt = [rng.randrange(1, 9) for _ in range(rng.randint(1, 14))]  # few ids: prefixes are shared
             kw = dict(max_new_tokens=rng.randint(1, 10), eos_token_ids=frozenset(rng.sample(range(1, 9), 1)),
                       sampling=SamplingParams(repetition_penalty=rng.choice([1.0, 1.0, 1.3])))
+            children = rng.choice([0, 0, 1, 3])  # n samples: forked after the prefill (driver/engine/fork.py)
             for s in (arrays, plain):
-                s.add(Request(f"r{made}", list(prompt), **kw))
+                req = Request(f"r{made}", list(prompt), **kw)
+                req.children = [Request(f"r{made}__child#{i}", list(prompt), child_index=i, **kw)
+                                for i in range(children)]
+                s.add(req)
             made += 1
         elif op < 0.35:  # preempt or cancel the same request in both
             running = sorted(arrays.running, key=lambda r: r.request_id)
@@ -143,6 +147,9 @@ def test_random_joins_steps_preemptions_and_cancels_keep_the_arrays_equal_to_the
                 for a, p, n in zip(batch_a.reqs, batch_p.reqs, batch_a.num_tokens):
                     for r in (a, p):
                         r.num_computed += n
+                for s in (arrays, plain):  # as Engine.step: the plan is out, parents fork
+                    s.fork_ready()
+                    s.forks.take()
             landing, pending, row_of = pending, [], {}
             for a, p, tok in landing:  # the step before: its tokens reach the host
                 for r in (a, p):
@@ -176,4 +183,18 @@ def test_random_joins_steps_preemptions_and_cancels_keep_the_arrays_equal_to_the
                         s.blocks.register_full_blocks(r)
         assert state(arrays) == state(plain)
         check_rows(arrays)
+        check_pages(arrays)
+        check_pages(plain)
     assert made > 10 and arrays.num_preemptions == plain.num_preemptions
+    assert arrays.forks.stats == plain.forks.stats
+
+
+def check_pages(s: Scheduler) -> None:
+    """Every page's reference count is the number of held requests holding it (forked samples share pages); the
+    free pages are exactly those nobody holds."""
+    held = [0] * s.blocks.num_blocks
+    for r in list(s.running) + list(s.waiting):
+        for b in r.block_ids:
+            held[b] += 1
+    assert s.blocks.ref == held
+    assert sorted(s.blocks.free) == [b for b in range(s.blocks.num_blocks) if held[b] == 0]

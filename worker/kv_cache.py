@@ -26,10 +26,38 @@ class KVCache:
         self.host = (HostKVPool(num_layers, num_host_blocks, page_size, kv_heads, head_dim, dtype,
                                 pin=device.type == "cuda") if num_host_blocks else None)
 
-    def apply_swaps(self, swap_out: np.ndarray, swap_in: np.ndarray) -> None:
-        """Do a plan's page copies (swap-outs, then swap-ins) before its forward. Every rank calls it, same plan."""
-        if not (swap_out.size or swap_in.size):
+    def apply_swaps(self, swap_out: np.ndarray, swap_in: np.ndarray, page_copies: np.ndarray | None = None) -> None:
+        """Do a plan's page copies before its forward: swap-outs, then device page copies (`page_copies`: [c, 2]
+        (source, destination), a forked child's copy of its parent's last page), then swap-ins. Every rank calls
+        it, same plan. The copies sit between the swaps: a page a swap-out reads may be a copy's destination, and a
+        copy's source may be a swap-in's destination (both freed and handed out again in the same step)."""
+        copies = page_copies is not None and page_copies.size > 0
+        if not (swap_out.size or swap_in.size or copies):
             return
-        if self.host is None:
+        if (swap_out.size or swap_in.size) and self.host is None:
             raise LockstepError("the plan swaps KV pages but this rank has no host pool (cpu_offload_space)")
-        self.host.swap(self.k, self.v, self.page_size, swap_out, swap_in)
+        if not copies:
+            self.host.swap(self.k, self.v, self.page_size, swap_out, swap_in)
+            return
+        none = np.zeros((0, 2), np.int32)
+        if swap_out.size:
+            self.host.swap(self.k, self.v, self.page_size, swap_out, none)
+        copy_pages(self.k + self.v, self.page_size, page_copies)
+        if swap_in.size:
+            self.host.swap(self.k, self.v, self.page_size, none, swap_in)
+
+
+def copy_pages(layers: list[torch.Tensor], page_size: int, pairs: np.ndarray) -> None:
+    """Copy whole KV pages within each layer's cache (`pairs`: [c, 2] (source page, destination page)), in order,
+    on the compute stream: after the forward that wrote the sources, before the next one reads the copies. No
+    collective: every rank copies its own shard's pages, as the plan says."""
+    dst_pages = pairs[:, 1].tolist()
+    if len(set(dst_pages)) < len(dst_pages) or set(dst_pages) & set(pairs[:, 0].tolist()):
+        for src_page, dst_page in pairs.tolist():  # a page written twice, or read after a write: one at a time
+            copy_pages(layers, page_size, np.asarray([[src_page, dst_page]], np.int32))
+        return
+    src = torch.as_tensor(pairs[:, 0], dtype=torch.int64, device=layers[0].device)
+    dst = torch.as_tensor(pairs[:, 1], dtype=torch.int64, device=layers[0].device)
+    for cache in layers:  # one gather and one scatter a layer
+        pages = cache.view(-1, page_size, *cache.shape[1:])
+        pages.index_copy_(0, dst, pages.index_select(0, src))

@@ -154,7 +154,7 @@ class ModelRunner:
 
         def run(first: bool) -> torch.Tensor | ShardArgmax | None:
             if first:
-                self.cache.apply_swaps(plan.swap_out, plan.swap_in)  # the plan's KV page copies come first
+                self.cache.apply_swaps(plan.swap_out, plan.swap_in, plan.page_copies)  # KV page copies first
                 if refs:
                     self._resolve_ids(ids)
             else:

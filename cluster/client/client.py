@@ -8,6 +8,7 @@ a handle can be passed into Ray tasks and actors and reconnects in each worker p
 
 from __future__ import annotations
 
+import asyncio
 import os
 from asyncio import wrap_future
 import threading
@@ -21,6 +22,7 @@ from cluster.client.resume import Resumer
 from cluster.errors import ClientError, RequestLost, ServerGone, WeightUpdateError  # noqa: F401  (re-exported)
 from cluster.errors import MemoryCallRefused
 from cluster.outputs import GenerationOutput
+from cluster.samples import sample_ids
 
 
 def weight_update_result(data: dict) -> dict:
@@ -39,6 +41,40 @@ def memory_call_result(data: dict) -> dict:
     rank = data.get("rank")
     rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
     raise MemoryCallRefused(str(data.get("code") or P.Code.INTERNAL), str(data.get("error")), rank, data)
+
+
+def one_sample(params: dict) -> None:
+    """`Client.stream` follows one request; n samples stream through `AsyncClient.stream(n=...)`, or come whole
+    through `generate(n=...)` (the wire streams each sample under its own id: docs/protocol.md)."""
+    if params.get("n", 1) != 1:
+        raise ClientError(P.Code.BAD_FIELD, "Client.stream() follows one sample: use AsyncClient.stream(n=...) or "
+                          "generate(n=...)")
+
+
+async def merged(reqs: list[PendingRequest], timeout: float | None) -> AsyncIterator[GenerationOutput]:
+    """The outputs of several requests as they come, until each one's final; the first error is raised."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(r: PendingRequest) -> None:
+        try:
+            while not (item := await r.next_item_async(timeout)).is_finished():
+                await queue.put(item)
+            await queue.put(item)
+        except Exception as e:  # handed to the reader
+            await queue.put(e)
+
+    tasks = [asyncio.ensure_future(pump(r)) for r in reqs]
+    try:
+        left = len(reqs)
+        while left:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            left -= item.is_finished()
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class Client:
@@ -113,37 +149,44 @@ class Client:
                       resume_versions: list[tuple[int, int]] | None = None, resumes: int = 0,
                       stop: list[str] | None = None, return_text: bool = False, logprobs: bool = False,
                       priority: int = 0, top_logprobs: int = 0, max_weight_lag: int | None = None,
-                      stale_policy: str | None = None, **sampling: Any) -> tuple[PendingRequest, Future]:
+                      stale_policy: str | None = None, n: int = 1, **sampling: Any) -> tuple[PendingRequest, Future]:
         """Send a submit; the future resolves to the request id once accepted (an id outstanding here raises
         `duplicate_request_id` at once). `resume_tokens` (`resume_versions`, `resumes`): resume by hand
         (docs/recovery.md). Outputs carry `text` when the submit is text, has `stop` strings or `return_text`.
         `priority`: lower numbers are scheduled first (vLLM's meaning; docs/protocol.md "Priority and fairness").
         `top_logprobs` (1..20): each token's most probable alternatives, (token, logprob) pairs, with the logprobs.
         `max_weight_lag`, `stale_policy`: the versions a request may span, and what an update beyond them does
-        ("end": finish_reason "stale"; "restart"); unset, the server's preset's (docs/weights.md, "Staleness")."""
+        ("end": finish_reason "stale"; "restart"); unset, the server's preset's (docs/weights.md, "Staleness").
+        `n` > 1: n samples of the prompt from one prefill, each a request of its own (`cluster.samples.sample_ids`:
+        `<id>__child#<i>`, then the id; collect each with `result`); they are not resumed."""
         rid = request_id or os.urandom(12).hex()
         fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "streaming": streaming, "sampling": sampling,
                                   "request_id": rid, "eos_token_id": eos_token_id}
         # additive fields, sent only when used (an older server ignores what it does not know)
         fields |= {k: v for k, v in (("stop", list(stop) if stop is not None else None), ("return_text", return_text),
                                      ("logprobs", logprobs), ("priority", priority),
-                                     ("top_logprobs", top_logprobs), ("stale_policy", stale_policy)) if v}
+                                     ("top_logprobs", top_logprobs), ("stale_policy", stale_policy),
+                                     ("n", n if n != 1 else 0)) if v}
         fields |= {"max_weight_lag": max_weight_lag} if max_weight_lag is not None else {}
         fields |= {"text": text} if text is not None else {"input_ids": None if input_ids is None else list(input_ids)}
         io = self.io
-        req = PendingRequest(rid, input_ids, dict(fields), resumable=self.auto_resume)
+        req = PendingRequest(rid, input_ids, dict(fields), resumable=self.auto_resume and n == 1)
+        samples = [PendingRequest(i, input_ids) for i in sample_ids(rid, n)[:-1]]  # n samples: the children
         if resume_tokens or resumes:
             fields |= {"resume_tokens": list(resume_tokens or []), "resumes": resumes,
                        "resume_versions": [list(p) for p in resume_versions or []]}
             req.tokens, req.resumes = list(resume_tokens or []), resumes
             req.versions = [tuple(p) for p in resume_versions or []]
-        io.track(req)  # before the submit leaves, so no token can slip by
+        for r in (*samples, req):
+            io.track(r)  # before the submit leaves, so no token can slip by
 
         accepted: Future = Future()
 
         def on_reply(f: Future) -> None:  # runs before the caller hears of a refusal
             error = f.exception() if not f.cancelled() else ClientError(P.Code.CLIENT_CLOSED, "cancelled")
             if error is None:
+                for sample in samples:
+                    sample.server = req.server  # one `accepted` names the server for all of them
                 settle(accepted, rid)
             elif isinstance(error, ClientError) and error.code in RESUMABLE:
                 io.lose(req, error)  # the server was lost before it answered: the resume submits it again
@@ -153,8 +196,9 @@ class Client:
                     io.forget(req)
                     settle(accepted, error=req.final.exception() if req.final.done() else error)
             else:
-                io.finish(req, error=error)
-                io.forget(req)
+                for r in (*samples, req):
+                    io.finish(r, error=error)
+                    io.forget(r)
                 settle(accepted, error=error)
 
         io.call(P.SUBMIT, **fields).add_done_callback(on_reply)
@@ -215,11 +259,15 @@ class Client:
         self._forget(req)
         return out
 
-    def generate(self, input_ids: list[int] | None = None, **params: Any) -> GenerationOutput:
-        return self.result(self.submit(input_ids, **params))
+    def generate(self, input_ids: list[int] | None = None, **params: Any) -> GenerationOutput | list[GenerationOutput]:
+        """The final output; with `n` > 1 the n samples' (cluster.samples.sample_ids order: children, then it)."""
+        rid = self.submit(input_ids, **params)
+        n = params.get("n", 1)
+        return self.result(rid) if n == 1 else [self.result(i) for i in sample_ids(rid, n)]
 
     def stream(self, input_ids: list[int] | None = None, **params: Any) -> Iterator[GenerationOutput]:
         """One output per generated token (cumulative tokens, text and logprobs when asked for), then the final."""
+        one_sample(params)
         params["streaming"] = True
         req, fut = self.submit_future(input_ids, **params)
         self._wait(fut)
@@ -280,19 +328,30 @@ class AsyncClient:
         finally:
             self.client._forget(req)
 
-    async def generate(self, input_ids: list[int] | None = None, **params: Any) -> GenerationOutput:
-        return await self.result(await self.submit(input_ids, **params))
+    async def generate(self, input_ids: list[int] | None = None,
+                       **params: Any) -> GenerationOutput | list[GenerationOutput]:
+        rid = await self.submit(input_ids, **params)
+        n = params.get("n", 1)
+        return await self.result(rid) if n == 1 else [await self.result(i) for i in sample_ids(rid, n)]
 
     async def stream(self, input_ids: list[int] | None = None, **params: Any) -> AsyncIterator[GenerationOutput]:
+        """`Client.stream`; with `n` > 1 every sample's outputs as they come (each names its sample's request id),
+        until every sample's final."""
         params["streaming"] = True
         req, fut = self.client.submit_future(input_ids, **params)
         await wrap_future(fut)
+        reqs = [self.client._collect(i) for i in sample_ids(req.request_id, params.get("n", 1))]
         try:
-            while not (item := await req.next_item_async(self.client.timeout)).is_finished():
+            if len(reqs) == 1:
+                while not (item := await req.next_item_async(self.client.timeout)).is_finished():
+                    yield item
                 yield item
-            yield item
+            else:
+                async for item in merged(reqs, self.client.timeout):
+                    yield item
         finally:
-            self.client._forget(req, cancel=True)
+            for r in reqs:
+                self.client._forget(r, cancel=True)
 
     async def cancel(self, request_id: str) -> None:
         await wrap_future(self.client.data_future(P.CANCEL, request_id=request_id))

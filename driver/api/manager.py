@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Any, Callable, Iterable, Iterator
 
 import msgpack
@@ -32,6 +33,7 @@ from driver.engine.request import Request
 from driver.engine.staleness import bound_staleness
 from driver.api.serving_metrics import ServingMetrics
 from driver.api.update_calls import WeightUpdates
+from driver.api.request_group import build_group, group_of, samples_asked
 from driver.api.validation import build_request, supported_generation_config
 from worker.cpu_threads import release_openmp_pool
 from worker.loop import worker_loop
@@ -168,6 +170,7 @@ class ContinuousBatchingManager:
                 "burst_forwards": e.num_burst_forwards, "running": len(e.scheduler.running), "waiting":
                 len(e.scheduler.waiting), "free_blocks": e.blocks.num_free, "num_blocks": e.blocks.num_blocks,
                 "num_host_blocks": e.scheduler.host.num_slots, **e.scheduler.offload_stats(),
+                "prompt_tokens_computed": e.num_prompt_tokens, **asdict(e.scheduler.forks.stats),
                 "cuda_graphs": dict(self.runner.graph_stats), "attention": self.effective_config.attention}
 
     # ---------------------------------------------------------------- requests (driver)
@@ -192,16 +195,19 @@ class ContinuousBatchingManager:
                       eos_token_id: int | list[int] | None = None, *, strict_processors: bool = False,
                       resume_tokens: list[int] | None = None, resume_versions: list[tuple[int, int]] | None = None,
                       resumes: int = 0, priority: int = 0, top_logprobs: int = 0, max_weight_lag: int | None = None,
-                      stale_policy: str | None = None, **logit_processor_kwargs: Any) -> Request:
+                      stale_policy: str | None = None, num_return_sequences: int | None = None,
+                      **logit_processor_kwargs: Any) -> Request:
         """A validated request, not yet queued (RequestRejected, with its code, if it cannot be served).
         `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire).
-        `resume_tokens`, `resume_versions`, `resumes`: an earlier run's delivered tokens (docs/recovery.md)."""
-        req = build_request(self, input_ids, f"req_{next(self._ids)}" if request_id is None else request_id,
-                            max_new_tokens, streaming, record_timestamps, eos_token_id, logit_processor_kwargs,
-                            strict_processors=strict_processors, resume_tokens=resume_tokens,
-                            resume_versions=resume_versions, resumes=resumes, priority=priority,
-                            top_logprobs=top_logprobs)
-        return bound_staleness(req, max_weight_lag, stale_policy, self.config)
+        `resume_tokens`, `resume_versions`, `resumes`: an earlier run's delivered tokens (docs/recovery.md).
+        `num_return_sequences` (else the generation config's): n samples, its n - 1 children forked after its
+        prefill (request_group.py); each sample bounded by `max_weight_lag` / `stale_policy` (staleness.py)."""
+        rid = f"req_{next(self._ids)}" if request_id is None else request_id
+        n = samples_asked(self.generation_config, num_return_sequences, rid)
+        return build_group(rid, n, lambda i: bound_staleness(build_request(
+            self, input_ids, i, max_new_tokens, streaming, record_timestamps, eos_token_id, logit_processor_kwargs,
+            strict_processors=strict_processors, resume_tokens=resume_tokens, resume_versions=resume_versions,
+            resumes=resumes, priority=priority, top_logprobs=top_logprobs), max_weight_lag, stale_policy, self.config))
 
     def submit(self, req: Request, sink: Callable[[GenerationOutput], None] | None = None) -> str:
         """Queue a built request (driver only); `sink` receives its outputs on the loop thread (else the result
@@ -212,14 +218,15 @@ class ContinuousBatchingManager:
             if self.closed:
                 raise ManagerStopped(f"request {rid}: the manager is stopped"  # a failure's code: clients resume
                                      + (f" ({self.failure})" if self.failure else ""), self.failure_code, rid)
-            if rid in self.requests:
-                raise RequestRejected(f"request {rid}: a request with this id is already in flight",
-                                      Code.DUPLICATE_REQUEST_ID, rid)
+            group = group_of(req)  # n samples: its children are registered with it
+            if any(r.request_id in self.requests for r in group):
+                raise RequestRejected(f"request {rid}: a request with this id (or one of its samples') is already "
+                                      f"in flight", Code.DUPLICATE_REQUEST_ID, rid)
             queued = sum(1 for r in self.requests.values() if r.status == RequestStatus.PENDING)
             if self.config.max_queue_size and queued >= self.config.max_queue_size:
                 raise QueueFull(f"request {rid}: the queue is full (max_queue_size={self.config.max_queue_size})",
                                 request_id=rid)
-            self.requests[rid] = req
+            self.requests.update((r.request_id, r) for r in group if not r.is_finished)
             self.inbox.put(("add", req))
         return rid
 

@@ -19,7 +19,9 @@ from cluster.config import ContinuousBatchingConfig, ResolvedConfig, resolve_con
 from cluster.dist import Groups, agree_min, make_control_group
 from cluster.errors import ManagerStopped, QueueFull
 from cluster.outputs import GenerationOutput
+from cluster.samples import sample_ids, sample_order
 from driver.api.manager import ContinuousBatchingManager
+from driver.api.request_group import samples_asked
 from worker.attention import attention_workspace_bytes
 from worker.kv_cache import kv_bytes_per_token
 from worker.kv_offload import system_ram_bytes
@@ -187,10 +189,13 @@ class ClusterModel:
                        progress_bar: bool = False, persistent_manager: bool = False, warmup: bool = True,
                        **kwargs: Any) -> dict[str, GenerationOutput]:
         """Generate for every prompt; the same dict (request id -> output, in input order) on every rank. A bad input
-        raises the same ValueError on every rank; a batch larger than max_queue_size is fed as room appears."""
+        raises the same ValueError on every rank; a batch larger than max_queue_size is fed as room appears. With
+        num_return_sequences n, each prompt's n samples (cluster/samples.py: its children, then itself)."""
         if not inputs:
             return {}
         gen = generation_config or self.generation_config
+        n = samples_asked(gen, kwargs.get("num_return_sequences"))
+        total = n * len(inputs)
         kept = self.persistent_manager
         manager = self.init_continuous_batching(gen, continuous_batching_config)
         try:  # the driver's validation, on every rank with the same names: every rank raises the same error or none
@@ -209,10 +214,10 @@ class ClusterModel:
             reqs = [manager.build_request(x, record_timestamps=record_timestamps, **kwargs) for x in inputs] \
                 if self.groups.is_driver else []
             results: dict[str, GenerationOutput] = {}
-            bar = tqdm(total=len(inputs), disable=not (progress_bar and self.groups.is_driver),
+            bar = tqdm(total=total, disable=not (progress_bar and self.groups.is_driver),
                        desc="requests finished", unit="request")
             generated = fed = 0
-            while len(results) < len(inputs):
+            while len(results) < total:
                 fed = self._feed(manager, reqs, fed)
                 out = manager.get_result(timeout=0.05 if fed < len(reqs) else 1)
                 if out is None:
@@ -226,11 +231,12 @@ class ClusterModel:
                     bar.update(1)
             bar.close()
             if reqs:
-                results = {r.request_id: results[r.request_id] for r in reqs if r.request_id in results}
+                ids = [i for r in reqs for i in sample_ids(r.request_id, n)]
+                results = {i: results[i] for i in ids if i in results}
             else:  # a worker: the driver numbered the requests in input order
-                results = dict(sorted(results.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1])))
+                results = dict(sorted(results.items(), key=lambda kv: output_order(kv[0])))
             self.last_stats = manager.stats()
-        if manager.loop_error is not None and len(results) < len(inputs):
+        if manager.loop_error is not None and len(results) < total:
             raise RuntimeError(f"generation stopped early: {manager.loop_error!r}") from manager.loop_error
         return results
 
@@ -246,3 +252,9 @@ class ClusterModel:
                 return len(reqs)  # the loop ended; the caller sees it and raises like every rank
             fed += 1
         return fed
+
+
+def output_order(request_id: str) -> tuple[int, int, int]:
+    """generate_batch's order of the driver's ids req_<k> (and their samples, cluster/samples.py), on a worker."""
+    base, is_parent, index = sample_order(request_id)
+    return int(base.rsplit("_", 1)[1]), is_parent, index

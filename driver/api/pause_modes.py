@@ -31,7 +31,8 @@ class PauseModes:
             if sched.running:
                 return False
         elif mode == "abort":  # every request the engine holds ends now, with what it has
-            for req in [*sched.running, *sched.waiting]:
+            while sched.running or sched.waiting:  # a parent ended before its fork queues its n samples' children
+                req = next(iter(sched.running or sched.waiting))
                 req.pauses.append((len(req.generated), mode))
                 self.engine.end(req, RequestStatus.CANCELLED, f"request {req.request_id}: aborted by a pause "
                                 "(mode 'abort')", reason="abort")

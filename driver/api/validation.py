@@ -13,6 +13,7 @@ from cluster.errors import Code, RequestRejected
 from cluster.protocol import (MAX_EOS_TOKEN_IDS, MAX_REQUEST_ID_CHARS, MAX_TOP_LOGPROBS, PRIORITY_MAX, PRIORITY_MIN,
                               SAMPLING_FIELDS)
 from driver.api.option_checks import OPTION_CHECKS, check_forced_not_suppressed, check_option, integer, real, shown
+from driver.api.request_group import samples_asked
 from driver.engine.request import Request, ResumedRequest, SamplingParams
 
 SAMPLING_KWARGS = tuple(SAMPLING_FIELDS)
@@ -21,7 +22,7 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 UNSUPPORTED_PROCESSORS = ("force_words_ids", "constraints", "typical_p", "epsilon_cutoff", "eta_cutoff", "min_p",
                           "top_h", "diversity_penalty", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size",
                           "exponential_decay_length_penalty", "guidance_scale", "renormalize_logits",
-                          "remove_invalid_values", "watermarking_config", "num_beams", "num_return_sequences")
+                          "remove_invalid_values", "watermarking_config", "num_beams")
 
 
 def check_prompt(input_ids: Any, request_id: str, vocab_size: int, max_model_len: int) -> list[int]:
@@ -290,6 +291,7 @@ def supported_generation_config(generation_config: Any, drop: bool) -> Any:
     from transformers import GenerationConfig
 
     sampling_from(generation_config)  # its sampling values are checked once, on every rank, before anything runs
+    samples_asked(generation_config)  # and its num_return_sequences (n samples of one prompt: request_group.py)
     default = GenerationConfig()
     names = [name for name in UNSUPPORTED_PROCESSORS
              if getattr(generation_config, name, None) not in (None, getattr(default, name, None))]

@@ -75,6 +75,14 @@ class BlockManager:
         req.block_ids.append(b)
         return True
 
+    def share(self, req: Request, block_ids: list[int]) -> None:
+        """Give the request references to pages another request holds (a forked child: its parent's full prompt
+        pages, driver/engine/fork.py); they are freed when their last holder lets go."""
+        for b in block_ids:
+            self.ref[b] += 1
+        req.block_ids.extend(block_ids)
+        pages_changed(req)
+
     def allocate(self, req: Request, num_tokens: int, keep_free: int = 0) -> bool:
         """Give the request pages for `num_tokens` tokens in all, leaving `keep_free` blocks; False if short."""
         need = self.blocks_for(num_tokens) - len(req.block_ids)

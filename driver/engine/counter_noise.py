@@ -17,12 +17,13 @@ ROW_SALT, VOCAB_SALT = 0x2545F491, 0x85EBCA6B
 U_BITS = 23  # u = (2m + 1) / 2**24 for a 23-bit m: exact in float32 and strictly inside (0, 1)
 
 
-def request_key(own_seed: int | None, config_seed: int | None, request_id: str) -> int:
+def request_key(own_seed: int | None, config_seed: int | None, request_id: str, child_index: int = -1) -> int:
     """A request's 64-bit noise key. Its own seed alone keys it, as a seed does in OpenAI's API and vLLM: the same
-    seed samples the same tokens from the same logits, whatever the request id. Without one, the engine's seed
-    and the request id key it (requests differ, runs repeat); with no seed anywhere, a random key."""
+    seed samples the same tokens from the same logits, whatever the request id; child i of n samples of one prompt
+    (`child_index` >= 0) is keyed by the seed and i, so the n samples differ. Without one, the engine's seed and the
+    request id key it (requests differ, runs repeat); with no seed anywhere, a random key."""
     if own_seed is not None:
-        text = f"{own_seed}"
+        text = f"{own_seed}" if child_index < 0 else f"{own_seed}__child#{child_index}"
     elif config_seed is not None:
         text = f"{config_seed}:{request_id}"
     else:

@@ -45,6 +45,7 @@ class Engine:
         self.sampler = Sampler(seed)
         self.step_no = self.weight_version = self.num_tokens_generated = 0
         self.num_burst_forwards = 0  # forwards run by bursts beyond their plan's first (multi-step decode)
+        self.num_prompt_tokens = 0  # prompt tokens whose K/V steps computed (recomputations too): prefill work
         self.rank_states = None  # every rank's state row, as of the last plan that gathered them (cluster.plan.S)
         self.gathered_at = 0.0  # when (time.monotonic) the last plan gathered them
         self.in_flight: InFlight | None = None  # overlapped: the step launched last, not collected yet
@@ -111,6 +112,7 @@ class Engine:
         plan, slots = self._plan(batch)
         plan.data = data
         plan.swap_out, plan.swap_in = self.scheduler.host.take()
+        plan.page_copies = self.scheduler.forks.take()
         sampling = plan.sample.astype(bool)
         sampled = batch.reqs if sampling.all() else [r for r, m in zip(batch.reqs, sampling.tolist()) if m]
         sampled_slots = slots[sampling]
@@ -121,6 +123,9 @@ class Engine:
         self._send(plan)
         logits = self.runner.launch(plan)
         rows.computed[slots] += plan.q_lens + (plan.burst - 1)
+        self.num_prompt_tokens += int(np.maximum(0, np.minimum(plan.kv_lens, rows.prompt_len[slots])
+                                                 - (plan.kv_lens - plan.q_lens)).sum())
+        self.scheduler.fork_ready()  # n samples: children start from the prompt K/V this plan computes
         if not plan.share_tokens:  # in series: every token so far is on the host after this step
             events += self.flush()
             self._register(batch.reqs, slots)

@@ -123,6 +123,10 @@ class Request:
     # the token index, so the resumed request samples what the uninterrupted one would have
     resumed_tokens: int = 0
     sink: object = None  # callable(GenerationOutput) on the loop thread (the front door's), else the ResultRouter
+    # n samples of one prompt (driver/engine/fork.py): the children this request forks once its prompt but the last
+    # token is computed (emptied then), and a child's index among its parent's (-1: not a child)
+    children: list["Request"] = field(default_factory=list, repr=False)
+    child_index: int = -1
     # one copy of prompt_ids that every output of this request shares, so a streamed token costs no prompt copy
     prompt_out: list[int] | None = field(default=None, repr=False)
     # staleness (driver/engine/staleness.py): the versions its tokens may span (None: unbounded), what an update

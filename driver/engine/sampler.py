@@ -86,7 +86,7 @@ def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
     the index travels beside it (`Sampler.rows`)."""
     p = req.sampling
     if req.sample_key is None:
-        req.sample_key = request_key(p.seed, seed, req.request_id)
+        req.sample_key = request_key(p.seed, seed, req.request_id, req.child_index)
     if not p.needs_history:
         if req.sample_cache is None:
             req.sample_cache = SampleRow(req.request_id, p, req.sample_key, 0, (), req.return_logprobs,

@@ -19,6 +19,7 @@ from cluster.config import ResolvedConfig
 from cluster.outputs import RequestStatus
 from driver.engine.block_manager import BlockManager
 from driver.engine.fair_queue import FairQueue
+from driver.engine.fork import Forks
 from driver.engine.host_pool import HostPool
 from driver.engine.persistent_batch import PersistentBatch
 from driver.engine.request import Request
@@ -67,10 +68,23 @@ class Scheduler:
         self.dropped: dict[Request, int] = {}  # preempted without a host copy -> tokens it had computed
         self.batch = PersistentBatch(rc.max_model_len)  # every held request's row
         self.admitting = True  # False while a pause of mode "wait" lets the running requests finish
+        self.forks = Forks(blocks)  # n samples of one prompt: parents whose children are not forked yet
 
     def add(self, req: Request) -> None:
         self.batch.join(req)
         self.waiting.append(req)
+        self.forks.add(req)
+
+    def fork_ready(self) -> None:
+        """After a plan was sent: fork the children of every parent whose prompt K/V it computes (fork.py); they
+        run from the next schedule on, after their parent in the running order."""
+        for parent in self.forks.ready():
+            forked, alone = self.forks.fork(parent, self.keep_free)
+            for child in forked:
+                self.batch.join(child)
+                bisect.insort_right(self.running, child, key=attrgetter("priority"))
+            for child in alone:
+                self.add(child)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -203,7 +217,8 @@ class Scheduler:
         """Free the request's pages and queue it first. `offload`: its computed pages go to the host pool when they
         fit; otherwise it is recomputed from its tokens so far (a waiting request drops its host copy)."""
         pages = req.block_ids[:self.blocks.blocks_for(req.num_computed)]
-        kept = offload and self.host.swap_out(req, pages)  # False without a pool: it has no free slot
+        # False without a pool (no free slot), and for a forked child whose page copy is not sent yet
+        kept = offload and not self.forks.copy_unsent(req) and self.host.swap_out(req, pages)
         self.blocks.release(req, keep_hashes=kept)
         if not kept:
             self.host.drop(req)
@@ -238,3 +253,5 @@ class Scheduler:
         self.host.drop(req)
         self.dropped.pop(req, None)
         self.batch.leave(req)
+        for child in self.forks.release(req):  # it ended before its children were forked: they go on alone
+            self.add(child)

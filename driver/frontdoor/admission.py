@@ -5,7 +5,7 @@ sent one by at most one request of each other client."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -22,6 +22,7 @@ class Ticket:
     answered: bool = False  # its final or error went out (or its owner is gone): later outputs are dropped
     text: Any = None  # driver.frontdoor.text_output.TextOutput when its text is on (stop strings, text outputs)
     logprobs: bool = False  # streamed `tokens` carry the tokens' logprobs
+    samples: list["Ticket"] = field(default_factory=list)  # n samples: the tickets of its children (cluster/samples.py)
 
 
 class Admission:

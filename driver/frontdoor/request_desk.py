@@ -20,6 +20,7 @@ from cluster import protocol as P
 from cluster.errors import Code, LockstepError, QueueFull, RequestRejected
 from cluster.outputs import FINISH_REASONS, GenerationOutput, RequestStatus, versions_between
 from driver.engine.staleness import settle_policy
+from cluster.samples import sample_ids
 from driver.frontdoor.admission import Admission, Ticket
 from driver.frontdoor.text_output import TextOutput
 
@@ -67,9 +68,10 @@ class RequestDesk:
         rid, mid, max_queue = s.request_id, s.mid, self.manager.config.max_queue_size
         if not self.loop_answers():
             raise P.ProtocolError(self.failure_code(), "the step loop is not answering; no new requests", mid, rid)
-        if rid in self.tickets:
-            raise P.ProtocolError(Code.DUPLICATE_REQUEST_ID, f"request id {rid!r} is already in flight", mid, rid)
-        if len(client.tickets) >= self.max_inflight_per_client:
+        taken = [i for i in sample_ids(rid, s.n) if i in self.tickets]
+        if taken:
+            raise P.ProtocolError(Code.DUPLICATE_REQUEST_ID, f"request id {taken[0]!r} is already in flight", mid, rid)
+        if len(client.tickets) + s.n > self.max_inflight_per_client:
             raise P.ProtocolError(Code.CLIENT_LIMIT, f"this client has {len(client.tickets)} requests in flight "
                                   f"(max_inflight_per_client={self.max_inflight_per_client})", mid, rid)
         if max_queue and len(self.admission) >= max_queue:
@@ -80,21 +82,32 @@ class RequestDesk:
                                              resume_versions=s.resume_versions, resumes=s.resumes,
                                              priority=s.priority, top_logprobs=s.top_logprobs,
                                              max_weight_lag=s.max_weight_lag, stale_policy=s.stale_policy,
-                                             **s.sampling)
+                                             num_return_sequences=s.n, **s.sampling)
             if s.stop:  # per-token outputs, so a stop string ends it at once (ticket.streaming: does the client
-                req.streaming = True  # get them); text already sent is never taken back: no stale restart
-                settle_policy(req, explicit=s.stale_policy is not None)
+                for r in (req, *req.children):  # get them); text already sent is never taken back: no stale restart
+                    r.streaming = True
+                    settle_policy(r, explicit=s.stale_policy is not None)
         except RequestRejected as e:
             raise P.ProtocolError(e.code, e.message, mid, rid) from None
+        ticket, *samples = [self._ticket(ident, s, r) for r in [req, *req.children]]  # n samples: a ticket each
+        ticket.samples = samples
+        for t in (ticket, *samples):
+            self.tickets[t.rid] = client.tickets[t.rid] = t
+        self.admission.put(ticket)  # the samples go to the manager with it
+        self.counters["accepted"] += 1
+        self.send(ident, P.ACCEPTED, mid=mid, request_id=rid, server=self.server_id)
+
+    def _ticket(self, ident: bytes, s: P.Submit, req: Any) -> Ticket:
+        """The ticket of one request (or sample) of a submit; a sample's outputs go to its own ticket."""
         req.client = ident  # the scheduler's turns go by connection (driver/engine/fair_queue.py)
         req.return_logprobs = req.return_logprobs or s.logprobs
         text = TextOutput.make(self.tokenizer, s.stop, s.resume_tokens) if s.wants_text else None
         # a resumed request's outputs start with the tokens its client already has: the stream goes on after them
-        ticket = Ticket(rid, ident, s.streaming, req, sent=req.resumed_tokens, text=text, logprobs=s.logprobs)
-        self.tickets[rid] = client.tickets[rid] = ticket
-        self.admission.put(ticket)
-        self.counters["accepted"] += 1
-        self.send(ident, P.ACCEPTED, mid=mid, request_id=rid, server=self.server_id)
+        ticket = Ticket(req.request_id, ident, s.streaming, req, sent=req.resumed_tokens, text=text,
+                        logprobs=s.logprobs)
+        if req.child_index >= 0:
+            req.sink = functools.partial(self.on_output, ticket)
+        return ticket
 
     def admit(self) -> None:
         """Hand queued tickets to the manager, round-robin across clients, while its queue is short."""
@@ -107,22 +120,26 @@ class RequestDesk:
                 self.admission.put_back(ticket)
                 return
             except LockstepError as e:
-                self.fail(ticket, e.code, e.message)
+                for t in (ticket, *ticket.samples):
+                    self.fail(t, e.code, e.message)
                 continue
-            ticket.in_manager = True
-            self.in_manager += 1
+            for t in (ticket, *ticket.samples):
+                t.in_manager = not t.answered  # a sample cancelled while queued is not in the manager
+                self.in_manager += t.in_manager
 
     def cancel(self, ident: bytes, client: ClientState, rid: str, mid: Any) -> None:
         ticket = client.tickets.get(rid)
         if ticket is None:
             raise P.ProtocolError(Code.UNKNOWN_REQUEST, f"no request {rid!r} of yours is in flight", mid, rid)
         self.send(ident, P.REPLY, mid=mid, data={"cancelled": rid})
-        if ticket.in_manager:
-            self.manager.cancel_request(rid)  # its CANCELLED final comes from the loop
-        elif self.admission.remove(ticket):
-            ticket.req.status, ticket.req.error = RequestStatus.CANCELLED, "cancelled"
-            ticket.req.finish_reason = FINISH_REASONS[RequestStatus.CANCELLED]
-            self.deliver(ticket, ticket.req.output())
+        queued = self.admission.remove(ticket)
+        for t in (ticket, *ticket.samples):  # a request's id cancels its samples too
+            if t.in_manager:
+                self.manager.cancel_request(t.rid)  # its CANCELLED final comes from the loop
+            elif queued or (t.req.child_index >= 0 and not t.answered):  # not handed to the manager yet
+                t.req.status, t.req.error = RequestStatus.CANCELLED, "cancelled"
+                t.req.finish_reason = FINISH_REASONS[RequestStatus.CANCELLED]
+                self.deliver(t, t.req.output())
 
     # -------------------------------------------------------------- out
     def on_output(self, ticket: Ticket, out: GenerationOutput) -> None:
@@ -194,9 +211,10 @@ class RequestDesk:
         client = self.clients.pop(ident, None)
         if client is None:
             return 0
-        for ticket in self.admission.drop_client(ident):
-            if self.tickets.get(ticket.rid) is ticket:
-                del self.tickets[ticket.rid]
+        for queued in self.admission.drop_client(ident):
+            for ticket in (queued, *queued.samples):
+                if self.tickets.get(ticket.rid) is ticket:
+                    del self.tickets[ticket.rid]
         for ticket in client.tickets.values():
             if ticket.in_manager:
                 self.manager.cancel_request(ticket.rid)  # the id stays taken until its CANCELLED final

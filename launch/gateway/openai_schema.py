@@ -10,9 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster.errors import Code
 from cluster.protocol import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, PRIORITY_MAX, PRIORITY_MIN
+from cluster.samples import MAX_SAMPLES
 from launch.gateway.errors import HttpError
 
-MAX_N = 16  # choices per request (each is one submit)
+MAX_N = MAX_SAMPLES  # choices per prompt: its samples, one submit with `n` (cluster/samples.py)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what the wire's integers hold
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}  # vLLM's fields
 

@@ -1,14 +1,16 @@
-"""OpenAI completions and chat completions on a Lockstep cluster: each choice is one submit through
-`AsyncClient`; answers are OpenAI's response objects, or Server-Sent Events chunks ending with `data: [DONE]`.
+"""OpenAI completions and chat completions on a Lockstep cluster: each prompt is one submit through `AsyncClient`,
+with the call's `n` (n samples of one prompt from one prefill, cluster/samples.py): choice 0 of a prompt is the
+request itself, choice i its child i - 1. Answers are OpenAI's response objects, or Server-Sent Events chunks ending
+with `data: [DONE]`.
 
 A caller that goes away cancels its requests (the gateway watches the connection; a stream closed early ends its
-`AsyncClient.stream`, which cancels). Choice i > 0 of a seeded call gets a seed derived from (seed, i), so its n
-choices differ and each samples the same tokens each time. Torch-free."""
+`AsyncClient.stream`, which cancels). A seeded call's choices differ (the driver keys a child's noise by the seed
+and its index) and each samples the same tokens each time; choice 0 samples what the call with n = 1 samples.
+Torch-free."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import time
@@ -22,6 +24,7 @@ from cluster.errors import ClientError, Code
 from launch.gateway.errors import MODEL_NOT_FOUND, HttpError
 from launch.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from cluster.outputs import GenerationOutput
+from cluster.samples import child_id
 
 
 @dataclass
@@ -46,15 +49,16 @@ class Choice:
     index: int
     source: dict[str, Any]  # input_ids or text
     request_id: str
-    seed: int | None = None  # its own seed (`choice_seed`), None when the call gave none
+    group: list["Choice"]  # the choices of its prompt, one submit: group[0] is the request, the others its children
     text: str = ""
     tokens: int = 0
     last: GenerationOutput | None = None
     echo: str = ""  # the prompt's text, when the call asked for it before the completion (`echo`)
     chars: int = 0  # the running length of the reported tokens' texts (their logprobs' text_offset)
 
-    def params(self, params: dict[str, Any]) -> dict[str, Any]:
-        return params if self.seed is None else params | {"seed": self.seed}
+    def submit(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The keywords of its prompt's one submit (call it on group[0])."""
+        return params | {"text": self.source.get("text"), "request_id": self.request_id, "n": len(self.group)}
 
     def advance(self, out: GenerationOutput) -> tuple[str, Tokens]:
         """The text and tokens (with their logprobs) new in `out` since the last call."""
@@ -73,14 +77,6 @@ class Tokens:
     ids: list[int]
     logprobs: list[float]
     top: list | None = None
-
-
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """Choice `index`'s seed: the call's for the first choice, one derived from (seed, index) for the others."""
-    if seed is None or index == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # in [0, 2^63): a valid seed on the wire
 
 
 MIN_LOGPROB = -9999.0  # what a -inf logprob (a token its filters dropped) is reported as: JSON has no infinity
@@ -126,7 +122,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ requests -> choices
     def parts(self, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> tuple[list[Choice], dict[str, Any]]:
-        """The call's choices (n per prompt, each with its own request id and seed) and their submit keywords."""
+        """The call's choices (n per prompt: the prompt's request and its children) and their submit keywords."""
         if not self.model.matches(body.model):
             raise HttpError(MODEL_NOT_FOUND, f"the model {body.model!r} does not exist; this server serves "
                                              f"{self.model.name!r}", "model")
@@ -135,8 +131,14 @@ class OpenAIServing:
                    else [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in body.prompts()])
         base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         echo = [self.prompt_text(src) if not chat and body.echo else "" for src in sources]
-        return [Choice(p * body.n + i, src, f"{base}-{p * body.n + i}", choice_seed(body.seed, p * body.n + i),
-                       echo=echo[p]) for p, src in enumerate(sources) for i in range(body.n)], params
+        choices: list[Choice] = []
+        for p, src in enumerate(sources):
+            rid = f"{base}-{p}"
+            group: list[Choice] = []
+            group += [Choice(p * body.n + i, src, child_id(rid, i - 1) if i else rid, group, echo=echo[p])
+                      for i in range(body.n)]
+            choices += group
+        return choices, params
 
     def prompt_text(self, source: dict[str, Any]) -> str:
         """A prompt's text (`echo`): as sent, or its token ids decoded (empty without a tokenizer)."""
@@ -163,23 +165,25 @@ class OpenAIServing:
 
     async def _run(self, choices: list[Choice], params: dict[str, Any]) -> None:
         """Every choice to its final output (a non-streaming call); cancelled: the server drops them."""
-        async def one(c: Choice) -> None:
+        async def one(lead: Choice) -> None:
             try:
-                c.advance(await self.client.generate(c.source.get("input_ids"), text=c.source.get("text"),
-                                                     request_id=c.request_id, **c.params(params)))
+                outs = await self.client.generate(lead.source.get("input_ids"), **lead.submit(params))
             except ClientError as e:
                 raise HttpError.of(e) from None
+            by_id = {o.request_id: o for o in (outs if isinstance(outs, list) else [outs])}
+            for c in lead.group:
+                c.advance(by_id[c.request_id])
         try:
-            await asyncio.gather(*(one(c) for c in choices))
+            await asyncio.gather(*(one(c) for c in choices if c is c.group[0]))
         except BaseException:
             self._cancel(choices)
             raise
 
     async def _open_stream(self, c: Choice, params: dict[str, Any]
                            ) -> tuple[AsyncIterator[GenerationOutput], GenerationOutput]:
-        """A choice's stream and its first output (so a refusal comes before any byte of the answer)."""
-        stream = self.client.stream(c.source.get("input_ids"), text=c.source.get("text"), request_id=c.request_id,
-                                    **c.params(params))
+        """A prompt's stream (its n samples' outputs) and its first output (so a refusal comes before any byte of
+        the answer)."""
+        stream = self.client.stream(c.source.get("input_ids"), **c.submit(params))
         try:
             return stream, await stream.__anext__()
         except ClientError as e:
@@ -189,7 +193,8 @@ class OpenAIServing:
     async def _stream(self, choices: list[Choice], params: dict[str, Any]
                       ) -> AsyncIterator[tuple[Choice, GenerationOutput] | None]:
         """None once every choice was accepted (or a refusal raises), then every output as it comes."""
-        opened = await asyncio.gather(*(self._open_stream(c, params) for c in choices), return_exceptions=True)
+        leads = [c for c in choices if c is c.group[0]]
+        opened = await asyncio.gather(*(self._open_stream(c, params) for c in leads), return_exceptions=True)
         failed = [o for o in opened if isinstance(o, BaseException)]
         if failed:
             for o in opened:
@@ -198,18 +203,19 @@ class OpenAIServing:
             raise failed[0]
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(c: Choice, stream: AsyncIterator[GenerationOutput], first: GenerationOutput) -> None:
+        async def pump(lead: Choice, stream: AsyncIterator[GenerationOutput], first: GenerationOutput) -> None:
+            by_id = {c.request_id: c for c in lead.group}
             try:
-                await queue.put((c, first))
-                if not first.is_finished():
+                await queue.put((by_id[first.request_id], first))
+                if len(lead.group) > 1 or not first.is_finished():
                     async for out in stream:
-                        await queue.put((c, out))
+                        await queue.put((by_id[out.request_id], out))
             except Exception as e:  # handed to the reader
-                await queue.put((c, e))
+                await queue.put((lead, e))
             finally:
-                await stream.aclose()  # ends (and, unfinished, cancels) the request on the server
+                await stream.aclose()  # ends (and, unfinished, cancels) the requests on the server
 
-        tasks = [asyncio.ensure_future(pump(c, *o)) for c, o in zip(choices, opened)]
+        tasks = [asyncio.ensure_future(pump(c, *o)) for c, o in zip(leads, opened)]
         try:
             yield None
             left = len(choices)
