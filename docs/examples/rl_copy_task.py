@@ -29,10 +29,15 @@ def answer_of(prompt: list[int]) -> list[int]:
     return prompt[1:-1]
 
 
+def matches(prompt: list[int], sample: list[int]) -> list[int]:
+    """Per answer position, 1 where `sample` has the answer's token there, else 0."""
+    want = answer_of(prompt)
+    return [int(i < len(sample) and sample[i] == w) for i, w in enumerate(want)]
+
+
 def reward(prompt: list[int], sample: list[int]) -> float:
     """The share of the answer's tokens that `sample` has at the same positions (0.0 .. 1.0)."""
-    want = answer_of(prompt)
-    return sum(int(a == b) for a, b in zip(want, sample)) / len(want)
+    return sum(matches(prompt, sample)) / K
 
 
 def policy_config():

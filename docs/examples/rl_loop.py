@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 import rl_copy_task as task  # noqa: E402
 from cluster.client import Client  # noqa: E402
+from cluster.samples import sample_ids  # noqa: E402
 from launch.local_server import local_server  # noqa: E402
 from launch.weight_push import push_weights  # noqa: E402
 
@@ -52,12 +53,12 @@ cpu_group_timeout = 30.0
 
 
 def submit_rollouts(client: Client, prompts: list[list[int]], n: int, seed: int, max_weight_lag: int) -> list:
-    """Every prompt sampled n times with one prefill: a list of (prompt, pending ids) per prompt."""
+    """Every prompt sampled n times with one prefill: (prompt, the ids of its n samples) per prompt."""
     groups = []
     for i, prompt in enumerate(prompts):
-        ids = client.submit(prompt, max_new_tokens=task.K, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        rid = client.submit(prompt, max_new_tokens=task.K, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                             seed=seed * 1000 + i, n=n, max_weight_lag=max_weight_lag, eos_token_id=None)
-        groups.append((prompt, ids))
+        groups.append((prompt, sample_ids(rid, n)))
     return groups
 
 
@@ -65,7 +66,7 @@ def collect(client: Client, groups: list) -> list[dict]:
     """Wait for every sample of every group: one record each (tokens, per-token versions, finish reason)."""
     records = []
     for g, (prompt, ids) in enumerate(groups):
-        for rid in ([ids] if isinstance(ids, str) else ids):
+        for rid in ids:
             out = client.result(rid, timeout=300)
             tokens = list(out.generated_tokens)
             records.append(dict(group=g, request_id=rid, prompt=prompt, tokens=tokens,
@@ -75,19 +76,21 @@ def collect(client: Client, groups: list) -> list[dict]:
 
 
 def policy_gradient_step(model, optimizer, records: list[dict]) -> float:
-    """REINFORCE with the group mean as baseline over the finished (not stale) samples; returns the loss."""
+    """REINFORCE over the finished (not stale) samples, each token credited with the reward still to come from it
+    (its own and the later positions' matches), less the same figure's mean over the samples of its prompt
+    (GRPO's group baseline, per position). Returns the loss."""
     usable = [r for r in records if r["finish_reason"] != "stale" and len(r["tokens"]) == task.K]
     if not usable:
         return float("nan")
-    by_group: dict[int, list[float]] = {}
-    for r in usable:
-        by_group.setdefault(r["group"], []).append(r["reward"])
+    to_come = torch.tensor([task.matches(r["prompt"], r["tokens"]) for r in usable], dtype=torch.float32)
+    to_come = to_come.flip(-1).cumsum(-1).flip(-1) / task.K  # [samples, K]: the reward from each token on
+    groups = torch.tensor([r["group"] for r in usable])
+    baseline = torch.stack([to_come[groups == g].mean(0) for g in groups.tolist()])
     seqs = torch.tensor([r["prompt"] + r["tokens"] for r in usable])
-    adv = torch.tensor([r["reward"] - sum(by_group[r["group"]]) / len(by_group[r["group"]]) for r in usable])
     start = len(usable[0]["prompt"])
     logits = model(seqs[:, :-1]).logits[:, start - 1:]
-    logp = torch.log_softmax(logits, -1).gather(-1, seqs[:, start:, None]).squeeze(-1).sum(-1)
-    loss = -(adv * logp).mean()
+    logp = torch.log_softmax(logits, -1).gather(-1, seqs[:, start:, None]).squeeze(-1)  # [samples, K]
+    loss = -((to_come - baseline) * logp).sum(-1).mean()
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -129,10 +132,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True, help="directory for the policy, rl_loop.png, rl_loop.json")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--batch", type=int, default=8, help="prompts a step")
+    p.add_argument("--batch", type=int, default=16, help="prompts a step")
     p.add_argument("--n", type=int, default=4, help="samples a prompt (one prefill each group)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--pretrain-steps", type=int, default=20, help="supervised steps of the starting policy")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--pretrain-steps", type=int, default=40, help="supervised steps of the starting policy")
     p.add_argument("--max-weight-lag", type=int, default=1, help="versions a rollout may lag (docs/weights.md)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -159,7 +162,8 @@ def main() -> None:
             for r in records:
                 r["step"] = step
             rollouts += records
-            rows.append(dict(step=step, reward=sum(r["reward"] for r in records) / len(records), greedy=greedy,
+            scored = [r["reward"] for r in records if r["finish_reason"] != "stale"] or [float("nan")]
+            rows.append(dict(step=step, reward=sum(scored) / len(scored), greedy=greedy,
                              loss=loss, sync_s=sync_s, version=result["version"], requests=len(records),
                              stale=sum(r["finish_reason"] == "stale" for r in records)))
             print_row(rows[-1], first=step == 0)
