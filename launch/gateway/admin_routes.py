@@ -21,6 +21,7 @@ class UpdateWeightsBody(BaseModel):
 
     path: str
     kv_policy: Literal["keep", "recompute"] = "keep"
+    partial: bool = False  # the checkpoint holds a subset of the model's tensors (docs/weights.md)
 
 
 def check_token(request: Request, token: str | None) -> None:
@@ -52,7 +53,7 @@ def admin_router(client: AsyncClient, token: str | None) -> APIRouter:
     @router.post("/update_weights")
     async def update_weights(request: Request, body: UpdateWeightsBody) -> dict:
         check_token(request, token)
-        return await client.update_weights(body.path, body.kv_policy)
+        return await client.update_weights(body.path, body.kv_policy, body.partial)
 
     @router.get("/weight_version")
     async def weight_version(request: Request) -> dict:
