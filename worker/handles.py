@@ -14,7 +14,6 @@ A handle is a msgpack map of plain fields, never a pickle:
 
 from __future__ import annotations
 
-import mmap
 import os
 from typing import Any, Iterator
 
@@ -22,6 +21,7 @@ import torch
 
 from cluster.errors import Code, WeightRefused
 from worker.loader import Staged, stage_named
+from worker.mapped_checkpoint import read_only_view
 from worker.model import CausalLM
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -58,18 +58,17 @@ def open_cuda(h: dict[str, Any]) -> torch.Tensor:
 
 
 def open_shm(h: dict[str, Any]) -> torch.Tensor:
-    """The segment as a flat uint8 tensor over a private read mapping (pages shared with the trainer's until
-    written; nothing writes them). The mapping lives as long as the tensor (and its views)."""
+    """The segment as a flat uint8 tensor over a read-only shared mapping of it, its pages mapped in one pass
+    (MAP_POPULATE; a private writable mapping would copy them). Nothing writes it. The mapping lives as long as
+    the tensor (and its views)."""
     fd = os.open(os.path.join(SHM_DIR, h["name"]), os.O_RDONLY)
     try:
         if os.fstat(fd).st_size < h["nbytes"]:
             raise ValueError(f"shared memory {h['name']!r} holds {os.fstat(fd).st_size} bytes, "
                              f"the handle says {h['nbytes']}")
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)  # populate: one pass, not a fault a page
-        mapped = mmap.mmap(fd, h["nbytes"], flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return read_only_view(fd, h["nbytes"])
     finally:
         os.close(fd)
-    return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
 def open_bucket(h: dict[str, Any]) -> torch.Tensor:

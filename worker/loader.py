@@ -1,8 +1,9 @@
-"""Checkpoint loading: each rank reads only its own slices of the safetensors files (`get_slice(name)[a:b]`
-reads just those rows or columns of the memory-mapped file), so its I/O and memory scale with its shard.
+"""Checkpoint loading: each rank reads only its own slices of the safetensors files (views into the memory-mapped
+files: only the pages of its rows or columns are touched), so its I/O and memory scale with its shard.
 
-Two phases: `stage_*` reads and checks everything (names, shapes, readable bytes) into new tensors without
-touching the model; `apply` copies them into the existing parameter storage (so captured graphs stay valid).
+Two phases: `stage_*` checks everything (names, shapes, that the bytes are there) and holds this rank's values
+(views of a mapped checkpoint or of a trainer's shared buckets, or copies of pushed buckets) without touching the
+model; `apply` copies them into the existing parameter storage (so captured graphs stay valid).
 At start-up they run back to back; a hot update agrees across ranks in between."""
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-from safetensors import safe_open
 
 from cluster.errors import Code, WeightRefused
+from worker.mapped_checkpoint import mapped_checkpoint
 from worker.model import CausalLM
 
 Staged = list[tuple[torch.Tensor, torch.Tensor]]  # (parameter storage, new values)
@@ -104,14 +105,11 @@ def stage_named(model: CausalLM, tensors: Iterable[tuple[str, Any]], where: str,
 
 
 def stage_checkpoint(model: CausalLM, model_dir: str | os.PathLike, partial: bool = False) -> Staged:
-    """Read and check this rank's slices of a checkpoint directory (`partial`: it may hold a subset of the
-    model's tensors, each of them the model's); the model is not touched."""
-    handles = [safe_open(str(path), framework="pt") for path in checkpoint_files(model_dir)]
-    try:
-        pairs = ((name, f.get_slice(name)) for f in handles for name in f.keys())
-        return stage_named(model, pairs, f"checkpoint {model_dir}", partial)
-    finally:
-        handles.clear()
+    """Check this rank's slices of a checkpoint directory (`partial`: it may hold a subset of the model's tensors,
+    each of them the model's) and stage them as views into the mapped files (worker/mapped_checkpoint.py): `apply`
+    copies each byte once, straight from the page cache; the model is not touched here."""
+    pairs = mapped_checkpoint(checkpoint_files(model_dir))
+    return stage_named(model, pairs, f"checkpoint {model_dir}", partial, copy=False)
 
 
 @torch.no_grad()
