@@ -41,7 +41,7 @@ def floor_read_seconds(model_dir: Path) -> tuple[float, int]:
     return took, total
 
 
-def floor_copy_seconds(nbytes: int, repeats: int = 5) -> float:
+def floor_copy_seconds(nbytes: int, repeats: int = 3) -> float:
     """One memcpy of `nbytes` between two warm buffers in this process (the best of `repeats`)."""
     import torch
 
@@ -91,13 +91,12 @@ def main() -> int:
     from launch.weight_push import push_weights
     from tests.serving import serve
 
-    floor, nbytes = floor_read_seconds(second)
+    nbytes = floor_read_seconds(second)[1]
     state = {}
     for f in sorted(second.glob("*.safetensors")):
         state.update(load_file(str(f)))
     partial_dir = partial_checkpoint(second, state)
-    partial_floor, partial_bytes = floor_read_seconds(partial_dir)
-    copy_floor = floor_copy_seconds(nbytes)
+    partial_bytes = floor_read_seconds(partial_dir)[1]
     rows = []
     with serve(model_dir, tp=args.tp, ready_timeout=300) as server, SharedBuckets(state) as shared:
         client = Client(server.address, timeout=600)
@@ -107,6 +106,7 @@ def main() -> int:
                  "push": lambda i: push_weights(client, state),
                  "handles": lambda i: update_weights_by_handle(client, shared),
                  "partial checkpoint": lambda i: client.update_weights(str(partial_dir), partial=True)}
+        floor_runs: dict[str, list[float]] = {"read": [], "copy": [], "partial read": []}
         for i in range(args.repeats + 1):  # the first round warms every path up and is not counted
             for name, call in calls.items():
                 start = time.perf_counter()
@@ -114,7 +114,12 @@ def main() -> int:
                 if i:
                     times[name].append(time.perf_counter() - start)
                 assert r["ok"], r
+            if i:  # the floors beside each round, so a loaded machine weighs on both alike
+                floor_runs["read"].append(floor_read_seconds(second)[0])
+                floor_runs["copy"].append(floor_copy_seconds(nbytes))
+                floor_runs["partial read"].append(floor_read_seconds(partial_dir)[0])
         client.close()
+    floor, copy_floor, partial_floor = (statistics.median(floor_runs[k]) for k in ("read", "copy", "partial read"))
     floors = {"handles": copy_floor, "partial checkpoint": partial_floor}
     rows += [(k, v) for k, v in times.items()]
 

@@ -146,19 +146,19 @@ def dying_trainer(address: str, dir_b: str, how: int, stopping: "mp.Event", out:
 
     real, sent = push.broadcast, []
 
-    def broadcast(pg, tensor, root):
+    def broadcast(pg, tensor, root, timeout_s=None):
         sent.append(1)
         if len(sent) == 3:
             time.sleep(0.5)  # every rank has taken bucket 2 and waits for bucket 3
             stopping.set()  # at once (a queue's put is sent by a thread, which the signal would stop too)
             os.kill(os.getpid(), how)
-        real(pg, tensor, root)
+        real(pg, tensor, root, timeout_s)
 
     push.broadcast = broadcast
     state = state_of(Path(dir_b))
     with Client(address, server_timeout_s=300) as c:  # stopped, it must not take the server for gone
         try:
-            out.put(("returned", push_weights(c, state, bucket_bytes=1 << 16)))
+            out.put(("returned", push_weights(c, state, bucket_bytes=1 << 16, timeout_s=20)))
         except WeightUpdateError as e:
             out.put(("raised", {"reason_code": e.reason_code, "phase": e.phase, "message": str(e)}))
         except Exception as e:
@@ -190,12 +190,12 @@ def test_a_trainer_that_stops_or_dies_mid_push_cannot_hang_the_service(served, h
         for r in (0, 1):
             assert f"rank {r}: the push" in refused["error"] and f"in phase {phase}" in refused["error"], refused
         assert waited < PUSH_TIMEOUT_S + 30
-        assert s.c.result(during).generated_tokens == hf_greedy(s.now, PROMPTS, NEW)[0][:NEW]
+        assert s.c.result(during, timeout=60).generated_tokens == hf_greedy(s.now, PROMPTS, NEW)[0][:NEW]
         assert s.c.health()["weights"]["version"] == s.version
         s.serves(s.now)
         if how == signal.SIGSTOP:  # continued, the trainer hears the cluster's answer, naming the phase
             os.kill(trainer.pid, signal.SIGCONT)
-            kind, said = q.get(timeout=60)
+            kind, said = q.get(timeout=120)
             assert kind == "raised" and said["reason_code"] == code and said["phase"] == phase, said
     finally:
         if trainer.is_alive():

@@ -71,39 +71,59 @@ def open_store(addr: str, world: int, timeout_s: float, master: bool = False) ->
                          wait_for_workers=False)
 
 
+NCCL_WATCHDOG_SLACK_S = 30.0  # NCCL's own watchdog (which may end the process) fires this long after our waits
+
+
 @contextmanager
 def update_group(store: Any, rank: int, world: int, backend: str, device: torch.device,
                  timeout_s: float) -> Iterator[Any]:
     """The push's process group of the serving ranks (0..tp-1) and the trainer (rank tp), outside the default
     group, shut down when the block ends (also after an error). Every member enters it once per push. `device`:
-    the backend's device here (for NCCL made this thread's CUDA device: a rank's update may run in its loop)."""
+    the backend's device here (for NCCL made this thread's CUDA device: a rank's update may run in its loop).
+    Every wait on it is bounded by `timeout_s` (`broadcast`, `agree_flag`); after a failed one an NCCL group is
+    aborted rather than shut down (its communicator may hang), before NCCL's watchdog would act on its own."""
     prefixed = dist.PrefixStore("push/group", store)
     if backend == "nccl":  # as torch's own new_group builds one
         use_device(device)
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=timeout_s)
+        opts._timeout = timedelta(seconds=timeout_s + NCCL_WATCHDOG_SLACK_S)
         pg = dist.ProcessGroupNCCL(prefixed, rank, world, opts)
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout_s))
+    failed = False
     try:
         yield pg
+    except BaseException:
+        failed = True
+        raise
     finally:
-        pg.shutdown()
+        if failed and backend == "nccl" and hasattr(pg, "abort"):
+            pg.abort()
+        else:
+            pg.shutdown()
         del pg
 
 
-def broadcast(pg: Any, tensor: torch.Tensor, root: int) -> None:
+def bounded_wait(work: Any, timeout_s: float | None) -> None:
+    """Wait for a collective's work, at most `timeout_s` (None: the group's own timeout); raises past it."""
+    if timeout_s is None:
+        work.wait()
+    else:
+        work.wait(timedelta(seconds=timeout_s))
+
+
+def broadcast(pg: Any, tensor: torch.Tensor, root: int, timeout_s: float | None = None) -> None:
     """`tensor` from `root` to every member of `pg`. Every member calls it, with a tensor of the same size."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = root, 0
-    pg.broadcast([tensor], opts).wait()
+    bounded_wait(pg.broadcast([tensor], opts), timeout_s)
 
 
-def agree_flag(pg: Any, ok: bool, device: torch.device) -> bool:
+def agree_flag(pg: Any, ok: bool, device: torch.device, timeout_s: float | None = None) -> bool:
     """True when every member of `pg` (trainer included) says ok. Every member calls it; `device` is the
     backend's device on this member (a CUDA tensor for NCCL)."""
     flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
-    pg.allreduce([flag]).wait()
+    bounded_wait(pg.allreduce([flag]), timeout_s)
     return int(flag.item()) == 0
 
 
@@ -146,7 +166,7 @@ def receive_buckets(model: CausalLM, pg: Any, buckets: list[list[list[Any]]], ro
             phase.enter(f"bucket {i + 1}/{len(buckets)}")
         dtype = DTYPES[bucket[0][2]]
         flat = buf[:bucket_bytes(bucket)].view(dtype)
-        broadcast(pg, flat, root)
+        broadcast(pg, flat, root, None if phase is None else phase.timeout_s)
         if refusal is not None:
             continue
         try:
@@ -184,7 +204,7 @@ def stage_pushed(model: CausalLM, rank: int, tp: int, device: torch.device, call
         with update_group(store, rank, world, backend, local, call.timeout_s) as pg:
             staged, refusal = receive_buckets(model, pg, call.buckets, trainer, local, rank, phase)
             phase.enter("agree")
-            if not agree_flag(pg, refusal is None, local) and refusal is None:
+            if not agree_flag(pg, refusal is None, local, call.timeout_s) and refusal is None:
                 refusal = WeightRefused("another member of the update group failed during the push")
         if refusal is not None:
             raise refusal
