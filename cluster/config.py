@@ -363,6 +363,10 @@ def load_preset(path: str | os.PathLike) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig.from_any(read_preset(path).get("continuous_batching", {}))
 
 
+# ---------------------------------------------------------------- weight pushes ([serve] push_timeout_s)
+PUSH_TIMEOUT_S = 30.0  # a push member silent this long: every rank gives up (keep it below cpu_group_timeout)
+
+
 # ---------------------------------------------------------------- the HTTP gateway's settings ([serve] table)
 HTTP_ADMIN_TOKEN_ENV = "LOCKSTEP_HTTP_ADMIN_TOKEN"
 HTTP_SERVE_KEYS = ("http_admin_token",)  # [serve] keys the HTTP gateway reads (the ZeroMQ front door does not)

@@ -36,6 +36,12 @@ class Code:
     NOT_PAUSED = "not_paused"  # release_memory on an engine that is not paused (docs/weights.md, "Releasing memory")
     WEIGHTS_NOT_RESTORED = "weights_not_restored"  # resume_memory("weights") with no host copy and no update since
     MEMORY_RESTORE_FAILED = "memory_restore_failed"  # a rank could not take its memory back (out of memory ...)
+    # why a weight update was refused (WeightUpdateError.reason_code; the refusing rank's WeightRefused.code)
+    MISSING_TENSOR = "missing_tensor"  # a full update lacks a tensor of the model (partial=True allows it)
+    UNKNOWN_TENSOR = "unknown_tensor"  # a partial update names a tensor the model does not have
+    SHAPE_MISMATCH = "shape_mismatch"  # a tensor's shape (or dtype kind) is not the model's
+    PUSH_TIMEOUT = "push_timeout"  # a member of a push went silent for push_timeout_s (`phase` says where)
+    PUSH_FAILED = "push_failed"  # a member of a push failed or went away (`phase` says where)
     SERVER_GONE = "server_gone"  # client side: the server stopped answering
     CLIENT_FAILED = "client_failed"  # client side: the client's own I/O thread failed
     CLIENT_CLOSED = "client_closed"  # client side: the client was closed while the call was outstanding
@@ -88,13 +94,29 @@ class ServerGone(ClientError):
         super().__init__(Code.SERVER_GONE, message, request_id)
 
 
+class WeightRefused(LockstepError, ValueError):
+    """One rank's reason to refuse a weight update (its vote): `code` says which (missing_tensor, unknown_tensor,
+    shape_mismatch, push_timeout, push_failed; weight_update_failed otherwise), `tensor` the name it is about,
+    `phase` where a push gave up (handshake, group, bucket i/n, agree)."""
+
+    code = Code.WEIGHT_UPDATE_FAILED
+
+    def __init__(self, message: str, code: str | None = None, tensor: str | None = None, phase: str | None = None):
+        super().__init__(message, code)
+        self.tensor, self.phase = tensor, phase
+
+
 class WeightUpdateError(ClientError):
-    """A weight update was refused; nothing changed on any rank. `rank`: the first that refused, `reason` its word."""
+    """A weight update was refused; nothing changed on any rank. `rank`: the first that refused, `reason` its word;
+    `reason_code`, `tensor`, `phase`: that rank's WeightRefused fields (from the result map)."""
 
     def __init__(self, reason: str, rank: int | None = None, result: dict | None = None):
         where = f"rank {rank}: " if rank is not None and not reason.startswith("rank ") else ""
         super().__init__(Code.WEIGHT_UPDATE_FAILED, f"weight update refused: {where}{reason}")
         self.rank, self.reason, self.result = rank, reason, result or {}
+        self.reason_code: str = self.result.get("reason_code") or Code.WEIGHT_UPDATE_FAILED
+        self.tensor: str | None = self.result.get("tensor")
+        self.phase: str | None = self.result.get("phase")
 
 
 class MemoryCallRefused(ClientError):

@@ -51,7 +51,8 @@ def stats(args: argparse.Namespace) -> int:
 
 
 def update_weights(args: argparse.Namespace) -> int:
-    return _call(args, lambda c: print(json.dumps(c.update_weights(args.path, kv_policy=args.kv_policy), indent=2)))
+    return _call(args, lambda c: print(json.dumps(c.update_weights(args.path, kv_policy=args.kv_policy,
+                                                                   partial=args.partial), indent=2)))
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -76,3 +77,4 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = verb("update-weights", "load new weights into a running cluster", update_weights)
     p.add_argument("path", help="a checkpoint directory every rank can read")
     p.add_argument("--kv-policy", choices=("keep", "recompute"), default="keep")
+    p.add_argument("--partial", action="store_true", help="the checkpoint holds a subset of the model's tensors")

@@ -40,8 +40,11 @@ def bucket_meta(tensors: dict[str, torch.Tensor], groups: list[list[str]]) -> li
 
 
 def push_weights(client: Client, tensors: dict[str, torch.Tensor], kv_policy: str = "keep",
-                 bucket_bytes: int = 64 << 20, host: str = "127.0.0.1", timeout_s: float = 120.0) -> dict[str, Any]:
-    """Send full `tensors` (transformers' names) to the cluster; its result, or WeightUpdateError if refused."""
+                 bucket_bytes: int = 64 << 20, host: str = "127.0.0.1", timeout_s: float = 120.0,
+                 partial: bool = False) -> dict[str, Any]:
+    """Send `tensors` (transformers' names; all of the model's, or any subset of them with `partial`) to the
+    cluster; its result, or WeightUpdateError if refused. If this side's sends fail (a serving rank gave up on the
+    push: its push_timeout_s), the cluster's answer (which names the phase) is still what it raises."""
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name}: dtype {t.dtype} cannot be pushed")
@@ -53,14 +56,27 @@ def push_weights(client: Client, tensors: dict[str, torch.Tensor], kv_policy: st
         store.set(TRAINER_DEVICE_KEY, device.type)
         groups = buckets_of(tensors, bucket_bytes)
         reply = client.io.call(P.UPDATE_WEIGHTS, source="push", store=endpoint, buckets=bucket_meta(tensors, groups),
-                               kv_policy=kv_policy)
-        send_buckets(store, tp, tensors, groups, device, timeout_s, gave_up=reply.done)
+                               kv_policy=kv_policy, partial=partial)
+        try:
+            send_buckets(store, tp, tensors, groups, device, timeout_s, gave_up=reply.done)
+        except Exception:
+            if not reply_in(reply, timeout_s):  # no answer either: this side's failure is all there is
+                raise
         result = reply.result(timeout_s)["data"]
     finally:
         del store  # the TCPStore server (and its thread) goes with the last reference
     if not result.get("ok"):
         raise WeightUpdateError(result.get("error", "refused"), result.get("rank"), result)
     return result
+
+
+def reply_in(reply: Any, timeout_s: float) -> bool:
+    """Whether the cluster's reply came within `timeout_s` (a failed one counts: it is the cluster's word)."""
+    try:
+        reply.result(timeout_s)
+    except Exception:
+        return reply.done()
+    return True
 
 
 def trainer_device(tensors: dict[str, torch.Tensor]) -> torch.device:

@@ -1,20 +1,23 @@
-"""Checkpoint loading: each rank reads only its own slices of the safetensors files (`get_slice(name)[a:b]`
-reads just those rows or columns of the memory-mapped file), so its I/O and memory scale with its shard.
+"""Checkpoint loading: each rank reads only its own slices of the safetensors files (views into the memory-mapped
+files: only the pages of its rows or columns are touched), so its I/O and memory scale with its shard.
 
-Two phases: `stage_*` reads and checks everything (names, shapes, readable bytes) into new tensors without
-touching the model; `apply` copies them into the existing parameter storage (so captured graphs stay valid).
+Two phases: `stage_*` checks everything (names, shapes, that the bytes are there) and holds this rank's values
+(views of a mapped checkpoint or of a trainer's shared buckets, or copies of pushed buckets) without touching the
+model; `apply` copies them into the existing parameter storage (so captured graphs stay valid).
 At start-up they run back to back; a hot update agrees across ranks in between."""
 
 from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-from safetensors import safe_open
 
+from cluster.errors import Code, WeightRefused
+from worker.mapped_checkpoint import mapped_checkpoint
 from worker.model import CausalLM
 
 Staged = list[tuple[torch.Tensor, torch.Tensor]]  # (parameter storage, new values)
@@ -37,47 +40,76 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
-def stage_one(model: CausalLM, name: str, src: Any, where: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(parameter storage, a copy of this rank's shard of `src`) for one named tensor, checked; None when the
-    name is not one of the model's. Only the shard is copied (a pushed bucket's buffer is reused after)."""
-    tgt = model.target(name)
+_NAMES: "weakref.WeakKeyDictionary[CausalLM, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
+def known_target(model: CausalLM, name: str) -> tuple[Any, str, str] | None:
+    """(layer, part, kind) that takes checkpoint tensor `name`, or None when the model has no tensor of this name
+    (`CausalLM.target` maps by position in the name; only the model's own names are taken)."""
+    names = _NAMES.get(model)
+    if names is None:
+        names = _NAMES[model] = frozenset(model.expected_tensors())
+    return model.target(name) if name in names else None
+
+
+def is_tied_head(model: CausalLM, name: str) -> bool:
+    """A tied model's `lm_head.weight`: transformers' state_dict has it, the embedding's update covers it."""
+    return name == "lm_head.weight" and model.tied
+
+
+def stage_one(model: CausalLM, name: str, src: Any, where: str, copy: bool = True,
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(parameter storage, this rank's shard of `src`) for one named tensor, checked; None when the name is not
+    one of the model's. `copy`: the shard is a copy (a pushed bucket's buffer is reused after); False keeps a
+    view of `src` where the dtypes agree (a handle's shared memory, valid until the update is applied).
+    Raises WeightRefused (shape_mismatch) naming the tensor."""
+    tgt = known_target(model, name)
     if tgt is None:
         return None
     layer, part, kind = tgt
     try:
         dst, value = layer.shard_of(part, kind, src)
     except ValueError as e:
-        raise ValueError(f"{where}: tensor {name}: {e}") from None
+        raise WeightRefused(f"{where}: tensor {name}: {e}", Code.SHAPE_MISMATCH, tensor=name) from None
     if value.shape != dst.shape:
-        raise ValueError(f"{where}: tensor {name}: shard shape {list(value.shape)}, expected {list(dst.shape)}")
+        raise WeightRefused(f"{where}: tensor {name}: shard shape {list(value.shape)}, expected {list(dst.shape)}",
+                            Code.SHAPE_MISMATCH, tensor=name)
     if value.is_floating_point() != dst.is_floating_point():
-        raise ValueError(f"{where}: tensor {name}: dtype {value.dtype} cannot replace {dst.dtype}")
-    return dst, value.to(dst.dtype, copy=True)
+        raise WeightRefused(f"{where}: tensor {name}: dtype {value.dtype} cannot replace {dst.dtype}",
+                            Code.SHAPE_MISMATCH, tensor=name)
+    return dst, value.to(dst.dtype, copy=copy)
 
 
-def stage_named(model: CausalLM, tensors: Iterable[tuple[str, Any]], where: str) -> Staged:
-    """This rank's shard of every named tensor (safetensors slices or full tensors), checked, as copies."""
+def stage_named(model: CausalLM, tensors: Iterable[tuple[str, Any]], where: str, partial: bool = False,
+                copy: bool = True) -> Staged:
+    """This rank's shard of every named tensor (safetensors slices or full tensors), checked. Full (the default):
+    every tensor of the model must be there (names it does not have are ignored, as at loading). `partial`: any
+    subset, but every name must be the model's. Refusals are WeightRefused naming the tensor: missing_tensor,
+    unknown_tensor, shape_mismatch."""
     staged: Staged = []
     found: set[str] = set()
     for name, src in tensors:
-        one = stage_one(model, name, src, where)
+        one = stage_one(model, name, src, where, copy)
         if one is not None:
             staged.append(one)
             found.add(name)
-    missing = model.expected_tensors() - found
+        elif partial and not is_tied_head(model, name):
+            raise WeightRefused(f"{where}: tensor {name}: the model has no tensor of this name",
+                                Code.UNKNOWN_TENSOR, tensor=name)
+    missing = set() if partial else model.expected_tensors() - found
     if missing:
-        raise ValueError(f"{where} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
+        first = sorted(missing)[0]
+        raise WeightRefused(f"{where} lacks {len(missing)} tensor(s), e.g. {sorted(missing)[:3]} (partial=True "
+                            f"updates a subset)", Code.MISSING_TENSOR, tensor=first)
     return staged
 
 
-def stage_checkpoint(model: CausalLM, model_dir: str | os.PathLike) -> Staged:
-    """Read and check this rank's slices of a checkpoint directory; the model is not touched."""
-    handles = [safe_open(str(path), framework="pt") for path in checkpoint_files(model_dir)]
-    try:
-        pairs = ((name, f.get_slice(name)) for f in handles for name in f.keys())
-        return stage_named(model, pairs, f"checkpoint {model_dir}")
-    finally:
-        handles.clear()
+def stage_checkpoint(model: CausalLM, model_dir: str | os.PathLike, partial: bool = False) -> Staged:
+    """Check this rank's slices of a checkpoint directory (`partial`: it may hold a subset of the model's tensors,
+    each of them the model's) and stage them as views into the mapped files (worker/mapped_checkpoint.py): `apply`
+    copies each byte once, straight from the page cache; the model is not touched here."""
+    pairs = mapped_checkpoint(checkpoint_files(model_dir))
+    return stage_named(model, pairs, f"checkpoint {model_dir}", partial, copy=False)
 
 
 @torch.no_grad()

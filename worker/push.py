@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 
 from cluster import faults
+from cluster.errors import Code, WeightRefused
 from worker.loader import Staged, stage_named, stage_one
 from worker.memory import use_device
 from worker.model import CausalLM
+from worker.push_phase import PushPhase
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TRAINER_DEVICE_KEY = "push/trainer_device"
@@ -69,39 +71,59 @@ def open_store(addr: str, world: int, timeout_s: float, master: bool = False) ->
                          wait_for_workers=False)
 
 
+NCCL_WATCHDOG_SLACK_S = 30.0  # NCCL's own watchdog (which may end the process) fires this long after our waits
+
+
 @contextmanager
 def update_group(store: Any, rank: int, world: int, backend: str, device: torch.device,
                  timeout_s: float) -> Iterator[Any]:
     """The push's process group of the serving ranks (0..tp-1) and the trainer (rank tp), outside the default
     group, shut down when the block ends (also after an error). Every member enters it once per push. `device`:
-    the backend's device here (for NCCL made this thread's CUDA device: a rank's update may run in its loop)."""
+    the backend's device here (for NCCL made this thread's CUDA device: a rank's update may run in its loop).
+    Every wait on it is bounded by `timeout_s` (`broadcast`, `agree_flag`); after a failed one an NCCL group is
+    aborted rather than shut down (its communicator may hang), before NCCL's watchdog would act on its own."""
     prefixed = dist.PrefixStore("push/group", store)
     if backend == "nccl":  # as torch's own new_group builds one
         use_device(device)
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=timeout_s)
+        opts._timeout = timedelta(seconds=timeout_s + NCCL_WATCHDOG_SLACK_S)
         pg = dist.ProcessGroupNCCL(prefixed, rank, world, opts)
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout_s))
+    failed = False
     try:
         yield pg
+    except BaseException:
+        failed = True
+        raise
     finally:
-        pg.shutdown()
+        if failed and backend == "nccl" and hasattr(pg, "abort"):
+            pg.abort()
+        else:
+            pg.shutdown()
         del pg
 
 
-def broadcast(pg: Any, tensor: torch.Tensor, root: int) -> None:
+def bounded_wait(work: Any, timeout_s: float | None) -> None:
+    """Wait for a collective's work, at most `timeout_s` (None: the group's own timeout); raises past it."""
+    if timeout_s is None:
+        work.wait()
+    else:
+        work.wait(timedelta(seconds=timeout_s))
+
+
+def broadcast(pg: Any, tensor: torch.Tensor, root: int, timeout_s: float | None = None) -> None:
     """`tensor` from `root` to every member of `pg`. Every member calls it, with a tensor of the same size."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = root, 0
-    pg.broadcast([tensor], opts).wait()
+    bounded_wait(pg.broadcast([tensor], opts), timeout_s)
 
 
-def agree_flag(pg: Any, ok: bool, device: torch.device) -> bool:
+def agree_flag(pg: Any, ok: bool, device: torch.device, timeout_s: float | None = None) -> bool:
     """True when every member of `pg` (trainer included) says ok. Every member calls it; `device` is the
     backend's device on this member (a CUDA tensor for NCCL)."""
     flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
-    pg.allreduce([flag]).wait()
+    bounded_wait(pg.allreduce([flag]), timeout_s)
     return int(flag.item()) == 0
 
 
@@ -114,35 +136,38 @@ def receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def preflight(model: CausalLM, buckets: list[list[list[Any]]]) -> str:
-    """Why this rank cannot take a push of these buckets ("" if it can): names, shapes and dtypes checked
-    against the model on meta tensors, before a byte moves."""
+def preflight(model: CausalLM, buckets: list[list[list[Any]]], partial: bool = False) -> WeightRefused | None:
+    """Why this rank cannot take a push of these buckets (None if it can): names, shapes and dtypes checked
+    against the model on meta tensors (all of them, or a subset of its names if `partial`), before a byte moves."""
     try:
         for bucket in buckets:
             if bucket[0][2] not in DTYPES:
-                return f"dtype {bucket[0][2]!r} cannot be pushed"
+                return WeightRefused(f"dtype {bucket[0][2]!r} cannot be pushed", Code.SHAPE_MISMATCH, bucket[0][0])
         pairs = ((name, torch.empty(shape, dtype=DTYPES[dt], device="meta"))
                  for bucket in buckets for name, shape, dt in bucket)
-        stage_named(model, pairs, "the push")
-    except ValueError as e:
-        return str(e).removeprefix("the push: ")
+        stage_named(model, pairs, "the push", partial)
+    except WeightRefused as e:
+        return WeightRefused(str(e).removeprefix("the push: "), e.code, e.tensor)
     except Exception as e:  # posted as this rank's verdict: the others must not wait for it
-        return f"{type(e).__name__}: {e}"
-    return ""
+        return WeightRefused(f"{type(e).__name__}: {e}")
+    return None
 
 
 def receive_buckets(model: CausalLM, pg: Any, buckets: list[list[list[Any]]], root: int, device: torch.device,
-                    rank: int = 0) -> tuple[Staged, str]:
-    """(staged, error): every bucket from `root` into one buffer, keeping this rank's slices. A rank that fails on
-    a bucket still receives the rest, so every member runs the same broadcasts (while the trainer `send_buckets`)."""
+                    rank: int = 0, phase: PushPhase | None = None) -> tuple[Staged, WeightRefused | None]:
+    """(staged, refusal): every bucket from `root` into one buffer, keeping this rank's slices. A rank that fails on
+    a bucket still receives the rest, so every member runs the same broadcasts (while the trainer `send_buckets`).
+    `phase` follows the buckets (a broadcast that raises leaves it at its bucket)."""
     buf = receive_buffer(max(bucket_bytes(b) for b in buckets), device)
     staged: Staged = []
-    error = ""
+    refusal: WeightRefused | None = None
     for i, bucket in enumerate(buckets):
+        if phase is not None:
+            phase.enter(f"bucket {i + 1}/{len(buckets)}")
         dtype = DTYPES[bucket[0][2]]
         flat = buf[:bucket_bytes(bucket)].view(dtype)
-        broadcast(pg, flat, root)
-        if error:
+        broadcast(pg, flat, root, None if phase is None else phase.timeout_s)
+        if refusal is not None:
             continue
         try:
             faults.hit("push_bucket", rank=rank, bucket=i)
@@ -151,32 +176,43 @@ def receive_buckets(model: CausalLM, pg: Any, buckets: list[list[list[Any]]], ro
                 one = stage_one(model, name, part.view(shape), "pushed weights")
                 if one is not None:
                     staged.append(one)
-        except Exception as e:  # this rank's vote against, after the remaining broadcasts
-            error = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
-    return staged, error
+        except WeightRefused as e:  # this rank's vote against, after the remaining broadcasts
+            refusal = e
+        except Exception as e:
+            refusal = WeightRefused(f"{type(e).__name__}: {e}")
+    return staged, refusal
 
 
 def stage_pushed(model: CausalLM, rank: int, tp: int, device: torch.device, call: Any) -> Staged:
     """This rank's shard of the trainer's push; the model is not touched. Every serving rank calls it while the
-    trainer runs `launch.weight_push.push_weights`; on any problem raises ValueError once any group is torn down."""
+    trainer runs `launch.weight_push.push_weights`; on any problem raises WeightRefused once any group is torn down:
+    a wait that raised (a member silent for `call.timeout_s`, or gone) names the phase (worker/push_phase.py)."""
     world, trainer = tp + 1, tp
-    store = open_store(call.store, world, call.timeout_s)
+    phase, store = PushPhase(call.timeout_s), None
     try:
+        store = open_store(call.store, world, call.timeout_s)
         trainer_device = store.get(TRAINER_DEVICE_KEY).decode()
+        refusal = preflight(model, call.buckets, call.partial)
         mine = {"device": device.type, "backend": push_backend(device.type, trainer_device),
-                "error": preflight(model, call.buckets)}
+                "error": "" if refusal is None else str(refusal)}
         store.set(verdict_key(rank), json.dumps(mine))
         backend, why = agreed_backend(read_verdicts(store, tp), trainer_device)
         if not backend:
-            raise ValueError(mine["error"] or f"the push was refused: {why}")
+            raise refusal or WeightRefused(f"the push was refused: {why}")
         local = backend_device(backend, device)
+        phase.enter("group")
         with update_group(store, rank, world, backend, local, call.timeout_s) as pg:
-            staged, error = receive_buckets(model, pg, call.buckets, trainer, local, rank)
-            if not agree_flag(pg, not error, local) and not error:
-                error = "another member of the update group failed during the push"
-        if error:
-            raise ValueError(error)
+            staged, refusal = receive_buckets(model, pg, call.buckets, trainer, local, rank, phase)
+            phase.enter("agree")
+            if not agree_flag(pg, refusal is None, local, call.timeout_s) and refusal is None:
+                refusal = WeightRefused("another member of the update group failed during the push")
+        if refusal is not None:
+            raise refusal
         return staged
+    except WeightRefused:
+        raise
+    except Exception as e:  # a wait that timed out or broke: every member gives up within the timeout
+        raise phase.gave_up(e) from None
     finally:
         del store
 

@@ -215,8 +215,8 @@ class Client:
 
         return then(io.call(P.PAUSE, mode=mode) if pause else io.call(P.RESUME), held)
 
-    def update_weights_future(self, path: str, kv_policy: str = "keep") -> Future:
-        return then(self.io.call(P.UPDATE_WEIGHTS, path=path, kv_policy=kv_policy),
+    def update_weights_future(self, path: str, kv_policy: str = "keep", partial: bool = False) -> Future:
+        return then(self.io.call(P.UPDATE_WEIGHTS, path=path, kv_policy=kv_policy, partial=partial),
                     lambda msg: weight_update_result(msg["data"]))
 
     def memory_future(self, kind: str, tags: tuple[str, ...] | list[str], **fields: Any) -> Future:
@@ -290,9 +290,9 @@ class Client:
     def resume(self) -> None:
         self._wait(self.pause_future(False))
 
-    def update_weights(self, path: str, kv_policy: str = "keep") -> dict:
+    def update_weights(self, path: str, kv_policy: str = "keep", partial: bool = False) -> dict:
         """Load new weights on every rank, all or none: the result, or WeightUpdateError (`rank`, `reason`)."""
-        return self._wait(self.update_weights_future(path, kv_policy))
+        return self._wait(self.update_weights_future(path, kv_policy, partial))
 
     def release_memory(self, tags: tuple[str, ...] | list[str] = P.MEMORY_TAGS,
                        keep_weights_on_host: bool = True) -> dict:
@@ -362,8 +362,8 @@ class AsyncClient:
     async def resume(self) -> None:
         await wrap_future(self.client.pause_future(False))
 
-    async def update_weights(self, path: str, kv_policy: str = "keep") -> dict:
-        return await wrap_future(self.client.update_weights_future(path, kv_policy))
+    async def update_weights(self, path: str, kv_policy: str = "keep", partial: bool = False) -> dict:
+        return await wrap_future(self.client.update_weights_future(path, kv_policy, partial))
 
     async def release_memory(self, tags: tuple[str, ...] | list[str] = P.MEMORY_TAGS,
                              keep_weights_on_host: bool = True) -> dict:

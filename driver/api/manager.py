@@ -281,9 +281,11 @@ class ContinuousBatchingManager:
             yield
 
     # ---------------------------------------------------------------- weight updates
-    def update_weights(self, source: Any, kv_policy: str = "keep", timeout: float | None = None) -> dict[str, Any]:
-        """Swap the weights at one step boundary on every rank, all or none (update_calls.py). Every rank calls it."""
-        return self.updates.update_weights(source, kv_policy, timeout)
+    def update_weights(self, source: Any, kv_policy: str = "keep", timeout: float | None = None,
+                       partial: bool = False) -> dict[str, Any]:
+        """Swap the weights at one step boundary on every rank, all or none (update_calls.py); `partial`: `source`
+        holds a subset of the model's tensors, the others stay. Every rank calls it."""
+        return self.updates.update_weights(source, kv_policy, timeout, partial)
 
     def update_weights_async(self, call: UpdateCall, done: Callable[[dict], None]) -> None:
         """The front door's path (driver only): `done(result)` is called from the loop thread."""

@@ -33,9 +33,11 @@ class WeightUpdates:
         self.diverged: WeightsDiverged | None = None
         self.ended: list = []  # the driver's: requests an update ended (stale), for the loop to emit (take_ended)
 
-    def update_weights(self, source: Any, kv_policy: str = "keep", timeout: float | None = None) -> dict[str, Any]:
+    def update_weights(self, source: Any, kv_policy: str = "keep", timeout: float | None = None,
+                       partial: bool = False) -> dict[str, Any]:
         """Swap the weights at one step boundary on every rank, all or none, and bump the weight version. Every rank
-        calls it. `source`: a checkpoint directory or a dict of full tensors with transformers' names. In-flight
+        calls it. `source`: a checkpoint directory or a dict of full tensors with transformers' names (`partial`:
+        any subset of the model's names; refused names raise WeightUpdateError with `reason_code`). In-flight
         requests keep their KV (kv_policy="keep") or recompute it ("recompute"). Returns {"ok": True, "version",
         "tensors", "seconds"}; raises, on every rank alike, WeightUpdateError (nothing changed anywhere; `rank` is
         the first rank that refused) or WeightsDiverged (a rank failed while copying: the loop ends)."""
@@ -46,7 +48,7 @@ class WeightUpdates:
             raise self.diverged
         local = source if isinstance(source, dict) else None
         call = UpdateCall(source="tensors" if local is not None else "checkpoint",
-                          path="" if local is not None else str(source), kv_policy=kv_policy)
+                          path="" if local is not None else str(source), kv_policy=kv_policy, partial=partial)
         # inside a pause (this rank's loop is parked for the caller's own entry), or with no loop: this thread
         # may use the groups, in the same order on every rank: every rank's caller runs its share now
         if m.gate.held or not m.is_running():

@@ -16,7 +16,9 @@ from typing import Any
 import zmq
 
 from cluster import protocol as P
+from cluster.config import PUSH_TIMEOUT_S
 from cluster.errors import Code
+from cluster.handle_wire import check_handles
 from cluster.wake_pipe import WakePipe
 from driver.frontdoor.admin import AdminPolicy, CurveKeys, PauseOwner
 from driver.frontdoor.client_outbox import ClientOutbox
@@ -39,6 +41,7 @@ class FrontendConfig:
     admin: bool = True  # false: pause/resume/update_weights are refused to everyone (admin_disabled)
     max_client_backlog: int = 4096  # messages waiting for a client that does not read; beyond: slow_client
     max_inflight_per_client: int = 4096  # accepted and unfinished requests of one client; beyond: client_limit
+    push_timeout_s: float = PUSH_TIMEOUT_S  # a push's member silent this long: every rank gives up (docs/weights.md)
 
 
 class Frontend:
@@ -49,6 +52,7 @@ class Frontend:
         self.manager, self.config, self.tokenizer = manager, config, tokenizer
         self.model_path = os.path.abspath(model_path) if model_path else None
         self.weights = weights if weights is not None else WeightsRecord(None)
+        self.last_refused: dict[str, Any] | None = None  # the last refused weight update's result (in `stats`)
         self.replies: deque[tuple[bytes, Any, dict]] = deque()  # (ident, mid, data) from other threads, sent here
         self.waker = WakePipe()
         self.stop_event = threading.Event()
@@ -185,7 +189,8 @@ class Frontend:
                             paused=self.pause.owner is not None)
             self._send(ident, P.REPLY, mid=mid, data=self.manager.stats() | {
                 "frontend": frontend, "restart_count": self.manager.restart_count,
-                "weights": self.weights.current.report(), "metrics": metrics_map(self.manager)})
+                "weights": self.weights.current.report(), "metrics": metrics_map(self.manager),
+                "last_refused_update": self.last_refused})
         elif kind == P.HEALTH:
             self._send(ident, P.REPLY, mid=mid, data={
                 "ok": self.desk.loop_answers(), "world_size": self.manager.groups.world_size,
@@ -205,18 +210,27 @@ class Frontend:
         from worker.weights import UpdateCall
 
         source, kv_policy = P.field(msg, "source", str, "checkpoint"), P.field(msg, "kv_policy", str, "keep")
+        partial = P.field(msg, "partial", bool, False)
         if kv_policy not in ("keep", "recompute"):
             raise P.ProtocolError(Code.BAD_FIELD, "kv_policy must be 'keep' or 'recompute'", mid)
         if source == "checkpoint":
-            call = UpdateCall(source, path=P.field(msg, "path", str, required=True), kv_policy=kv_policy)
+            call = UpdateCall(source, path=P.field(msg, "path", str, required=True), kv_policy=kv_policy,
+                              partial=partial)
         elif source == "push":  # every rank dials `store`: checked here, admins only (checked above)
             call = UpdateCall(source, kv_policy=kv_policy, store=P.check_store(msg.get("store"), mid),
-                              buckets=P.check_buckets(msg.get("buckets"), mid))
+                              buckets=P.check_buckets(msg.get("buckets"), mid), partial=partial,
+                              timeout_s=self.config.push_timeout_s)
+        elif source == "handles":  # every rank maps the trainer's segments: checked here, admins only
+            buckets, handles = check_handles(msg.get("buckets"), msg.get("handles"), mid)
+            call = UpdateCall(source, kv_policy=kv_policy, buckets=buckets, handles=handles, partial=partial)
         else:
             raise P.ProtocolError(Code.BAD_FIELD, f"unknown weight source {source!r}", mid)
+
         def done(result: dict) -> None:  # the loop thread: record what is served now, then answer
-            if result.get("ok"):
-                self.weights.note_update(call.source, call.path if source == "checkpoint" else None, result["version"])
+            if result.get("ok"):  # a partial update is restored by no checkpoint alone: recorded as not restorable
+                self.weights.note_update("partial" if partial else source, call.path or None, result["version"])
+            else:  # kept for `stats`: a trainer that died mid-push hears no answer, an operator still can
+                self.last_refused = {k: result.get(k) for k in ("error", "rank", "reason_code", "tensor", "phase")}
             self._reply_later(ident, mid, result)
 
         self.manager.update_weights_async(call, done)

@@ -22,6 +22,7 @@ class UpdateWeightsBody(BaseModel):
 
     path: str
     kv_policy: Literal["keep", "recompute"] = "keep"
+    partial: bool = False  # the checkpoint holds a subset of the model's tensors (docs/weights.md)
 
 
 MemoryTag = Literal["kv_cache", "weights"]
@@ -76,7 +77,7 @@ def admin_router(client: AsyncClient, token: str | None) -> APIRouter:
     @router.post("/update_weights")
     async def update_weights(request: Request, body: UpdateWeightsBody) -> dict:
         check_token(request, token)
-        return await client.update_weights(body.path, body.kv_policy)
+        return await client.update_weights(body.path, body.kv_policy, body.partial)
 
     @router.post("/release_memory")
     async def release_memory(request: Request, body: ReleaseMemoryBody | None = None) -> dict:
