@@ -382,8 +382,8 @@ def test_release_and_resume_memory_over_http(server, model_dir):
     status, body = http(server, "POST", "/release_memory", {"tags": ["kv_cache"]}, TOKEN)
     assert status == 409 and body["error"]["code"] == Code.NOT_PAUSED
     assert http(server, "POST", "/release_memory", {"tags": ["cpu"]}, TOKEN)[0] == 400
-    assert http(server, "POST", "/pause", token=TOKEN) == (200, {"paused": True})
     try:
+        assert http(server, "POST", "/pause", token=TOKEN) == (200, {"paused": True, "mode": "keep"})
         status, r = http(server, "POST", "/release_memory", {"keep_weights_on_host": False}, TOKEN)
         assert status == 200 and r["released"] == ["kv_cache", "weights"] and [f["rank"] for f in r["ranks"]] == [0, 1]
         assert all(f["freed"] >= 0.8 * (f["kv_cache_bytes"] + f["weights_bytes"]) for f in r["ranks"]), r
@@ -393,7 +393,7 @@ def test_release_and_resume_memory_over_http(server, model_dir):
             assert status == 409 and body["error"]["code"] == Code.WEIGHTS_NOT_RESTORED
             assert http(server, "POST", "/update_weights", {"path": str(model_dir)}, TOKEN)[1]["ok"]
             assert c.resume_memory()["released"] == []
-            assert http(server, "POST", "/resume", token=TOKEN) == (200, {"paused": False})
+            assert http(server, "POST", "/resume", token=TOKEN)[1]["paused"] is False
             assert c.result(rid, timeout=120).generated_tokens == hf_greedy(model_dir, [PROMPT_IDS], NEW)[0]
     finally:  # the module's other tests share this server
         for path, body in (("/update_weights", {"path": str(model_dir)}), ("/resume_memory", None), ("/resume", None)):

@@ -76,7 +76,7 @@ class WeightUpdates:
         except WeightsDiverged as e:
             self.diverged = e
             raise
-        self.m.memory.rank.after_update(result["ok"], bool(getattr(call, "partial", False)))
+        self.m.memory.rank.after_update(result["ok"], call.partial)
         if result["ok"]:
             self.version += 1
             # every tensor a captured CUDA graph reads must still be where it was captured, or the graphs would
