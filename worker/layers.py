@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from worker.packed_linear import packed_product
 from worker.shard_argmax import ShardArgmax, shard_argmax
 
 if TYPE_CHECKING:
@@ -52,10 +53,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     decode batch sizes MKL's sgemm runs that product much faster than F.linear's x W^T (2 cores, 64 rows: 768 ->
     4096 in 4.7 ms against 8.6, 2048 -> 768 in 1.9 against 3.2), and about as fast from 256 rows on. The result
     is then a transposed view: an op that needs contiguous rows (a collective, attention's kernel) makes them.
+    Up to PACKED_ROWS rows, MKL's product with the weight packed ahead of time (worker/packed_linear.py) instead.
     Elsewhere, F.linear (cuBLAS picks its own layouts)."""
     if not weight_first(x):
         return nn.functional.linear(x, weight, bias)
-    y = torch.mm(weight, x.t()).t()
+    y = packed_product(x, weight)
+    if y is None:
+        y = torch.mm(weight, x.t()).t()
     return y if bias is None else y + bias
 
 
@@ -63,9 +67,13 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T in contiguous rows, for a wide W (the LM head's vocab shard). On the CPU, for up to
     WEIGHT_FIRST_MAX_ROWS rows, weight-first in chunks of WIDE_CHUNK output features, each copied into its rows
     while it is still in cache: 64 rows of a 32000-wide head and their argmax in 40 ms, against 84 for F.linear
-    and 57 for one weight-first product (whose transposed result is too large to read back quickly)."""
+    and 57 for one weight-first product (whose transposed result is too large to read back quickly). Up to
+    PACKED_ROWS rows, the packed weight's product (worker/packed_linear.py), in contiguous rows already."""
     if not weight_first(x):
         return nn.functional.linear(x, weight)
+    packed = packed_product(x, weight)
+    if packed is not None:
+        return packed
     out, xt = x.new_empty(x.shape[0], weight.shape[0]), x.t()
     for start in range(0, weight.shape[0], WIDE_CHUNK):
         out[:, start:start + WIDE_CHUNK].copy_(torch.mm(weight[start:start + WIDE_CHUNK], xt).t())

@@ -19,6 +19,7 @@ import torch
 from cluster.errors import Code, WeightRefused
 from worker.mapped_checkpoint import mapped_checkpoint
 from worker.model import CausalLM
+from worker.packed_linear import weights_changed
 
 Staged = list[tuple[torch.Tensor, torch.Tensor]]  # (parameter storage, new values)
 
@@ -117,6 +118,7 @@ def apply(staged: Staged) -> None:
     """Copy staged values into the parameters' existing storage."""
     for dst, value in staged:
         dst.copy_(value)
+    weights_changed()  # decode products' packed copies (worker/packed_linear.py) are made again
 
 
 def load_weights(model: CausalLM, model_dir: str | os.PathLike) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from cluster.dist import Groups, agree_figures
 from cluster.errors import Code
+from worker.packed_linear import forget_packed
 from worker.runner import ModelRunner
 from worker.weights import refusals
 
@@ -136,6 +137,7 @@ class RankMemory:
             freed[KV_CACHE] = self._free(self.kv)
         if WEIGHTS in call.tags and self.weights is None:
             model = self.runner.model
+            forget_packed(model)  # the weights' packed copies for decode products go with them
             self.weights = [Released(s, s.nbytes()) for s in storages(list(model.parameters()))]
             if call.keep_weights_on_host:
                 pin = self.runner.device.type == "cuda"

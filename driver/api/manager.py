@@ -327,7 +327,7 @@ class ContinuousBatchingManager:
             with self._lock:
                 self.closed = True
             self.updates.loop_ended()
-            self.memory.loop_ended()
+            self.memory.calls.loop_ended()
 
 
 def run_worker_side(m: ContinuousBatchingManager) -> None:

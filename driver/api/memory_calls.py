@@ -9,15 +9,13 @@ pages (recomputed after the resume)."""
 
 from __future__ import annotations
 
-import threading
-import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any, Callable, Iterable
 
-from cluster.errors import Code, ManagerStopped, MemoryCallRefused
+from cluster.errors import Code, MemoryCallRefused
+from driver.api.loop_calls import LoopCalls
 from worker.memory_release import KV_CACHE, TAGS, MemoryCall, RankMemory, check_call, run_memory_call
 
-POLL_S = 0.25  # how often a waiting caller looks whether the loop still runs
 
 
 def answer(result: dict[str, Any]) -> dict[str, Any]:
@@ -32,8 +30,7 @@ class MemoryCalls:
     def __init__(self, manager: Any):
         self.m = manager
         self.rank = RankMemory(manager.runner)
-        self.lock = threading.Lock()
-        self.pending: set[Future] = set()  # the driver's: calls queued for the loop, not yet answered
+        self.calls = LoopCalls(manager, "memory call")  # the driver's: calls queued for the loop
 
     @property
     def released(self) -> list[str]:
@@ -55,7 +52,7 @@ class MemoryCalls:
             return answer(self.run(call))
         if not m.is_driver:
             return None
-        return answer(self._wait(self._queue(call), timeout))
+        return answer(self.calls.wait(self.calls.queue("memory", call), timeout))
 
     def call_async(self, call: MemoryCall, done: Callable[[dict], None]) -> None:
         """The front door's path (driver only): `done(result dict)` from the loop thread, refusals included."""
@@ -64,7 +61,7 @@ class MemoryCalls:
             done(f.result() if e is None else {"ok": False, "code": getattr(e, "code", Code.INTERNAL),
                                                "error": str(e)})
 
-        self._queue(call).add_done_callback(finished)
+        self.calls.queue("memory", call).add_done_callback(finished)
 
     def run(self, call: MemoryCall) -> dict[str, Any]:
         """This rank's share, and on the driver the engine's bookkeeping. Every rank calls it at the same boundary."""
@@ -81,7 +78,7 @@ class MemoryCalls:
         plan is sent); then `send()` sends the CALL plan and this rank runs its share. An exception (a collective
         that failed) goes to the caller and ends the loop."""
         if call.action == "release" and not self.m.held:
-            self._settle(fut, {"ok": False, "code": Code.NOT_PAUSED, "rank": None,
+            self.calls.settle(fut, {"ok": False, "code": Code.NOT_PAUSED, "rank": None,
                                "error": "release_memory needs a paused engine: inside pause(), or while a client "
                                         "holds the serving pause"})
             return
@@ -89,51 +86,12 @@ class MemoryCalls:
         try:
             result = self.run(call)
         except BaseException as e:
-            self._settle(fut, error=e)
+            self.calls.settle(fut, error=e)
             raise
-        self._settle(fut, result)
+        self.calls.settle(fut, result)
 
     def worker_call(self, call: MemoryCall) -> None:
         """A worker's share of a call the driver sent in a CALL plan (the worker loop thread). Its result is the
         driver's too (the votes make it so); an exception ends the loop."""
         self.run(call)
 
-    def _queue(self, call: MemoryCall) -> Future:
-        fut: Future = Future()
-        with self.lock:
-            self.pending.add(fut)
-        self.m.inbox.put(("memory", (call, fut)))
-        return fut
-
-    def _wait(self, fut: Future, timeout: float | None) -> dict[str, Any]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            try:
-                return fut.result(POLL_S if left is None else max(0.0, min(POLL_S, left)))
-            except TimeoutError:
-                if fut.done():
-                    continue
-                if not self.m.is_running():
-                    self._settle(fut, error=ManagerStopped("the loop stopped before it ran this memory call"))
-                elif left is not None and left <= 0:
-                    raise TimeoutError("the memory call did not finish in time") from None
-
-    def _settle(self, fut: Future, result: dict | None = None, error: BaseException | None = None) -> None:
-        """Answer a queued call once (its callbacks run here, outside the lock)."""
-        with self.lock:
-            self.pending.discard(fut)
-        try:
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(result)
-        except InvalidStateError:
-            pass  # answered already: the loop's answer and loop_ended (or a waiter) raced
-
-    def loop_ended(self) -> None:
-        """Answer every call the loop left unanswered."""
-        with self.lock:
-            pending = list(self.pending)
-        for fut in pending:
-            self._settle(fut, error=ManagerStopped("the loop ended before it ran this memory call"))

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from cluster.errors import Code, ManagerStopped, WeightUpdateError
 from driver.engine.staleness import enforce_weight_lag
+from driver.api.loop_calls import POLL_S, LoopCalls
 from worker.weights import UpdateCall, WeightsDiverged, run_update
 
-POLL_S = 0.25  # how often a waiting caller looks whether the loop still runs
 
 
 class WeightUpdates:
@@ -27,7 +27,7 @@ class WeightUpdates:
         self.results: list[Any] = []  # a worker's: results (or exceptions) of the driver's CALLs, in order
         self.taken = 0  # a worker's: callers that waited for a result so far
         self.tensors: list[dict] = []  # a worker's: tensors its callers handed over, for the next CALLs
-        self.pending: set[Future] = set()  # the driver's: updates queued for the loop, not yet answered
+        self.calls = LoopCalls(manager, "weight update")  # the driver's: updates queued for the loop
         self.version = 0  # the weight version this rank holds
         self.attempts = 0  # updates this rank has run (fault rules match on it)
         self.diverged: WeightsDiverged | None = None
@@ -61,7 +61,7 @@ class WeightUpdates:
         elif not m.is_driver:  # the driver decides when; this rank's share runs in its loop
             result = self._wait_worker_share(local, timeout)
         else:
-            result = self._wait(self._queue(call, local), timeout)
+            result = self.calls.wait(self.calls.queue("update", call, local), timeout)
         if not result["ok"]:
             raise WeightUpdateError(result["error"], result.get("rank"), result)
         return result
@@ -109,41 +109,6 @@ class WeightUpdates:
             raise result
         return result
 
-    def _queue(self, call: UpdateCall, local: dict | None) -> Future:
-        fut: Future = Future()
-        with self.cond:
-            self.pending.add(fut)
-        self.m.inbox.put(("update", (call, local, fut)))
-        return fut
-
-    def _wait(self, fut: Future, timeout: float | None) -> dict[str, Any]:
-        """The loop's answer to a queued update; ManagerStopped if the loop ends without answering."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            try:
-                return fut.result(POLL_S if left is None else max(0.0, min(POLL_S, left)))
-            except TimeoutError:
-                if fut.done():
-                    continue
-                if not self.m.is_running():
-                    self._settle(fut, error=ManagerStopped("the loop stopped before it ran this weight update"))
-                    continue
-                if left is not None and left <= 0:
-                    raise TimeoutError("the weight update did not finish in time") from None
-
-    def _settle(self, fut: Future, result: dict | None = None, error: BaseException | None = None) -> None:
-        """Answer a queued update once (its callbacks run here, outside the lock)."""
-        with self.cond:
-            self.pending.discard(fut)
-        try:
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(result)
-        except InvalidStateError:
-            pass  # answered already: the loop's answer and loop_ended (or a waiter) raced
-
     def update_weights_async(self, call: UpdateCall, done: Callable[[dict], None]) -> None:
         """The front door's path (driver only): `done(result dict)` from the loop thread, failures included."""
         def finished(f: Future) -> None:
@@ -156,7 +121,7 @@ class WeightUpdates:
                   "version": self.version})
 
         call.callers = False  # no worker-side caller waits for this one's result
-        self._queue(call, None).add_done_callback(finished)
+        self.calls.queue("update", call, None).add_done_callback(finished)
 
     def run_on_driver(self, call: UpdateCall, local: dict | None, fut: Future) -> None:
         """The driver loop's share, right after it sent the CALL plan (the driver's loop thread only). An
@@ -164,9 +129,9 @@ class WeightUpdates:
         try:
             result = self._run(call, local, expected=self.m.engine.weight_version)
         except BaseException as e:
-            self._settle(fut, error=e)
+            self.calls.settle(fut, error=e)
             raise
-        self._settle(fut, result=self.after_update(result, call))
+        self.calls.settle(fut, result=self.after_update(result, call))
 
     def after_update(self, result: dict[str, Any], call: UpdateCall) -> dict[str, Any]:
         """Driver bookkeeping once every rank agreed: version, stale prefix pages, in-flight KV."""
@@ -209,7 +174,5 @@ class WeightUpdates:
     def loop_ended(self) -> None:
         """Wake callers waiting for a CALL that will never come, and answer every update the loop left unanswered."""
         with self.cond:
-            pending = list(self.pending)
             self.cond.notify_all()
-        for fut in pending:
-            self._settle(fut, error=ManagerStopped("the loop ended before it ran this weight update"))
+        self.calls.loop_ended()
