@@ -12,6 +12,7 @@ from cluster.liveness import Liveness
 from cluster.pause import PauseGate
 from cluster.plan import STATE_MAGIC, Command, S, StepPlan
 from worker.runner import ModelRunner
+from worker.packed_linear import weights_changed
 
 
 def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate, barrier: Callable[[], None],
@@ -37,5 +38,6 @@ def worker_loop(runner: ModelRunner, groups: Groups, gate: PauseGate, barrier: C
                 runner.execute(plan)
         elif plan.command == Command.PAUSE:
             gate.park(barrier, lambda: True, groups.lent)
+            weights_changed()  # the pause's holders may have written the weights in place (named_shards views)
         elif plan.command == Command.STOP:
             return

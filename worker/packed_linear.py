@@ -9,9 +9,10 @@ the weight packed for that count. A 5-row decode step of models/small: 33 ms -> 
 
 The packed copy is one more copy of each weight that a decode step multiplies (the CPU's weights twice over), made
 at the first product that needs it and made again whenever the weight changed: its version counter moves with
-every in-place write through the parameter or a view of it (`named_shards` views), the loader's copies (into
-`param.data`, which the counter does not see) call `weights_changed`, and a memory release drops the copies
-(`forget_packed`). Under torch.compile, on CUDA, for other
+every in-place write through the parameter or a view of it; writes the counter does not see (the loader's into
+`param.data`, a user's through `named_shards` views, which are views of `param.data`) are covered by
+`weights_changed`, called by the loader, after every pause's park on every rank and when a manager starts; a
+memory release drops the copies (`forget_packed`). Under torch.compile, on CUDA, for other
 dtypes or without MKL, `packed_product` returns None and the caller multiplies as before. Rank-local: every rank
 of a step has the same row count, so every rank takes the same path."""
 

@@ -22,6 +22,7 @@ from cluster.outputs import RequestStatus
 from cluster.plan import Command
 from driver.api.pause_modes import PauseModes
 from driver.engine.request import Request
+from worker.packed_linear import weights_changed
 
 log = logging.getLogger("lockstep")
 
@@ -61,6 +62,7 @@ class DriverLoop:
                 if m.gate.requested and self._ready("manager", m.gate.next_mode):
                     self._send(Command.PAUSE)
                     m.gate.park(m.barrier, lambda: True, m.groups.lent)
+                    weights_changed()  # the holders may have written the weights in place: packed copies are stale
                     self.pauses.leave("manager")
                     self.last_plan = time.monotonic()  # the barriers were plans' worth of contact
                     # the holders may have changed the weights: cached prefixes no longer match them

@@ -39,6 +39,7 @@ from worker.cpu_threads import release_openmp_pool
 from worker.loop import worker_loop
 from worker.memory import use_device
 from worker.memory_release import MemoryCall
+from worker.packed_linear import weights_changed
 from worker.weights import UpdateCall
 
 log = logging.getLogger("lockstep")
@@ -97,6 +98,7 @@ class ContinuousBatchingManager:
         self.groups.control_owner = self.thread  # the loop's from here on, before it even runs
         if self.groups.device.type == "cpu":  # the loop thread runs the forwards: this thread's OpenMP pool goes
             release_openmp_pool()
+        weights_changed()  # written in place between sessions (named_shards views): decode's packed copies are stale
         self.thread.start()
 
     def is_running(self) -> bool:
