@@ -4,7 +4,6 @@ are dropped with a memory release, and step aside where they do not apply."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
@@ -12,7 +11,11 @@ from worker import packed_linear
 from worker.layers import linear, wide_linear
 from worker.packed_linear import PACKED_ROWS, forget_packed, packed_product
 
-pytestmark = pytest.mark.skipif(not packed_linear._MKL, reason="this torch build has no MKL (CPU product path)")
+
+
+def test_the_pinned_cpu_torch_has_mkls_packed_product():
+    # torch==2.13.0's x86 CPU wheel (README): without MKL every product would take the unpacked path
+    assert packed_linear._MKL
 
 
 def test_equal_to_the_plain_product_for_every_row_count_up_to_the_packed_one():
