@@ -18,12 +18,13 @@ import torch
 
 from cluster.dist import Groups, agree_figures
 from cluster.errors import Code
+from cluster.protocol import MEMORY_TAGS
 from worker.packed_linear import forget_packed
 from worker.runner import ModelRunner
 from worker.weights import refusals
 
-KV_CACHE, WEIGHTS = "kv_cache", "weights"
-TAGS = (KV_CACHE, WEIGHTS)
+TAGS = MEMORY_TAGS  # the wire's names for what a call may release
+KV_CACHE, WEIGHTS = TAGS
 FIGURES = ("rank", "before", "after", "kv_cache_bytes", "weights_bytes", "host_bytes")  # one gathered row a rank
 
 

@@ -33,6 +33,10 @@ from driver.engine.block_manager import BlockManager, pages_changed
 from driver.engine.request import Request
 
 
+NO_COPIES = np.zeros((0, 2), np.int32)
+NO_COPIES.flags.writeable = False
+
+
 @dataclass
 class ForkStats:
     forked_children: int = 0  # children that started from their parent's prompt KV
@@ -106,6 +110,8 @@ class Forks:
 
     def take(self) -> np.ndarray:
         """The page copies a plan that runs a forward carries: [c, 2] (source page, destination page), in order."""
+        if not self.copies:  # every plan asks: no array made for the steps that fork nothing
+            return NO_COPIES
         copies, self.copies = self.copies, []
         self.unsent.clear()
         return np.asarray(copies, np.int32).reshape(-1, 2)
