@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO))
 from launch.make_model import make_model  # noqa: E402
 from launch.torchrun import free_port  # noqa: E402
 from tests.workloads import NEW_TOKENS  # noqa: E402
+from tests.process_guard import pytest_runtest_protocol  # noqa: E402,F401  (the fast tier starts no process)
 
 _MODELS: dict[tuple, Path] = {}
 

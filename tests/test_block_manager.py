@@ -16,6 +16,7 @@ def req(rid, tokens, n=4):
     return Request(request_id=rid, prompt_ids=list(tokens), max_new_tokens=n)
 
 
+@pytest.mark.slow
 def test_chain_hash_is_identical_in_another_process():
     here = chain_hash(b"", list(range(16))).hex()
     code = "from driver.engine.block_manager import chain_hash; print(chain_hash(b'', list(range(16))).hex())"

@@ -310,6 +310,7 @@ def _exit_or_sleep(code: int | None) -> int:
     return 0
 
 
+@pytest.mark.slow
 def test_run_clients_fails_at_once_when_a_child_dies():
     t0 = time.monotonic()
     with pytest.raises(AssertionError, match="exit code 3"):

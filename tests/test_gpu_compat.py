@@ -149,6 +149,7 @@ def test_pyproject_ranges_start_at_the_supported_versions():
     assert ranges["transformers"].contains(version("transformers"), prereleases=True)
 
 
+@pytest.mark.slow
 def test_pip_would_install_lockstep_alone():
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
                         "-e", str(REPO)], capture_output=True, text=True, timeout=180)
@@ -181,6 +182,7 @@ print("proof path ran without", sorted({hidden!r}))
 """
 
 
+@pytest.mark.slow
 def test_proof_path_runs_without_the_serving_packages(tmp_path):
     """What the proof reaches (its scripts' imports, `launch.cli make-model`, cluster.load and a generate_batch
     with graphs, logprobs and a burst) imports and runs with HIDDEN absent."""
@@ -238,6 +240,7 @@ def test_proof_steps_fit_the_time_budget():
     assert "--pairs 1 " in script
 
 
+@pytest.mark.slow
 def test_proof_falls_back_to_python3(tmp_path):
     """No `python` on PATH, no PYTHON: the script runs `python3` (here a wrapper that leaves a mark)."""
     bin_dir = tmp_path / "bin"
@@ -286,6 +289,7 @@ def test_transformers_config_built_through_the_field_it_has():
         make_cb_config(OldConfig, page_size=16, max_batch_tokens=8)
 
 
+@pytest.mark.slow
 def test_summary_fails_on_a_failed_check_or_a_slow_ratio(tmp_path):
     (tmp_path / "steps.tsv").write_text("parity\t0\t10.0\t\nthroughput-tp2\t200\t0\tskipped: one GPU\n")
     (tmp_path / "parity.json").write_text(json.dumps([{"check": "float32 greedy parity", "result": "ok",

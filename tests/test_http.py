@@ -109,6 +109,7 @@ def test_completions_text_equals_transformers(oai, tok, model_dir):
         assert chunks[-1].usage.completion_tokens == NEW and chunks[-2].choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_chat_text_equals_transformers(oai, tok, model_dir):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is a tensor?"}]
     ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
@@ -124,6 +125,7 @@ def test_chat_text_equals_transformers(oai, tok, model_dir):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
 
 
+@pytest.mark.slow
 def test_stop_trims_and_ends(server, oai, tok, model_dir):
     want = expected_text(tok, PROMPT_IDS, model_dir)
     stop = want[len(want) // 2:len(want) // 2 + 3]
@@ -142,6 +144,7 @@ def test_stop_trims_and_ends(server, oai, tok, model_dir):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_n_seed_and_usage(oai, model_dir):
     def call(seed: int):
         return oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=6, n=3, temperature=1.0,
@@ -159,6 +162,7 @@ def test_n_seed_and_usage(oai, model_dir):
 
 
 # ------------------------------------------------------------------ disconnects
+@pytest.mark.slow
 def test_disconnect_mid_stream_cancels(server, oai, model_dir):
     before = cancelled(server)
     stream = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=400, stream=True)
@@ -177,6 +181,7 @@ def test_disconnect_mid_stream_cancels(server, oai, model_dir):
         assert http(server, "POST", "/resume", token=TOKEN) == (200, {"paused": False})
 
 
+@pytest.mark.slow
 def test_disconnect_while_waiting_cancels(server, model_dir):
     before = cancelled(server)
     impatient = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=0.5)
@@ -198,6 +203,7 @@ def test_every_code_has_a_status():
         "error": {"message": "x", "type": "invalid_request_error", "param": "n", "code": "bad_field"}}
 
 
+@pytest.mark.slow
 def test_error_bodies(oai, model_dir):
     with pytest.raises(openai.NotFoundError) as e:
         oai.completions.create(model="no-such-model", prompt=PROMPT_IDS)
@@ -213,6 +219,7 @@ def test_error_bodies(oai, model_dir):
     assert e.value.body["code"] == Code.BAD_FIELD and e.value.body["param"] == "n"
 
 
+@pytest.mark.slow
 def test_priority_is_taken_and_checked(server, oai, model_dir):
     """vLLM's `priority` field (lower first) on both routes and the wire; out of range or not an integer: 400
     bad_field naming it (the wire: `bad_field`)."""
@@ -238,6 +245,7 @@ def test_priority_is_taken_and_checked(server, oai, model_dir):
 
 
 # ------------------------------------------------------------------ metrics
+@pytest.mark.slow
 def test_metrics_move(server, oai, model_dir):
     before = metrics(server)
     oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=5, temperature=0)
@@ -258,6 +266,7 @@ def test_metrics_move(server, oai, model_dir):
 
 
 # ------------------------------------------------------------------ admin
+@pytest.mark.slow
 def test_admin_routes_need_the_token(server, model_dir):
     assert http(server, "POST", "/pause")[0] == 401
     assert http(server, "POST", "/pause", token="wrong")[0] == 401
@@ -275,6 +284,7 @@ def test_admin_routes_need_the_token(server, model_dir):
     assert status == 400 and body["error"]["code"] == Code.WEIGHT_UPDATE_FAILED
 
 
+@pytest.mark.slow
 def test_separate_gateway_without_token_refuses_admin(server, model_dir):
     """A gateway of its own (as `lockstep http` runs it) on the same driver: it serves, and with no token
     configured refuses the admin routes to everyone."""
@@ -377,6 +387,7 @@ def test_a_gateway_on_a_taken_address_says_so(model_dir):
             GatewayProcess("tcp://127.0.0.1:1", listen, str(model_dir), None).start()
 
 
+@pytest.mark.slow
 def test_release_and_resume_memory_over_http(server, model_dir):
     """Refused unpaused; freed on both ranks; resume refused until an update; then transformers' tokens."""
     status, body = http(server, "POST", "/release_memory", {"tags": ["kv_cache"]}, TOKEN)

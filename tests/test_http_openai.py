@@ -55,6 +55,7 @@ def refused(fn, param: str, code: str = Code.BAD_FIELD) -> dict:
 
 
 # ------------------------------------------------------------------ items 1, 4, 5: ranges, stream_options, models
+@pytest.mark.slow
 def test_out_of_range_fields_are_400s_naming_them(server, oai, model_dir):
     name = model_dir.name
     for seed in (1 << 63, -(1 << 63) - 1, 1 << 70):
@@ -85,6 +86,7 @@ def test_out_of_range_fields_are_400s_naming_them(server, oai, model_dir):
             Code.UNSUPPORTED)
 
 
+@pytest.mark.slow
 def test_models_by_id(oai, model_dir):
     card = oai.models.retrieve(model_dir.name)
     assert card.id == model_dir.name and card.object == "model"
@@ -94,6 +96,7 @@ def test_models_by_id(oai, model_dir):
 
 
 # ------------------------------------------------------------------ items 2, 3: text_offset, logprobs=0
+@pytest.mark.slow
 def test_streamed_text_offsets_equal_the_whole_ones_under_a_stop_string(oai, model_dir):
     name = model_dir.name
     free = oai.completions.create(model=name, prompt=PROMPT_IDS, max_tokens=NEW, temperature=0).choices[0].text
@@ -111,6 +114,7 @@ def test_streamed_text_offsets_equal_the_whole_ones_under_a_stop_string(oai, mod
 
 
 # ------------------------------------------------------------------ item 6: bias, penalties, top_logprobs, echo
+@pytest.mark.slow
 def test_logit_bias_and_penalties_equal_transformers_reference(oai, tok, hf, model_dir):
     plain = reference(hf, PROMPT_IDS, NEW)
     bias = {plain[0]: -100.0, plain[1]: -50.0, 300: 4.0}
@@ -129,6 +133,7 @@ def test_logit_bias_and_penalties_equal_transformers_reference(oai, tok, hf, mod
             assert text == tok.decode(want, skip_special_tokens=True), (fields, stream)
 
 
+@pytest.mark.slow
 def test_top_logprobs_equal_transformers_top_k(oai, tok, hf, model_dir):
     import torch
 
@@ -157,6 +162,7 @@ def test_top_logprobs_equal_transformers_top_k(oai, tok, hf, model_dir):
         [lp for w in want for _, lp in w[:5]], abs=2e-5)
 
 
+@pytest.mark.slow
 def test_echo(oai, tok, model_dir):
     text = tok.decode(PROMPT_IDS, skip_special_tokens=True)
     plain = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=4, temperature=0)
@@ -174,6 +180,7 @@ def test_echo(oai, tok, model_dir):
 
 
 # ------------------------------------------------------------------ structured outputs
+@pytest.mark.slow
 def test_structured_outputs_follow_their_schema(server, oai, model_dir):
     """Every output of every schema parses and validates: greedy and sampled, streamed and not, at TP=2."""
     import json
@@ -214,6 +221,7 @@ def test_structured_outputs_follow_their_schema(server, oai, model_dir):
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].text), dict)
 
 
+@pytest.mark.slow
 def test_regex_grammar_and_refusals(server, oai, model_dir):
     import re
 

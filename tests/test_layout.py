@@ -110,6 +110,7 @@ def test_the_circle_finder_finds_one():
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
+@pytest.mark.slow
 def test_import_cluster_and_its_client_stay_light():
     """A client or a Ray task imports `cluster` and its client without torch, transformers or numpy, and so does
     the CLI (`lockstep submit` and the other client verbs start in a fraction of a second); the heavy public names

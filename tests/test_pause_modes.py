@@ -89,6 +89,7 @@ def check_staleness(r: dict, dirs: list[str]) -> None:
             assert [v for _, v in o["versions"]] == [old, new] and o["finish_reason"] != "stale", o
 
 
+@pytest.mark.slow
 def test_pause_modes_and_staleness_tp2(make_checkpoint, tmp_path):
     dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
     proc = run_ranks("pause_modes_rank.py", [str(dir_a), str(dir_b), str(tmp_path)], timeout=400)
@@ -100,6 +101,17 @@ def test_pause_modes_and_staleness_tp2(make_checkpoint, tmp_path):
     check_staleness(rec["stale"], dirs)
     assert rec["streaming_restart"] == "bad_field" and rec["update"]["version"] == len(dirs) - 1
     assert read_json(tmp_path / "pause_modes.rank1.json")["rank"] == 1
+
+
+def test_pause_modes_and_staleness_in_process_tp1(make_checkpoint, tmp_path):
+    """The same scenario in this process at TP=1 (the fast tier's test of the pause modes' logic)."""
+    from tests.scripts.pause_modes_rank import run
+
+    rec = run(str(make_checkpoint("llama")), str(make_checkpoint("llama", seed=1)), str(tmp_path))
+    for mode in MODES:
+        check_mode(mode, rec[mode], rec["dirs"])
+    check_staleness(rec["stale"], rec["dirs"])
+    assert rec["streaming_restart"] == "bad_field" and rec["update"]["version"] == len(rec["dirs"]) - 1
 
 
 # ------------------------------------------------------------------ the serving pause: Client, wire and HTTP
@@ -126,6 +138,7 @@ def tokens_move(c: Client, before: int, at_least: int = 8, timeout: float = 60) 
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_client_pause_modes_tp2(server, make_checkpoint):
     from tests.scripts.update_rank import prompts
 
@@ -165,6 +178,7 @@ def test_client_pause_modes_tp2(server, make_checkpoint):
                 assert any(p[0][0] > 0 for p in noted)
 
 
+@pytest.mark.slow
 def test_staleness_and_finish_reasons_on_the_wire_and_http(server, make_checkpoint):
     from cluster.errors import ClientError
     from tests.scripts.update_rank import prompts

@@ -32,6 +32,7 @@ def run(tmp_path_factory) -> dict:
     return data
 
 
+@pytest.mark.slow
 def test_no_rollout_lost_and_every_token_has_its_version(run):
     rollouts = run["rollouts"]
     assert len(rollouts) == (STEPS + 1) * BATCH * N  # the last step's rollouts are collected too
@@ -46,6 +47,7 @@ def test_no_rollout_lost_and_every_token_has_its_version(run):
     assert [row["version"] for row in run["rows"]] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_staleness_is_honoured(run):
     # rollouts of step s are sampled while the weights are version s - 1 or s (one push happens during them)
     stale = [r for r in run["rollouts"] if r["finish_reason"] == "stale"]
@@ -59,6 +61,7 @@ def test_staleness_is_honoured(run):
     assert sum(row["stale"] for row in run["rows"]) == sum(r["step"] < STEPS for r in stale)
 
 
+@pytest.mark.slow
 def test_one_prefill_per_group_and_the_plot(run):
     stats, prompt_len = run["stats"], len(task.make_prompts(__import__("random").Random(0), 1)[0])
     groups = (STEPS + 1) * BATCH

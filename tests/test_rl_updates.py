@@ -95,6 +95,7 @@ def our_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("lockstep-w-")}
 
 
+@pytest.mark.slow
 def test_updates_by_handle_full_and_partial(served):
     """This process is the colocated trainer: its tensors in shared memory, only handles on the wire."""
     from launch.weight_handles import SharedBuckets, update_weights_by_handle
@@ -114,6 +115,7 @@ def test_updates_by_handle_full_and_partial(served):
     assert our_segments() == before  # every segment this trainer made is gone
 
 
+@pytest.mark.slow
 def test_partial_checkpoint_and_refusals(served):
     s = served
     subset = {n: s.a[n] for n in ATTN_0}
@@ -130,6 +132,7 @@ def test_partial_checkpoint_and_refusals(served):
     assert s.c.health()["weights"]["source"] == "partial"
 
 
+@pytest.mark.slow
 def test_partial_push(served):
     from launch.weight_push import push_weights
 
@@ -165,6 +168,7 @@ def dying_trainer(address: str, dir_b: str, how: int, stopping: "mp.Event", out:
             out.put(("failed", repr(e)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
 def test_a_trainer_that_stops_or_dies_mid_push_cannot_hang_the_service(served, how):
     s = served

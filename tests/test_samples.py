@@ -34,26 +34,48 @@ def transformers_batch(model_dir) -> dict[str, list[int]]:
     return {k: v.generated_tokens for k, v in out.items()}
 
 
-def test_greedy_samples_match_transformers_continuous_batching(record):
-    model_dir, (rank0, rank1) = record
+def check_greedy(got: dict, model_dir, hf: dict[str, list[int]] | None, mode: str) -> None:
+    """One rank's greedy n-samples batch: transformers' continuous batching's ids, order and tokens (when `hf` is
+    given), each sample transformers' greedy tokens, one prefill a group, the partly filled page copied, every page
+    free at the end."""
     ps = prompts(vocab(model_dir))
-    hf = transformers_batch(model_dir)
-    reference = hf_greedy(model_dir, ps, NEW_TOKENS)
-    for mode in ("greedy", "greedy_overlap"):
-        got = rank0[mode]
+    if hf is not None:
         assert got["ids"] == list(hf), mode  # children first, then the parent, as transformers orders them
         assert got["tokens"] == list(hf.values()), mode
-        assert got["tokens"] == [t for r in reference for t in [r] * N_SAMPLES], mode
-        assert rank1[mode]["ids"] == got["ids"] and rank1[mode]["tokens"] == got["tokens"]  # every rank
-        stats = got["stats"]
-        # one prefill a group: the prompt once, and each child's last prompt token (its first decode)
-        assert stats["prompt_tokens_computed"] == sum(len(p) + N_SAMPLES - 1 for p in ps), mode
-        assert stats["forked_children"] == len(ps) * (N_SAMPLES - 1)
-        assert stats["fork_shared_pages"] == sum((len(p) - 1) // PAGE for p in ps) * (N_SAMPLES - 1)
-        assert stats["fork_copied_pages"] == sum((len(p) - 1) % PAGE != 0 for p in ps) * (N_SAMPLES - 1)
-        assert stats["free_blocks"] == stats["num_blocks"]
+    assert len(got["ids"]) == len(set(got["ids"])) == len(ps) * N_SAMPLES, mode
+    want = hf_greedy(model_dir, ps, NEW_TOKENS)
+    for rid, tokens in zip(got["ids"], got["tokens"]):  # parent and children alike; "req_3__child#1" is prompt 3's
+        assert tokens == want[int(rid.split("__")[0].split("_")[1])], (mode, rid)
+    stats = got["stats"]
+    # one prefill a group: the prompt once, and each child's last prompt token (its first decode)
+    assert stats["prompt_tokens_computed"] == sum(len(p) + N_SAMPLES - 1 for p in ps), mode
+    assert stats["forked_children"] == len(ps) * (N_SAMPLES - 1)
+    assert stats["fork_shared_pages"] == sum((len(p) - 1) // PAGE for p in ps) * (N_SAMPLES - 1)
+    assert stats["fork_copied_pages"] == sum((len(p) - 1) % PAGE != 0 for p in ps) * (N_SAMPLES - 1)
+    assert stats["free_blocks"] == stats["num_blocks"]
 
 
+@pytest.mark.slow
+def test_greedy_samples_match_transformers_continuous_batching(record):
+    model_dir, (rank0, rank1) = record
+    hf = transformers_batch(model_dir)
+    for mode in ("greedy", "greedy_overlap"):
+        check_greedy(rank0[mode], model_dir, hf, mode)
+        assert rank1[mode]["ids"] == rank0[mode]["ids"] and rank1[mode]["tokens"] == rank0[mode]["tokens"]
+
+
+def test_greedy_samples_in_process_tp1(make_checkpoint):
+    """The fork's logic in this process at TP=1 (the fast tier's test): serial and overlapped with bursts."""
+    import cluster
+    from tests.scripts.samples_rank import batch
+
+    model_dir = make_checkpoint("llama")
+    model = cluster.load(model_dir)  # transformers' own ids and order: the TP=2 test above
+    check_greedy(batch(model, greedy_config()), model_dir, None, "greedy")
+    check_greedy(batch(model, greedy_config(), use_async_batching=True, decode_burst=4), model_dir, None, "overlap")
+
+
+@pytest.mark.slow
 def test_seeded_children_draw_what_independent_requests_of_their_ids_draw(record):
     model_dir, (rank0, rank1) = record
     seeded = dict(zip(rank0["seeded"]["ids"], rank0["seeded"]["tokens"]))
@@ -66,6 +88,7 @@ def test_seeded_children_draw_what_independent_requests_of_their_ids_draw(record
         assert len({tuple(v) for v in group}) == N_SAMPLES, group
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pressure", "pressure_offload"])
 def test_preempted_and_cancelled_samples_free_their_pages(record, mode):
     model_dir, (rank0, rank1) = record

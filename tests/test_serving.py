@@ -52,6 +52,7 @@ def test_outputs_match_transformers(server, make_checkpoint):
     assert got == hf_greedy(make_checkpoint("llama"), prompts)
 
 
+@pytest.mark.slow
 def test_streaming_and_cancel(server, make_checkpoint):
     prompt = mixed_prompts(2048)[6]
     with Client(server.address) as c:
@@ -66,6 +67,7 @@ def test_streaming_and_cancel(server, make_checkpoint):
         assert out.status == RequestStatus.CANCELLED and len(out.generated_tokens) < 900
 
 
+@pytest.mark.slow
 def test_async_client(server, make_checkpoint):
     import asyncio
 
@@ -107,6 +109,7 @@ def test_thousand_requests_from_eight_clients(server):
     assert done == [125] * 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("payload,code", [
     ({"input_ids": []}, "empty_prompt"),
     ({"input_ids": [1, 99999]}, "token_out_of_vocab"),
@@ -127,6 +130,7 @@ def test_bad_submits_are_rejected_with_codes(server, payload, code):
         assert len(c.generate([1, 2, 3], max_new_tokens=2).generated_tokens) == 2  # still serving
 
 
+@pytest.mark.slow
 def test_duplicate_request_id(server):
     with Client(server.address) as c:
         c.submit([1, 2, 3], request_id="dup", max_new_tokens=200)
@@ -136,6 +140,7 @@ def test_duplicate_request_id(server):
         c.cancel("dup")
 
 
+@pytest.mark.slow
 def test_pause_resume_and_health(server, make_checkpoint):
     """A held request waits without producing a token; its tokens all come after resume."""
     import threading
@@ -204,6 +209,7 @@ def test_cli_submit_and_stats(server):
     assert out.returncode == 0 and '"step"' in out.stdout
 
 
+@pytest.mark.slow
 def test_the_router_in_front_of_two_replicas(server):
     """The replicas' router (launch/router/), in this process, in front of the shared server twice over: what
     it routes equals what the server answers directly, streams arrive token by token, health and stats speak for

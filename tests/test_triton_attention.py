@@ -182,6 +182,7 @@ def results() -> dict[str, object]:
         return torch.load(Path(folder) / "out.pt", weights_only=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-w{c[4]}" for c in CASES])
 def test_decode_matches_reference(results, i):
     """One query a row at each row's own length; padding rows (no key; the scratch block's one key) write zeros
@@ -196,6 +197,7 @@ def test_decode_matches_reference(results, i):
     assert out[len(LENS)].eq(0).all() and out[len(LENS) + 1].isfinite().all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(CASES)),
                          ids=[f"{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-w{c[4]}" for c in CASES])
 def test_prefill_matches_reference(results, i):
@@ -211,6 +213,7 @@ def test_prefill_matches_reference(results, i):
     assert out[sum(PRE_Q):].eq(0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixed", "mixed_window", "burst"])
 def test_triton_path_matches_sdpa_path(results, name):
     """prepare_step + paged_attention: a mixed step (three decode rows padded to four, a fresh prompt and a chunk

@@ -10,7 +10,6 @@ rank's memory figures gathered."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,9 +68,8 @@ def give_back_freed(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         return
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
+    libc = ctypes.CDLL(None)  # this process's own symbols, libc's among them (find_library would run ldconfig)
+    if hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
 
 
