@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from cluster.config import ContinuousBatchingConfig, resolve_config
 from driver.engine.block_manager import BlockManager, chain_hash
 from driver.engine.host_pool import HostPool

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from cluster.client import AsyncClient, Client
 from cluster.outputs import RequestStatus
 from cluster.samples import sample_ids
