@@ -58,3 +58,4 @@ def test_manager_tp2(make_checkpoint, tmp_path):
     assert worker["worker_add_request_is_none"]
     assert worker["worker_finished"] == 10 and worker["worker_finished_2"] == 4  # results reach rank 1 too
     assert worker["kept"] and worker["reused"] and worker["destroyed"]
+    assert worker["worker_reused_finished"] == 1  # the reused session's output reached rank 1 (no 120 s wait)

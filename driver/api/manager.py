@@ -99,6 +99,8 @@ class ContinuousBatchingManager:
         if self.groups.device.type == "cpu":  # the loop thread runs the forwards: this thread's OpenMP pool goes
             release_openmp_pool()
         weights_changed()  # written in place between sessions (named_shards views): decode's packed copies are stale
+        if self.is_driver:  # a reused manager's rows are the last session's: a worker may read results from the first
+            self.engine.gather_states_next()
         self.thread.start()
 
     def is_running(self) -> bool:

@@ -76,6 +76,10 @@ class Engine:
         if states is not None:
             self.rank_states, self.gathered_at = states, now
 
+    def gather_states_next(self) -> None:
+        """The next plan gathers the workers' state rows (a session starts: their callers may read results now)."""
+        self.gathered_at = 0.0
+
     def workers_want_results(self) -> bool:
         return self.rank_states is not None and bool(self.rank_states[1:, S.WANTS_RESULTS].any())
 

@@ -92,12 +92,13 @@ def run(dir_a: str, dir_b: str) -> dict:
     rec["kept"] = model.persistent_manager is m2
     m3 = model.init_continuous_batching()
     rec["reused"] = m3 is m2
+    m3.wants_results = True  # a worker is sent the outputs made once its caller reads: this one reads at once
     m3.start()
     rid = m3.add_request(prompts[4], max_new_tokens=4)
     if rank == 0:
         rec["reused_tokens"] = m3.get_result(rid, timeout=60).generated_tokens
     else:
-        finished(m3, 1)
+        rec["worker_reused_finished"] = len(finished(m3, 1))
     m3.stop()
     m3.destroy()
     m3.destroy()  # idempotent
