@@ -113,6 +113,17 @@ class FairQueue:
         self._level(req.priority).preempted.appendleft(req)
         self.members.add(req)
 
+    def requeue(self, req: Request) -> None:
+        """A running request that gave way to another client's (fair_share.gives_way): it goes back to the head of
+        its own client's queue, and its client counts as just served, so it does not take the row back at once."""
+        level = self._level(req.priority)
+        q = level.clients.setdefault(req.client, deque())
+        q.appendleft(req)
+        level.stamps[req.client] = self.served
+        self.served += 1
+        level.join(req.client, req.arrival)
+        self.members.add(req)
+
     def peek(self) -> Request:
         """The next request to admit (the queue must not be empty)."""
         level = self.levels[self.priorities[0]]
