@@ -2,9 +2,12 @@
 
 `fifo` serves running requests first, then admits waiting ones with what is left of the budget; `prefill_first`
 admits first. Waiting requests are admitted in the fair queue's order (fair_queue.py: strict priority, then clients
-in turn, FCFS within a client); running ones are served by priority, then in admission order. When pages run out
-the lowest-priority (highest number), newest other running request is preempted (to the host pool, or recomputed).
-Pending tokens of an overlapped step: docs/architecture.md, "Overlapped scheduling", step 1."""
+in turn, FCFS within a client); running ones are served by priority, then in admission order. Clients share the
+step (fair_share.py): the batch's rows and the token budget are split across clients; a client holding less than
+its share of the rows or pages gets them from one holding more, whose newest running request gives way; when pages
+run out the lowest-priority (highest number) running request of the client holding most rows, its newest, is
+preempted (to the host pool, or recomputed). Pending tokens of an overlapped step: docs/architecture.md,
+"Overlapped scheduling", step 1."""
 
 from __future__ import annotations
 
@@ -149,21 +152,22 @@ class Scheduler:
         batch.num_tokens.extend(n.tolist())
         budget[0] -= int(n.sum())
 
-    def _share(self, reqs: list[Request], need: np.ndarray, batch: Batch, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    def _share(self, reqs: list[Request], need: np.ndarray, batch: Batch,
+               budget: int) -> tuple[np.ndarray, np.ndarray]:
         """Which of these running requests (in running order, each wanting `need` tokens) get the batch's free rows,
         and how many tokens each: both split across clients (fair_share.fair_split), each client's rows in order.
-        Under `fifo` the next waiting request's client takes part in the tokens' split when a row and pages are
-        left for it, so its share is kept for `_admit`. Returns the chosen indexes into `reqs` and their tokens."""
+        Under `fifo` the next waiting request's client takes part in the tokens' split when a row is left for it, so
+        its share is kept for `_admit`. Returns the chosen indexes into `reqs` and their tokens."""
         room = self.rc.max_requests_per_batch - len(batch)
-        codes = client_codes([r.client for r in reqs] + [None if (g := self._guest()) is None else g.client])
-        picked = np.flatnonzero(fair_split(codes[:-1], np.ones(len(reqs), np.int64), room))
-        need, codes = need[picked], codes[picked.tolist() + [-1]]
-        if g is not None and len(picked) < room:
-            want = min(g.num_tokens - g.num_computed, budget)
+        clients = [r.client for r in reqs]
+        picked = np.flatnonzero(fair_split(client_codes(clients), np.ones(len(reqs), np.int64), room))
+        clients, need = [clients[i] for i in picked.tolist()], need[picked]
+        guest = self._guest() if len(picked) < room else None
+        if guest is not None:
+            want = min(guest.num_tokens - guest.num_computed, budget)
+            clients.append(guest.client)
             need = np.append(need, want if self.blocks.num_free >= self.blocks.blocks_for(want) else 0)
-        else:
-            codes = codes[:-1]
-        n = fair_split(client_codes(codes.tolist()), need, budget)[:len(picked)]
+        n = fair_split(client_codes(clients), need, budget)[:len(picked)]
         return picked[n > 0], n[n > 0]
 
     def _guest(self) -> Request | None:
