@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
+from operator import attrgetter
 
 import numpy as np
 
@@ -18,30 +19,44 @@ from driver.engine.request import Request
 
 def client_codes(clients: Sequence[Hashable]) -> np.ndarray:
     """Each client as a small integer (0, 1, ... in order of first appearance), one per entry."""
-    index: dict[Hashable, int] = {}
-    return np.fromiter((index.setdefault(c, len(index)) for c in clients), np.int64, len(clients))
+    index = {c: i for i, c in enumerate(dict.fromkeys(clients))}
+    if len(index) <= 1:
+        return np.zeros(len(clients), np.int64)
+    return np.fromiter(map(index.__getitem__, clients), np.int64, len(clients))
 
 
 def fair_split(groups: np.ndarray, want: np.ndarray, total: int) -> np.ndarray:
-    """How much of `total` each row gets, rows in service order: first each group's rows in order, up to the group's
-    equal share (`total // groups`), then what is left to every row in order. Nothing is left over while rows want
-    more; each group gets its share or all it wants; with one group it is plain first come, first served."""
-    got = np.zeros(len(want), np.int64)
+    """How much of `total` each row gets, rows in service order (`groups`: small integers, `client_codes`): first
+    each group's rows in order, up to the group's equal share (`total // groups`), then what is left to every row in
+    order. Nothing is left over while rows want more; each group gets its share or all it wants; with one group it is
+    plain first come, first served."""
     if total <= 0 or not len(want):
-        return got
-    share = total // (int(groups.max()) + 1)
+        return np.zeros(len(want), np.int64)
+    if total >= want.sum():
+        return want.copy()
+    count = np.bincount(groups)
+    if np.count_nonzero(count) == 1:
+        return _upto(want, total)
+    share = total // np.count_nonzero(count)
     order = np.argsort(groups, kind="stable")
-    w, g = want[order], groups[order]
+    w = want[order]
     before = np.cumsum(w) - w  # wanted ahead of each row, all groups
-    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])  # each group's first row
-    ahead = before - np.repeat(before[starts], np.diff(np.r_[starts, len(g)]))  # wanted ahead within its group
-    got[order] = np.clip(share - ahead, 0, w)
-    more = want - got
-    left = total - int(got.sum())
-    return got + np.clip(left - (np.cumsum(more) - more), 0, more)
+    starts = np.flatnonzero(np.diff(groups[order], prepend=-1))  # each group's first row
+    ahead = before - np.repeat(before[starts], np.diff(starts, append=len(w)))  # wanted ahead within its group
+    got = np.empty(len(want), np.int64)
+    got[order] = np.minimum(np.maximum(share - ahead, 0), w)
+    return got + _upto(want - got, total - int(got.sum()))
 
 
-def held_by_client(running: Sequence[Request], weight: Callable[[Request], int]) -> Counter:
+def _upto(want: np.ndarray, total: int) -> np.ndarray:
+    """First come, first served: each row what it wants of what the rows before it left of `total`."""
+    return np.minimum(np.maximum(total - (np.cumsum(want) - want), 0), want)
+
+
+def held_by_client(running: Sequence[Request], weight: Callable[[Request], int] | None = None) -> Counter:
+    """What each client's running requests hold: how many (weight None), or the sum of `weight`."""
+    if weight is None:
+        return Counter(map(attrgetter("client"), running))
     held: Counter = Counter()
     for r in running:
         held[r.client] += weight(r)
@@ -51,13 +66,13 @@ def held_by_client(running: Sequence[Request], weight: Callable[[Request], int])
 def victim(running: Sequence[Request], candidates: Sequence[Request]) -> Request:
     """Which of `candidates` (running requests, in running order) is preempted when pages run out: the lowest
     priority (highest number), then the client with the most running requests, then that client's newest."""
-    return _lowest(candidates, held_by_client(running, lambda r: 1))
+    return _lowest(candidates, held_by_client(running))
 
 
 def gives_way(running: Sequence[Request], head: Request, total: int,
-              weight: Callable[[Request], int]) -> Request | None:
-    """The running request that gives way to the waiting `head` when all of `total` (rows, pages; `weight`: what a
-    request holds of it) is held: only when head's client holds less than its equal share (among the clients running
+              weight: Callable[[Request], int] | None = None) -> Request | None:
+    """The running request that gives way to the waiting `head` when all of `total` (rows, or pages: `weight`, what a
+    request holds of them) is held: only when head's client holds less than its equal share (among the clients running
     and head's), from a client that holds more, of head's priority or lower; the lowest priority, then the client
     holding most, then its newest. None when nobody should give way."""
     held = held_by_client(running, weight)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from operator import attrgetter
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -141,7 +141,7 @@ class Scheduler:
         if batch:  # the step in flight is collected; and a request admitted this step is in the batch already
             take &= ~np.isin(slots, b.slots(batch.reqs))
         rows = np.flatnonzero(take)
-        picked, n = self._share([run[i] for i in rows.tolist()], (ahead - computed)[rows], batch, budget[0])
+        picked, n = self._share([run[i].client for i in rows.tolist()], (ahead - computed)[rows], batch, budget[0])
         rows = rows[picked]
         page, allocate = self.blocks.page_size, self.blocks.allocate
         upto = computed[rows] + n
@@ -152,22 +152,24 @@ class Scheduler:
         batch.num_tokens.extend(n.tolist())
         budget[0] -= int(n.sum())
 
-    def _share(self, reqs: list[Request], need: np.ndarray, batch: Batch,
+    def _share(self, clients: list[Hashable], need: np.ndarray, batch: Batch,
                budget: int) -> tuple[np.ndarray, np.ndarray]:
-        """Which of these running requests (in running order, each wanting `need` tokens) get the batch's free rows,
-        and how many tokens each: both split across clients (fair_share.fair_split), each client's rows in order.
-        Under `fifo` the next waiting request's client takes part in the tokens' split when a row is left for it, so
-        its share is kept for `_admit`. Returns the chosen indexes into `reqs` and their tokens."""
-        room = self.rc.max_requests_per_batch - len(batch)
-        clients = [r.client for r in reqs]
-        picked = np.flatnonzero(fair_split(client_codes(clients), np.ones(len(reqs), np.int64), room))
-        clients, need = [clients[i] for i in picked.tolist()], need[picked]
-        guest = self._guest() if len(picked) < room else None
+        """Which of the running requests of these clients (in running order, each wanting `need` tokens) get the
+        batch's free rows, and how many tokens each: both split across clients (fair_share.fair_split), each client's
+        rows in order. Under `fifo` the next waiting request's client takes part in the tokens' split when a row is
+        left for it, so its share is kept for `_admit`. Returns the chosen indexes into `clients` and their tokens."""
+        room, rows = self.rc.max_requests_per_batch - len(batch), len(clients)
+        guest = self._guest() if rows < room else None
+        codes = client_codes(clients if guest is None else [*clients, guest.client])
+        if rows > room:
+            picked = np.flatnonzero(fair_split(codes, np.ones(rows, np.int64), room))
+            codes, need = codes[picked], need[picked]
+        else:
+            picked = np.arange(rows)
         if guest is not None:
             want = min(guest.num_tokens - guest.num_computed, budget)
-            clients.append(guest.client)
             need = np.append(need, want if self.blocks.num_free >= self.blocks.blocks_for(want) else 0)
-        n = fair_split(client_codes(clients), need, budget)[:len(picked)]
+        n = fair_split(codes, need, budget)[:rows]
         return picked[n > 0], n[n > 0]
 
     def _guest(self) -> Request | None:
@@ -193,7 +195,7 @@ class Scheduler:
                 continue  # its tokens so far reach its limits: it ends when the step in flight is collected
             rows.append(req)
         need = np.fromiter((r.num_tokens_ahead - r.num_computed for r in rows), np.int64, len(rows))
-        picked, planned = self._share(rows, need, batch, budget[0])
+        picked, planned = self._share([r.client for r in rows], need, batch, budget[0])
         gone: set[int] = set()  # preempted by this loop (a set: `in self.running` would make the loop quadratic)
         for req, n in zip([rows[i] for i in picked.tolist()], planned.tolist()):
             if id(req) in gone:
@@ -225,7 +227,7 @@ class Scheduler:
         if head is None or not self.running:
             return
         cap = self.rc.max_requests_per_batch
-        if len(self.running) >= cap and (out := gives_way(self.running, head, cap, lambda r: 1)) is not None:
+        if len(self.running) >= cap and (out := gives_way(self.running, head, cap)) is not None:
             self.preempt(out, offload=True, requeue=True)
         first = head.num_computed + min(head.num_tokens - head.num_computed, self.rc.max_batch_tokens)
         need = self.blocks.blocks_for(first) + self.keep_free
