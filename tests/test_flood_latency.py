@@ -11,11 +11,14 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from multiprocessing.synchronize import Event
 
 import pytest
 
 from cluster.client.client import Client
+from cluster.client.pending import PendingRequest
 from tests.serving import serve
 
 ROWS = 128  # max_requests_per_batch (the CPU default): the rows a step runs
@@ -35,24 +38,27 @@ client_timeout_s = 30.0
 """
 
 
-def flood(address: str, ready: mp.Event, stop: mp.Event) -> None:
+def load_request(c: Client, k: int) -> tuple[PendingRequest, Future]:
+    """The load's k-th request: a 3-token prompt, LOAD_NEW_TOKENS new tokens (no EOS ends it early)."""
+    return c.submit_future([1, 3 + k % 40, 3], max_new_tokens=LOAD_NEW_TOKENS, eos_token_id=[])
+
+
+def flood(address: str, ready: Event, stop: Event) -> None:
     """FLOOD submits at once, never read; `ready` once all were accepted."""
     with Client(address, timeout=120) as c:
-        futures = [c.submit_future([1, 3 + k % 40, 3], max_new_tokens=LOAD_NEW_TOKENS, eos_token_id=[])[1]
-                   for k in range(FLOOD)]
+        futures = [load_request(c, k)[1] for k in range(FLOOD)]
         for accepted in futures:
             accepted.result(120)
         ready.set()
         stop.wait(300)
 
 
-def steady(address: str, ready: mp.Event, stop: mp.Event, in_flight: int) -> None:
+def steady(address: str, ready: Event, stop: Event, in_flight: int) -> None:
     """The same requests, `in_flight` at a time: each one that ends is replaced at once (no backlog)."""
     ended = threading.Semaphore(0)
     with Client(address, timeout=120) as c:
         def one(k: int) -> None:
-            req, _ = c.submit_future([1, 3 + k % 40, 3], max_new_tokens=LOAD_NEW_TOKENS, eos_token_id=[])
-            req.final.add_done_callback(lambda _: ended.release())
+            load_request(c, k)[0].final.add_done_callback(lambda _: ended.release())
 
         for k in range(in_flight):
             one(k)
@@ -79,7 +85,7 @@ def interactive(address: str, seed: int) -> list[tuple[float, int]]:
     return took
 
 
-def beside(address: str, load, args: tuple, seed: int) -> list[tuple[float, int]]:
+def beside(address: str, load: Callable[..., None], args: tuple, seed: int) -> list[tuple[float, int]]:
     """The four interactive requests, timed, 1 s after `load` (a spawn process) is under way; the load stops after."""
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
