@@ -102,7 +102,8 @@ def test_random_joins_steps_preemptions_and_cancels_keep_the_arrays_equal_to_the
         if op < 0.25 or made < 2:
             prompt = [rng.randrange(1, 9) for _ in range(rng.randint(1, 14))]  # few ids: prefixes are shared
             kw = dict(max_new_tokens=rng.randint(1, 10), eos_token_ids=frozenset(rng.sample(range(1, 9), 1)),
-                      sampling=SamplingParams(repetition_penalty=rng.choice([1.0, 1.0, 1.3])))
+                      sampling=SamplingParams(repetition_penalty=rng.choice([1.0, 1.0, 1.3])),
+                      client=rng.choice("abc"))  # clients share rows, tokens and pages (fair_share.py)
             children = rng.choice([0, 0, 1, 3])  # n samples: forked after the prefill (driver/engine/fork.py)
             for s in (arrays, plain):
                 req = Request(f"r{made}", list(prompt), **kw)

@@ -4,7 +4,9 @@ The order (docs/architecture.md, "Fair scheduling"):
 
 1. strict priority: a lower `priority` number first (vLLM's meaning; the default is 0);
 2. within one priority, requests that were preempted come back first (most recently preempted last, as a stack
-   pushed oldest-victim-last), so a preempted request is not overtaken by new ones of its own priority;
+   pushed oldest-victim-last), so a preempted request is not overtaken by new ones of its own priority; a running
+   request that gave way to another client's (fair_share.py) goes back to the head of its own client's queue
+   instead, its client counted as just served (`requeue`);
 3. then the clients of that priority in turn: the client served least recently goes next, and a client that had
    nothing waiting counts as never served, so one client's 3,000 waiting requests delay another client's new
    request by nothing (it is admitted at the next step with room); clients that are equally fresh go by the
@@ -64,7 +66,7 @@ class _Level:
 class FairQueue:
     """Waiting requests in admission order: strict priority, then preempted first, then clients round-robin
     (least recently served first), then FCFS. `peek`/`pop` give the next one; `push_front` returns a preempted
-    request; `remove` takes out a cancelled one."""
+    request, `requeue` one that gave way; `remove` takes out a cancelled one."""
 
     def __init__(self) -> None:
         self.levels: dict[int, _Level] = {}
@@ -111,6 +113,17 @@ class FairQueue:
     def push_front(self, req: Request) -> None:
         """A preempted request: it goes before every new request of its priority (and before earlier victims)."""
         self._level(req.priority).preempted.appendleft(req)
+        self.members.add(req)
+
+    def requeue(self, req: Request) -> None:
+        """A running request that gave way to another client's (fair_share.gives_way): it goes back to the head of
+        its own client's queue, and its client counts as just served, so it does not take the row back at once."""
+        level = self._level(req.priority)
+        q = level.clients.setdefault(req.client, deque())
+        q.appendleft(req)
+        level.stamps[req.client] = self.served
+        self.served += 1
+        level.join(req.client, req.arrival)
         self.members.add(req)
 
     def peek(self) -> Request:

@@ -2,15 +2,18 @@
 
 `fifo` serves running requests first, then admits waiting ones with what is left of the budget; `prefill_first`
 admits first. Waiting requests are admitted in the fair queue's order (fair_queue.py: strict priority, then clients
-in turn, FCFS within a client); running ones are served by priority, then in admission order. When pages run out
-the lowest-priority (highest number), newest other running request is preempted (to the host pool, or recomputed).
-Pending tokens of an overlapped step: docs/architecture.md, "Overlapped scheduling", step 1."""
+in turn, FCFS within a client); running ones are served by priority, then in admission order. Clients share the
+step (fair_share.py): the batch's rows and the token budget are split across clients; a client holding less than
+its share of the rows or pages gets them from one holding more, whose newest running request gives way; when pages
+run out the lowest-priority (highest number) running request of the client holding most rows, its newest, is
+preempted (to the host pool, or recomputed). Pending tokens of an overlapped step: docs/architecture.md,
+"Overlapped scheduling", step 1."""
 
 from __future__ import annotations
 
 import bisect
 from operator import attrgetter
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -19,6 +22,7 @@ from cluster.config import ResolvedConfig
 from cluster.outputs import RequestStatus
 from driver.engine.block_manager import BlockManager
 from driver.engine.fair_queue import FairQueue
+from driver.engine.fair_share import client_codes, fair_split, gives_way, victim
 from driver.engine.fork import Forks
 from driver.engine.host_pool import HostPool
 from driver.engine.persistent_batch import PersistentBatch
@@ -96,6 +100,8 @@ class Scheduler:
         budget = [self.rc.max_batch_tokens]
         first = self.rc.scheduler_type == "prefill_first"
         fills = (self._admit, self._continue) if first else (self._continue, self._admit)
+        if self.admitting:
+            self._make_room()
         for fill in fills if self.admitting else (self._continue,):
             fill(batch, budget, impossible)
         return batch, impossible
@@ -121,12 +127,11 @@ class Scheduler:
         return k
 
     def _continue(self, batch: Batch, budget: list[int], impossible: list[Request]) -> None:
-        """Serve the running requests in order, as arrays (the persistent batch): each its tokens not yet computed,
-        while the budget and the batch's size allow; the few rows that need pages get them in order. When pages
-        run out, `_continue_one_by_one` serves them instead (preempting), from the same start."""
-        run, cap, b = self.running, self.rc.max_requests_per_batch, self.batch
-        room = cap - len(batch)
-        if not run or budget[0] <= 0 or room <= 0:
+        """Serve the running requests, as arrays (the persistent batch): each its tokens not yet computed, rows and
+        tokens shared across clients (`_share`); the few rows that need pages get them in order. When pages run out,
+        `_continue_one_by_one` serves them instead (preempting), from the same start."""
+        run, b = self.running, self.batch
+        if not run or budget[0] <= 0 or len(batch) >= self.rc.max_requests_per_batch:
             return
         slots = b.slots(run)
         gen = np.fromiter(map(len, [r.generated for r in run]), np.int64, len(run))
@@ -135,11 +140,9 @@ class Scheduler:
         take = (pending == 0) | (ahead < b.limit[slots])  # else its tokens so far reach its limits: it ends when
         if batch:  # the step in flight is collected; and a request admitted this step is in the batch already
             take &= ~np.isin(slots, b.slots(batch.reqs))
-        rows = np.flatnonzero(take)[:room]
-        need = (ahead - computed)[rows]
-        before = budget[0] - (np.cumsum(need) - need)  # the budget left when each row's turn comes
-        k = int(np.count_nonzero(before > 0))  # a prefix: `before` only falls
-        rows, n = rows[:k], np.minimum(need[:k], before[:k])
+        rows = np.flatnonzero(take)
+        picked, n = self._share([run[i].client for i in rows.tolist()], (ahead - computed)[rows], batch, budget[0])
+        rows = rows[picked]
         page, allocate = self.blocks.page_size, self.blocks.allocate
         upto = computed[rows] + n
         for j in np.flatnonzero(-(-upto // page) > b.num_pages[slots[rows]]).tolist():
@@ -149,26 +152,62 @@ class Scheduler:
         batch.num_tokens.extend(n.tolist())
         budget[0] -= int(n.sum())
 
+    def _share(self, clients: list[Hashable], need: np.ndarray, batch: Batch,
+               budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """Which of the running requests of these clients (in running order, each wanting `need` tokens) get the
+        batch's free rows, and how many tokens each: both split across clients (fair_share.fair_split), each client's
+        rows in order. Under `fifo` the next waiting request's client takes part in the tokens' split when a row is
+        left for it, so its share is kept for `_admit`. Returns the chosen indexes into `clients` and their tokens."""
+        room, rows = self.rc.max_requests_per_batch - len(batch), len(clients)
+        guest = self._guest() if rows < room else None
+        codes = client_codes(clients if guest is None else [*clients, guest.client])
+        if rows > room:
+            picked = np.flatnonzero(fair_split(codes, np.ones(rows, np.int64), room))
+            codes, need = codes[picked], need[picked]
+        else:
+            picked = np.arange(rows)
+        if guest is not None:
+            want = min(guest.num_tokens - guest.num_computed, budget)
+            need = np.append(need, want if self.blocks.num_free >= self.blocks.blocks_for(want) else 0)
+        n = fair_split(codes, need, budget)[:rows]
+        return picked[n > 0], n[n > 0]
+
+    def _guest(self) -> Request | None:
+        """The waiting request `_admit` takes next after `_continue` (fifo), if any."""
+        return self._head() if self.rc.scheduler_type == "fifo" and self.admitting else None
+
+    def _head(self) -> Request | None:
+        """The waiting request to admit next, unless none waits or it waits for its token in flight."""
+        head = self.waiting.peek() if self.waiting else None
+        return None if head is None or head.num_pending else head
+
     def _continue_one_by_one(self, batch: Batch, budget: list[int], impossible: list[Request]) -> None:
-        """`_continue` when pages run out: the lowest-priority, newest other running request is preempted."""
+        """`_continue` when pages run out, request by request: the rows and tokens `_share` gives; a row that needs
+        a page no one has preempts another running request (fair_share.victim: lowest priority, then the client
+        holding most rows, then its newest)."""
         scheduled = {id(r) for r in batch.reqs}
-        gone: set[int] = set()  # preempted by this loop (a set: `in self.running` would make the loop quadratic)
-        cap, max_len, allocate = self.rc.max_requests_per_batch, self.rc.max_model_len, self.blocks.allocate
-        for req in list(self.running):
-            if budget[0] <= 0 or len(batch) >= cap:
-                return
-            if id(req) in gone or id(req) in scheduled:
-                continue
+        max_len, allocate = self.rc.max_model_len, self.blocks.allocate
+        rows: list[Request] = []
+        for req in self.running:
             ahead = len(req.prompt_ids) + len(req.generated) + req.num_pending
-            if req.num_pending and (ahead - len(req.prompt_ids) >= req.max_new_tokens or ahead >= max_len):
+            if id(req) in scheduled or (req.num_pending and (ahead - len(req.prompt_ids) >= req.max_new_tokens
+                                                             or ahead >= max_len)):
                 continue  # its tokens so far reach its limits: it ends when the step in flight is collected
+            rows.append(req)
+        need = np.fromiter((r.num_tokens_ahead - r.num_computed for r in rows), np.int64, len(rows))
+        picked, planned = self._share([r.client for r in rows], need, batch, budget[0])
+        gone: set[int] = set()  # preempted by this loop (a set: `in self.running` would make the loop quadratic)
+        for req, n in zip([rows[i] for i in picked.tolist()], planned.tolist()):
+            if id(req) in gone:
+                continue
             scheduled.add(id(req))
-            n = min(ahead - req.num_computed, budget[0])
+            n = min(n, budget[0])
             while not allocate(req, req.num_computed + n):
                 victims = [r for r in self.running if r is not req and id(r) not in scheduled]
                 if victims:
-                    self.preempt(victims[-1], offload=True)
-                    gone.add(id(victims[-1]))
+                    out = victim(self.running, victims)
+                    self.preempt(out, offload=True)
+                    gone.add(id(out))
                     continue
                 if not batch:  # alone and still too big: it can never run
                     self.running.remove(req)
@@ -179,6 +218,24 @@ class Scheduler:
             else:
                 batch.add(req, n)
                 budget[0] -= n
+
+    def _make_room(self) -> None:
+        """Fair admission: when every row, or the pages the next waiting request's first chunk needs, are held and
+        its client holds less than its share of them, running requests of a client holding more give way
+        (fair_share.gives_way): they are preempted back to the head of their own client's queue."""
+        head = self._head()
+        if head is None or not self.running:
+            return
+        cap = self.rc.max_requests_per_batch
+        if len(self.running) >= cap and (out := gives_way(self.running, head, cap)) is not None:
+            self.preempt(out, offload=True, requeue=True)
+        first = head.num_computed + min(head.num_tokens - head.num_computed, self.rc.max_batch_tokens)
+        need = self.blocks.blocks_for(first) + self.keep_free
+        while self.blocks.num_free < need:
+            out = gives_way(self.running, head, self.blocks.num_blocks, lambda r: len(r.block_ids))
+            if out is None:
+                return
+            self.preempt(out, offload=True, requeue=True)
 
     def _admit(self, batch: Batch, budget: list[int], impossible: list[Request]) -> None:
         while self.waiting and budget[0] > 0 and len(batch) < self.rc.max_requests_per_batch:
@@ -213,9 +270,10 @@ class Scheduler:
             batch.add(req, n)
             budget[0] -= n
 
-    def preempt(self, req: Request, offload: bool = False) -> None:
+    def preempt(self, req: Request, offload: bool = False, requeue: bool = False) -> None:
         """Free the request's pages and queue it first. `offload`: its computed pages go to the host pool when they
-        fit; otherwise it is recomputed from its tokens so far (a waiting request drops its host copy)."""
+        fit; otherwise it is recomputed from its tokens so far (a waiting request drops its host copy). `requeue`:
+        it gave way to another client's request, so it goes first in its own client's queue (FairQueue.requeue)."""
         pages = req.block_ids[:self.blocks.blocks_for(req.num_computed)]
         # False without a pool (no free slot), and for a forked child whose page copy is not sent yet
         kept = offload and not self.forks.copy_unsent(req) and self.host.swap_out(req, pages)
@@ -228,7 +286,7 @@ class Scheduler:
         req.status = RequestStatus.PENDING
         if req in self.running:
             self.running.remove(req)
-            self.waiting.push_front(req)
+            (self.waiting.requeue if requeue else self.waiting.push_front)(req)
             self.num_preemptions += 1
 
     def retract(self) -> list[Request]:

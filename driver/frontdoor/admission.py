@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass(eq=False)  # identity: a reused request id is another ticket
@@ -60,6 +60,14 @@ class Admission:
         else:
             del self.queues[ident]
         return ticket
+
+    def next_of(self, allowed: Callable[[bytes], bool]) -> Ticket | None:
+        """The head of the next client's queue that `allowed(client)`, round-robin as `next`; None if none is."""
+        for ident in self.queues:
+            if allowed(ident):
+                self.queues.move_to_end(ident, last=False)
+                return self.next()
+        return None
 
     def remove(self, ticket: Ticket) -> bool:
         """Take a queued ticket out (a cancel); False if it is not queued."""

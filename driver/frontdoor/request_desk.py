@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -49,6 +49,7 @@ class RequestDesk:
         self.clients: dict[bytes, ClientState] = {}
         self.admission = Admission()
         self.in_manager = 0  # tickets handed to manager.submit whose final has not come back
+        self.in_manager_of: Counter[bytes] = Counter()  # the same, by client (a ticket's req.client: its ident)
         self.outputs: deque[tuple[Ticket, GenerationOutput]] = deque()
         self.loop_deadline_s = (manager.effective_config.cpu_group_timeout or 300.0) + LOOP_GRACE_S
 
@@ -110,10 +111,18 @@ class RequestDesk:
         return ticket
 
     def admit(self) -> None:
-        """Hand queued tickets to the manager, round-robin across clients, while its queue is short."""
+        """Hand queued tickets to the manager, round-robin across clients, while its queue is short; past that, a
+        client holding less than its share of that length in the manager (an equal part among the clients holding or
+        queueing requests) still hands one in, so one client's flood does not keep another's request here."""
         batch, waiting = self.manager.effective_config.max_requests_per_batch, self.manager.engine.scheduler.waiting
-        while self.admission and self.in_manager < 2 * batch and len(waiting) < batch:
-            ticket = self.admission.next()
+        while self.admission:
+            if self.in_manager < 2 * batch and len(waiting) < batch:
+                ticket = self.admission.next()
+            else:
+                share = 2 * batch // len(self.in_manager_of.keys() | self.admission.queues.keys())
+                ticket = self.admission.next_of(lambda client: self.in_manager_of[client] < share)
+                if ticket is None:
+                    return
             try:
                 self.manager.submit(ticket.req, functools.partial(self.on_output, ticket))
             except QueueFull:
@@ -126,6 +135,7 @@ class RequestDesk:
             for t in (ticket, *ticket.samples):
                 t.in_manager = not t.answered  # a sample cancelled while queued is not in the manager
                 self.in_manager += t.in_manager
+                self.in_manager_of[t.req.client] += t.in_manager
 
     def cancel(self, ident: bytes, client: ClientState, rid: str, mid: Any) -> None:
         ticket = client.tickets.get(rid)
@@ -158,6 +168,9 @@ class RequestDesk:
             if ticket.in_manager:
                 ticket.in_manager = False
                 self.in_manager -= 1
+                self.in_manager_of[ticket.req.client] -= 1
+                if not self.in_manager_of[ticket.req.client]:
+                    del self.in_manager_of[ticket.req.client]
             if self.tickets.get(ticket.rid) is ticket:
                 del self.tickets[ticket.rid]
         if ticket.answered or ticket.ident is None:
