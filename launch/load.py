@@ -14,7 +14,7 @@ from driver.api.model import ClusterModel
 from worker.layers import Shard
 from worker.loader import load_weights
 from worker.memory import use_device
-from worker.model import CausalLM, check_supported
+from worker.models import build_model, check_supported
 
 log = logging.getLogger("lockstep")
 
@@ -36,7 +36,7 @@ def load(model_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
     dtype = dtype or (torch.float32 if groups.device.type == "cpu" else torch.bfloat16)
     shard = Shard(groups.rank, groups.world_size, groups.device_group, HostAllReduce.join(groups))
     with torch.device(groups.device):
-        model = CausalLM(config, shard, dtype, groups.device)
+        model = build_model(config, shard, dtype, groups.device)
     load_weights(model, model_dir)
     model.eval()
     try:
