@@ -11,8 +11,9 @@ from worker.layers import Shard
 from worker.models.decoder import CausalLM
 from worker.models.llama import Llama, Mistral, Qwen2
 from worker.models.qwen3 import Qwen3
+from worker.models.qwen3_moe import Qwen3Moe
 
-FAMILIES: dict[str, type[CausalLM]] = {t: family for family in (Llama, Mistral, Qwen2, Qwen3)
+FAMILIES: dict[str, type[CausalLM]] = {t: family for family in (Llama, Mistral, Qwen2, Qwen3, Qwen3Moe)
                                        for t in family.model_types}
 
 
