@@ -26,6 +26,13 @@ ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2,
+                                                            sliding_window=None)),
+    # DeepSeek-V3's router: 8 experts in 2 groups, the best group's top 2, a shared expert; layer 0 dense
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True,
+        partial_rotary_factor=0.5)),
 }
 # MoE routers' weights are multiplied by this after transformers' initialisation: its default (std 0.02) gives
 # near-uniform router probabilities, where every token's top-k is decided by rounding; scaled, tokens differ
@@ -63,6 +70,9 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tin
         for name, param in model.named_parameters():
             if name.endswith(".gate.weight"):  # a MoE router (dense MLPs' are gate_proj)
                 param.mul_(ROUTER_SCALE)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros by default: make it count in the choice
+                buffer.copy_(torch.rand(buffer.shape) * 0.2)
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0,
                                                do_sample=False, max_new_tokens=32)
     out = Path(out_dir)

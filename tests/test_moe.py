@@ -17,7 +17,9 @@ from tests.workloads import NEW_TOKENS, SCENARIOS, prompts_for
 from worker.experts import ExpertPlacement, Experts
 from worker.layers import Shard
 
-MOE_ARCHS = ["qwen3_moe"]
+# arch -> config overrides of its test checkpoint: Mixtral's window is shorter than most prompts
+MOE_CHECKPOINTS = {"qwen3_moe": {}, "mixtral": {"sliding_window": 48}, "glm4_moe": {}}
+MOE_ARCHS = list(MOE_CHECKPOINTS)
 TP1_SCENARIOS = ("chunked", "sharing", "preempt")
 
 
@@ -47,7 +49,7 @@ def num_experts(config) -> int:
 def test_routing_varies(arch, make_checkpoint):
     """The test checkpoints' routers send different tokens to different experts: more than half of every MoE
     layer's experts get tokens from the parity prompts (a degenerate router would make parity prove little)."""
-    model_dir = make_checkpoint(arch)
+    model_dir = make_checkpoint(arch, **MOE_CHECKPOINTS[arch])
     config = cluster.load(model_dir).config
     used = routed_experts(model_dir, prompts_for("mixed", config.vocab_size)[:8])
     assert used, "no router found"
@@ -57,7 +59,7 @@ def test_routing_varies(arch, make_checkpoint):
 @pytest.mark.parametrize("scenario", TP1_SCENARIOS)
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_tp1_matches_transformers(arch, scenario, make_checkpoint):
-    model_dir = make_checkpoint(arch)
+    model_dir = make_checkpoint(arch, **MOE_CHECKPOINTS[arch])
     model = cluster.load(model_dir)
     fields, kind = SCENARIOS[scenario]
     prompts = prompts_for(kind, model.config.vocab_size)
@@ -73,7 +75,8 @@ def test_published_and_fused_layouts_load_to_the_same_tokens(arch, make_checkpoi
     same weights (same seed) and load to the same weights and tokens; the files' names differ."""
     from safetensors import safe_open
 
-    published, fused = make_checkpoint(arch), make_checkpoint(arch, layout="fused")
+    overrides = MOE_CHECKPOINTS[arch]
+    published, fused = make_checkpoint(arch, **overrides), make_checkpoint(arch, layout="fused", **overrides)
     names = [set(safe_open(str(d / "model.safetensors"), "pt").keys()) for d in (published, fused)]
     assert any(".experts.0." in n for n in names[0]) and not any(".experts.0." in n for n in names[1])
     assert any(n.endswith("experts.gate_up_proj") for n in names[1])

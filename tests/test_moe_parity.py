@@ -10,7 +10,7 @@ import pytest
 
 import cluster
 from tests.conftest import hf_greedy, read_json, run_ranks
-from tests.test_moe import MOE_ARCHS, TP1_SCENARIOS
+from tests.test_moe import MOE_ARCHS, MOE_CHECKPOINTS, TP1_SCENARIOS
 from tests.test_parity import check_scenario
 from tests.workloads import SCENARIOS, prompts_for
 
@@ -23,7 +23,7 @@ CASES = [(arch, placement) for arch in MOE_ARCHS for placement in PLACEMENTS]
 def moe_tp2_outputs(make_checkpoint, tmp_path_factory):
     """Every case in one torchrun launch (tests/scripts/parity_rank.py); each test reads its own files."""
     prefix = tmp_path_factory.mktemp("moe_parity") / "out"
-    specs = [f"{arch}-{placement}={make_checkpoint(arch)}={','.join(MODES)}={','.join(TP1_SCENARIOS)}"
+    specs = [f"{arch}-{placement}={make_checkpoint(arch, **MOE_CHECKPOINTS[arch])}={','.join(MODES)}={','.join(TP1_SCENARIOS)}"
              + ("=ep" if placement == "ep" else "") for arch, placement in CASES]
     proc = run_ranks("parity_rank.py", [str(prefix), *specs], timeout=900)
     return prefix, proc
@@ -36,7 +36,7 @@ def test_tp2_matches_transformers(arch, placement, moe_tp2_outputs, make_checkpo
     out_path = f"{prefix}.{arch}-{placement}.json"
     assert os.path.exists(out_path), proc.stdout[-4000:]
     results, rank1 = read_json(out_path), read_json(out_path + ".rank1")
-    model_dir = make_checkpoint(arch)
+    model_dir = make_checkpoint(arch, **MOE_CHECKPOINTS[arch])
     vocab = cluster.load(model_dir).config.vocab_size
     for name in TP1_SCENARIOS:
         want = hf_greedy(model_dir, prompts_for(SCENARIOS[name][1], vocab))

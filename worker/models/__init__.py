@@ -9,11 +9,13 @@ import torch
 
 from worker.layers import Shard
 from worker.models.decoder import CausalLM
+from worker.models.glm4_moe import Glm4Moe
 from worker.models.llama import Llama, Mistral, Qwen2
+from worker.models.mixtral import Mixtral
 from worker.models.qwen3 import Qwen3
 from worker.models.qwen3_moe import Qwen3Moe
 
-FAMILIES: dict[str, type[CausalLM]] = {t: family for family in (Llama, Mistral, Qwen2, Qwen3, Qwen3Moe)
+FAMILIES: dict[str, type[CausalLM]] = {t: family for family in (Llama, Mistral, Qwen2, Qwen3, Qwen3Moe, Mixtral, Glm4Moe)
                                        for t in family.model_types}
 
 
