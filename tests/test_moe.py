@@ -129,3 +129,12 @@ def test_both_placements_sum_to_the_one_rank_output(layout):
         torch.testing.assert_close(sum(parts), want)
     ep0 = loaded(ExpertPlacement.expert_parallel(e, inter, Shard(rank=0, size=tp)), hidden, tensors)
     assert ep0.gate_up.shape == (e // tp, 2 * inter, hidden) and ep0.view("gate.7", "weight").numel() == 0
+
+
+def test_the_preset_chooses_the_placement():
+    from cluster.config import expert_parallel
+
+    assert not expert_parallel(None) and not expert_parallel({"experts": "tensor_parallel"})
+    assert expert_parallel({"experts": "expert_parallel"})
+    with pytest.raises(ValueError, match="expected one of"):
+        expert_parallel({"experts": "ep"})
