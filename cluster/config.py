@@ -378,3 +378,16 @@ def http_admin_token(serve_table: dict[str, Any] | None) -> str | None:
     if token is not None and not isinstance(token, str):
         raise ValueError("[serve] http_admin_token must be a string")
     return token or None
+
+
+# ---------------------------------------------------------------- a MoE model's experts ([model] experts)
+EXPERT_PLACEMENTS = ("tensor_parallel", "expert_parallel")
+
+
+def expert_parallel(model_table: dict[str, Any] | None) -> bool:
+    """[model] `experts`: "tensor_parallel" (the default: every rank holds a slice of every expert) or
+    "expert_parallel" (every rank holds E / tp whole experts); docs/models.md. Dense models ignore it."""
+    placement = (model_table or {}).get("experts", "tensor_parallel")
+    if placement not in EXPERT_PLACEMENTS:
+        raise ValueError(f"[model] experts = {placement!r}: expected one of {EXPERT_PLACEMENTS}")
+    return placement == "expert_parallel"

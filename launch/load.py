@@ -14,14 +14,17 @@ from driver.api.model import ClusterModel
 from worker.layers import Shard
 from worker.loader import load_weights
 from worker.memory import use_device
-from worker.model import CausalLM, check_supported
+from worker.models import build_model, check_supported
 
 log = logging.getLogger("lockstep")
 
 
 def load(model_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
-         device: str | torch.device | None = None, cpu_group_timeout: float | None = 300.0) -> ClusterModel:
-    """Every rank calls it under torchrun (WORLD_SIZE > 1); alone it runs TP=1 with no process group."""
+         device: str | torch.device | None = None, cpu_group_timeout: float | None = 300.0,
+         expert_parallel: bool = False) -> ClusterModel:
+    """Every rank calls it under torchrun (WORLD_SIZE > 1); alone it runs TP=1 with no process group.
+    `expert_parallel`: a MoE model's ranks hold whole experts, E / tp each, rather than a slice of every expert
+    (a preset's [model] `experts = "expert_parallel"`, cluster/config.py)."""
     from transformers import AutoConfig, GenerationConfig
 
     model_dir = str(model_dir)
@@ -36,7 +39,7 @@ def load(model_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
     dtype = dtype or (torch.float32 if groups.device.type == "cpu" else torch.bfloat16)
     shard = Shard(groups.rank, groups.world_size, groups.device_group, HostAllReduce.join(groups))
     with torch.device(groups.device):
-        model = CausalLM(config, shard, dtype, groups.device)
+        model = build_model(config, shard, dtype, groups.device, expert_parallel)
     load_weights(model, model_dir)
     model.eval()
     try:

@@ -16,41 +16,68 @@ SIZES = {
     "small": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
                   num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048),
 }
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# arch -> (transformers' config class, model class, the arch's own config fields at every size)
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    # 8 experts, top 2; layer 1 keeps a dense MLP
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2,
+                                                            sliding_window=None)),
+    # DeepSeek-V3's router: 8 experts in 2 groups, the best group's top 2, a shared expert; layer 0 dense
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True,
+        partial_rotary_factor=0.5)),
+}
+# MoE routers' weights are multiplied by this after transformers' initialisation: its default (std 0.02) gives
+# near-uniform router probabilities, where every token's top-k is decided by rounding; scaled, tokens differ
+ROUTER_SCALE = 10.0
+LAYOUTS = ("published", "fused")  # experts one tensor each, as published / as transformers holds them in memory
 BOS, EOS = 1, 2
 
 
 def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tiny", seed: int = 0,
-               tokenizer: bool | None = None, **overrides) -> Path:
+               tokenizer: bool | None = None, layout: str = "published", **overrides) -> Path:
     """Write a checkpoint to out_dir and return its path. `tokenizer`: None writes one when the vocabulary can
-    hold a byte-level BPE, True insists (ValueError if it cannot), False writes none. `overrides`: config fields."""
+    hold a byte-level BPE, True insists (ValueError if it cannot), False writes none. `layout`: how a MoE's experts
+    are written: "published" (one tensor per expert, transformers' default) or "fused" (`save_pretrained(...,
+    save_original_format=False)`: `experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
+    `overrides`: config fields."""
     import torch
     import transformers
     from transformers import GenerationConfig
 
     if arch not in ARCHS:
-        raise ValueError(f"arch {arch!r} is not one of {ARCHS}")
+        raise ValueError(f"arch {arch!r} is not one of {tuple(ARCHS)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     if size not in SIZES:
         raise ValueError(f"size {size!r} is not one of {tuple(SIZES)}")
     fields = dict(SIZES[size], bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False, rms_norm_eps=1e-6)
     fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
-    if arch == "mistral":
-        fields["sliding_window"] = None
+    config_name, model_name, arch_fields = ARCHS[arch]
+    fields.update(arch_fields)
     fields.update(overrides)
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }[arch]
-    config = config_cls(**fields)
+    config = getattr(transformers, config_name)(**fields)
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
+    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".gate.weight"):  # a MoE router (dense MLPs' are gate_proj)
+                param.mul_(ROUTER_SCALE)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros by default: make it count in the choice
+                buffer.copy_(torch.rand(buffer.shape) * 0.2)
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=0,
                                                do_sample=False, max_new_tokens=32)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.save_pretrained(out, save_original_format=layout == "published")
     from launch.make_tokenizer import make_tokenizer, min_vocab_size
 
     if tokenizer is None:  # by default, whenever the vocabulary can hold a byte-level BPE
@@ -80,7 +107,8 @@ def parse_overrides(pairs: list[str]) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="output directory")
-    p.add_argument("--arch", choices=ARCHS, default="llama")
+    p.add_argument("--arch", choices=tuple(ARCHS), default="llama")
+    p.add_argument("--layout", choices=LAYOUTS, default="published", help="how a MoE checkpoint writes its experts")
     p.add_argument("--size", choices=tuple(SIZES), default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -90,6 +118,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = make_model(args.dir, args.arch, args.size, args.seed, tokenizer=False if args.no_tokenizer else None,
-                     **parse_overrides(args.set))
+                     layout=args.layout, **parse_overrides(args.set))
     print(f"wrote {args.arch}/{args.size} (seed {args.seed}) to {out}")
     return 0

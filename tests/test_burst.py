@@ -39,7 +39,7 @@ def test_a_burst_plan_runs_several_forwards_with_transformers_tokens(make_checkp
     """Greedy, a burst of up to 4 forwards a plan: the same tokens as transformers; fewer plans than forwards; the
     request with the shortest budget caps the burst. With (stand-in) graphs the bursts replay the bucket."""
     from worker.graphs import EagerStandIn
-    from worker.model import KVHeads, head_dim_of
+    from worker.self_attention import KVHeads, head_dim_of
     from worker.runner import ModelRunner
 
     model_dir = make_checkpoint("llama")

@@ -138,7 +138,7 @@ def test_decode_graphs_capture_the_compiled_decode_forward(tiny):
     shapes (one KV width here: 128-token contexts) through the decode forward, and the warm-up does not compile them
     again."""
     from worker.graphs import EagerStandIn
-    from worker.model import KVHeads, head_dim_of
+    from worker.self_attention import KVHeads, head_dim_of
     from worker.runner import ModelRunner
 
     decode = CountingBackend()

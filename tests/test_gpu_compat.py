@@ -27,7 +27,7 @@ from transformers import Qwen3Config
 from cluster.config import ContinuousBatchingConfig, resolve_config
 from cluster.plan import StepPlan
 from worker.layers import Shard, VocabParallelEmbedding
-from worker.model import CausalLM
+from worker.models import build_model
 from worker.runner import ModelRunner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def tiny_config() -> Qwen3Config:
 
 
 def test_every_model_tensor_is_made_on_the_parameters_device():
-    model = CausalLM(tiny_config(), Shard(), torch.float32, META)  # no ambient torch.device(...) around it
+    model = build_model(tiny_config(), Shard(), torch.float32, META)  # no ambient torch.device(...) around it
     devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
     assert devices == {META}
     rc = resolve_config(ContinuousBatchingConfig(page_size=16, num_blocks=8, max_batch_tokens=64,

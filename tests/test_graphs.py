@@ -13,7 +13,7 @@ from cluster.config import ContinuousBatchingConfig
 from cluster.plan import StepPlan
 from worker.graphs import EagerStandIn, GraphInputMoved, bucket_for, decode_buckets, decode_widths
 from worker.loader import apply, stage_checkpoint
-from worker.model import KVHeads, head_dim_of
+from worker.self_attention import KVHeads, head_dim_of
 from worker.runner import ModelRunner, static_inputs
 
 CFG = {"page_size": 16, "num_blocks": 64, "max_requests_per_batch": 8, "max_blocks_per_request": 8}

@@ -18,7 +18,7 @@ from tests.conftest import hf_greedy
 from tests.workloads import NEW_TOKENS, mixed_prompts
 from worker.kv_cache import KVCache, kv_bytes_per_token
 from worker.kv_offload import runs
-from worker.model import head_dim_of
+from worker.self_attention import head_dim_of
 
 
 def req(rid: str, tokens, n: int = 4) -> Request:

@@ -111,7 +111,7 @@ def test_next_plan_reads_the_previous_steps_tokens_on_the_device(make_checkpoint
 def test_overlapped_decode_graphs_read_the_shared_tokens(make_checkpoint):
     """Decode steps replayed from (stand-in) graphs resolve the shared tokens into the captured input buffer."""
     from worker.graphs import EagerStandIn
-    from worker.model import KVHeads, head_dim_of
+    from worker.self_attention import KVHeads, head_dim_of
     from worker.runner import ModelRunner
 
     model_dir = make_checkpoint("llama")

@@ -19,7 +19,8 @@ from launch.weight_push import bucket_meta, buckets_of
 from worker import push
 from worker.layers import Shard
 from worker.loader import apply, load_weights
-from worker.model import CausalLM
+from worker.models import build_model
+from worker.models.decoder import CausalLM
 from worker.weights import UpdateCall
 
 TP = 2
@@ -54,7 +55,7 @@ def ckpt(make_checkpoint):
 
 def shard_models(model_dir) -> list[CausalLM]:
     config = AutoConfig.from_pretrained(model_dir)
-    models = [CausalLM(config, Shard(rank=r, size=TP), torch.float32, torch.device("cpu")) for r in range(TP)]
+    models = [build_model(config, Shard(rank=r, size=TP), torch.float32, torch.device("cpu")) for r in range(TP)]
     for m in models:
         load_weights(m, model_dir)
     return models

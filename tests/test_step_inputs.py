@@ -128,7 +128,7 @@ def test_rope_and_masks_are_computed_once_a_step(make_checkpoint, monkeypatch):
     """The rope table is gathered once a step and the decode masks made once a step, not once a layer;
     the rotation equals the rotate-half formula."""
     import cluster
-    from worker import model as model_module
+    from worker.models import decoder as model_module
     from transformers.models.llama.modeling_llama import rotate_half
 
     from worker.rope import RotaryTable

@@ -22,7 +22,7 @@ import torch
 from cluster.errors import Code, WeightRefused
 from worker.loader import Staged, stage_named
 from worker.mapped_checkpoint import read_only_view
-from worker.model import CausalLM
+from worker.models.decoder import CausalLM
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHM_DIR = "/dev/shm"

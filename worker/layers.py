@@ -124,20 +124,34 @@ class ColumnParallelLinear(nn.Module):
         off = self.offsets[part]
         return dst.data[off:off + rows], read_rows(src, first, first + rows)
 
+    def checkpoint_parts(self) -> list[tuple[str, str]]:
+        return [(p, k) for p in self.parts for k in ("weight", "bias") if k == "weight" or self.bias is not None]
+
+    def view(self, part: str, kind: str) -> torch.Tensor:
+        """This rank's rows of `part` in the fused parameter (a view of its storage)."""
+        off, rows = self.offsets[part], self.parts[part][0]
+        return (self.weight if kind == "weight" else self.bias).data[off:off + rows]
+
 
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, shard: Shard, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard: Shard, dtype: torch.dtype,
+                 reduce: bool = True):
         super().__init__()
         assert in_features % shard.size == 0, f"{in_features} features do not split over {shard.size} ranks"
-        self.shard, self.cols = shard, in_features // shard.size
+        assert reduce or not bias, "a bias is added after the all-reduce"
+        self.shard, self.cols, self.reduce = shard, in_features // shard.size, reduce
         self.weight = nn.Parameter(torch.empty(out_features, self.cols, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank of the device group calls it (one all-reduce)."""
-        y = self.shard.all_reduce(linear(x, self.weight))
+        """Every rank of the device group calls it (one all-reduce; none with reduce=False: the caller sums this
+        rank's partial product into others before its own all-reduce)."""
+        y = linear(x, self.weight)
+        if not self.reduce:
+            return y
+        y = self.shard.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
     def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +161,12 @@ class RowParallelLinear(nn.Module):
         expect_shape(src, (self.weight.shape[0], self.cols * self.shard.size))
         start = self.shard.rank * self.cols
         return self.weight.data, src[:, start:start + self.cols]
+
+    def checkpoint_parts(self) -> list[tuple[str, str]]:
+        return [("", "weight")] + ([("", "bias")] if self.bias is not None else [])
+
+    def view(self, part: str, kind: str) -> torch.Tensor:
+        return (self.weight if kind == "weight" else self.bias).data
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -170,6 +190,13 @@ class VocabParallelEmbedding(nn.Module):
     def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
         expect_shape(src, (self.vocab_size, self.weight.shape[1]))
         return self.weight.data, read_rows(src, self.start, self.start + self.rows)
+
+    def checkpoint_parts(self) -> list[tuple[str, str]]:
+        return [("", "weight")]
+
+    def view(self, part: str, kind: str) -> torch.Tensor:
+        """This rank's vocabulary rows without the last shard's zero padding."""
+        return self.weight.data[:max(0, min(self.rows, self.vocab_size - self.start))]
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -208,3 +235,9 @@ class RMSNorm(nn.Module):
     def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
         expect_shape(src, tuple(self.weight.shape))
         return self.weight.data, src[:]
+
+    def checkpoint_parts(self) -> list[tuple[str, str]]:
+        return [("", "weight")]
+
+    def view(self, part: str, kind: str) -> torch.Tensor:
+        return self.weight.data

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import weakref
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -18,7 +17,7 @@ import torch
 
 from cluster.errors import Code, WeightRefused
 from worker.mapped_checkpoint import mapped_checkpoint
-from worker.model import CausalLM
+from worker.models.decoder import CausalLM
 from worker.packed_linear import weights_changed
 
 Staged = list[tuple[torch.Tensor, torch.Tensor]]  # (parameter storage, new values)
@@ -41,18 +40,6 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
-_NAMES: "weakref.WeakKeyDictionary[CausalLM, frozenset[str]]" = weakref.WeakKeyDictionary()
-
-
-def known_target(model: CausalLM, name: str) -> tuple[Any, str, str] | None:
-    """(layer, part, kind) that takes checkpoint tensor `name`, or None when the model has no tensor of this name
-    (`CausalLM.target` maps by position in the name; only the model's own names are taken)."""
-    names = _NAMES.get(model)
-    if names is None:
-        names = _NAMES[model] = frozenset(model.expected_tensors())
-    return model.target(name) if name in names else None
-
-
 def is_tied_head(model: CausalLM, name: str) -> bool:
     """A tied model's `lm_head.weight`: transformers' state_dict has it, the embedding's update covers it."""
     return name == "lm_head.weight" and model.tied
@@ -61,15 +48,14 @@ def is_tied_head(model: CausalLM, name: str) -> bool:
 def stage_one(model: CausalLM, name: str, src: Any, where: str, copy: bool = True,
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(parameter storage, this rank's shard of `src`) for one named tensor, checked; None when the name is not
-    one of the model's. `copy`: the shard is a copy (a pushed bucket's buffer is reused after); False keeps a
+    one of the model's (`CausalLM.target`: its family's name table, published or fused layout). `copy`: the shard is a copy (a pushed bucket's buffer is reused after); False keeps a
     view of `src` where the dtypes agree (a handle's shared memory, valid until the update is applied).
     Raises WeightRefused (shape_mismatch) naming the tensor."""
-    tgt = known_target(model, name)
+    tgt = model.target(name)
     if tgt is None:
         return None
-    layer, part, kind = tgt
     try:
-        dst, value = layer.shard_of(part, kind, src)
+        dst, value = tgt.layer.shard_of(tgt.part, tgt.kind, src)
     except ValueError as e:
         raise WeightRefused(f"{where}: tensor {name}: {e}", Code.SHAPE_MISMATCH, tensor=name) from None
     if value.shape != dst.shape:
@@ -93,7 +79,7 @@ def stage_named(model: CausalLM, tensors: Iterable[tuple[str, Any]], where: str,
         one = stage_one(model, name, src, where, copy)
         if one is not None:
             staged.append(one)
-            found.add(name)
+            found.update(model.target(name).covers)  # a fused alias fills every name it stands for
         elif partial and not is_tied_head(model, name):
             raise WeightRefused(f"{where}: tensor {name}: the model has no tensor of this name",
                                 Code.UNKNOWN_TENSOR, tensor=name)

@@ -22,29 +22,23 @@ from typing import Any
 
 import torch
 
-from worker.layers import ColumnParallelLinear, VocabParallelEmbedding
-from worker.model import CausalLM
+from worker.checkpoint_names import Target
+from worker.models.decoder import CausalLM
 
 LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 
-def _target(model: CausalLM, name: str) -> tuple[Any, str, str]:
+def _target(model: CausalLM, name: str) -> Target:
     tgt = model.target(EMBED if name == LM_HEAD and model.tied else name)
-    if tgt is None:
+    if tgt is None or tgt.covers != (EMBED if name == LM_HEAD and model.tied else name,):
         raise KeyError(f"{name!r} is not a tensor of this model")
     return tgt
 
 
 def shard_view(model: CausalLM, name: str) -> torch.Tensor:
     """The view of this rank's shard of checkpoint tensor `name`, sharing the live parameter's storage."""
-    layer, part, kind = _target(model, name)
-    param = (layer.weight if kind == "weight" else layer.bias).data
-    if isinstance(layer, ColumnParallelLinear):
-        off, rows = layer.offsets[part], layer.parts[part][0]
-        return param[off:off + rows]
-    if isinstance(layer, VocabParallelEmbedding):
-        return param[:max(0, min(layer.rows, layer.vocab_size - layer.start))]
-    return param
+    tgt = _target(model, name)
+    return tgt.layer.view(tgt.part, tgt.kind)
 
 
 def named_shards(model: CausalLM, with_tied: bool = False) -> dict[str, torch.Tensor]:
@@ -58,8 +52,8 @@ def named_shards(model: CausalLM, with_tied: bool = False) -> dict[str, torch.Te
 
 def shard_of(model: CausalLM, name: str, full: Any) -> torch.Tensor:
     """This rank's part of a full tensor `name` (transformers' shape), shaped like `shard_view(model, name)`."""
-    layer, part, kind = _target(model, name)
-    _, value = layer.shard_of(part, kind, full)
+    tgt = _target(model, name)
+    _, value = tgt.layer.shard_of(tgt.part, tgt.kind, full)
     return value[:shard_view(model, name).shape[0]]
 
 

@@ -22,7 +22,7 @@ from cluster import faults
 from cluster.errors import Code, WeightRefused
 from worker.loader import Staged, stage_named, stage_one
 from worker.memory import use_device
-from worker.model import CausalLM
+from worker.models.decoder import CausalLM
 from worker.push_phase import PushPhase
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -70,7 +70,11 @@ class StepRotary:
     signed_sin: torch.Tensor
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D] rotated in the rotate-half convention."""
-        half = x.shape[-1] // 2
+        """x: [T, H, D] rotated in the rotate-half convention; with a partial rotary factor (a table narrower
+        than D) only the first columns rotate and the rest pass through, as transformers' GLM-4 MoE does."""
+        rot = self.cos.shape[-1]
+        if rot < x.shape[-1]:
+            return torch.cat([self.apply(x[..., :rot]), x[..., rot:]], dim=-1)
+        half = rot // 2
         return x * self.cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * self.signed_sin
 

@@ -19,7 +19,7 @@ from worker.compiled import ForwardFn
 from worker.graphs import (CudaGraphFactory, DecodeGraphs, GraphFactory, GraphKey, decode_buckets, decode_widths,
                            tensor_addresses)
 from worker.kv_cache import KVCache
-from worker.model import CausalLM
+from worker.models.decoder import CausalLM
 from worker.shard_argmax import ShardArgmax
 from worker.step_inputs import StaticBuffers, prepare_step
 from worker.stream import Handle, InlineStream, Stream

@@ -20,7 +20,7 @@ from cluster.dist import DRIVER, Groups, agree_all_ok, agree_messages
 from cluster.errors import Code, LockstepError, WeightRefused
 from worker.handles import stage_handles
 from worker.loader import Staged, apply, stage_checkpoint, stage_named
-from worker.model import CausalLM
+from worker.models.decoder import CausalLM
 from worker.push import stage_pushed
 
 

@@ -28,7 +28,8 @@ from worker.kv_offload import system_ram_bytes
 from worker.graphs import GraphFactory
 from worker.memory import (CACHE_LEDGER, ReleasedCache, describe, host_memory, propose_num_blocks, tensor_bytes,
                            use_device)
-from worker.model import CausalLM, KVHeads, head_dim_of
+from worker.models.decoder import CausalLM
+from worker.self_attention import KVHeads, head_dim_of
 from worker.named_shards import named_shards, shard_of
 from worker.runner import ModelRunner
 

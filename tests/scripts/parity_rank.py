@@ -3,9 +3,11 @@ checkpoint through generate_batch in every mode of tests/workloads.py MODES (ser
 rank 0 writes the outputs, rank 1 its own tokens. One launch for all of them
 saves a process start, an import of torch and a group rendezvous per checkpoint.
 
-    parity_rank.py OUT_PREFIX NAME=DIR[=MODE,MODE] ...   ->   OUT_PREFIX.NAME.json and OUT_PREFIX.NAME.json.rank1
+    parity_rank.py OUT_PREFIX NAME=DIR[=MODE,MODE[=SCENARIO,SCENARIO[=ep]]] ...
+        ->   OUT_PREFIX.NAME.json and OUT_PREFIX.NAME.json.rank1
 
-(without =MODE,... a checkpoint runs every mode)
+(without =MODE,... a checkpoint runs every mode; without =SCENARIO,... every scenario; `ep`: loaded with expert
+parallelism)
 """
 
 import json
@@ -15,11 +17,11 @@ import cluster
 from tests.workloads import MODES, NEW_TOKENS, SCENARIOS, prompts_for
 
 
-def run(model_dir: str, out_path: str, modes: list[str]) -> None:
-    model = cluster.load(model_dir)
+def run(model_dir: str, out_path: str, modes: list[str], scenarios: list[str], expert_parallel: bool) -> None:
+    model = cluster.load(model_dir, expert_parallel=expert_parallel)
     results = {}
-    for key, (fields, kind), mode_fields in [(f"{name}/{mode}", scenario, MODES[mode])
-                                             for name, scenario in SCENARIOS.items() for mode in modes]:
+    for key, (fields, kind), mode_fields in [(f"{name}/{mode}", SCENARIOS[name], MODES[mode])
+                                             for name in scenarios for mode in modes]:
         prompts = prompts_for(kind, model.config.vocab_size)
         config = cluster.ContinuousBatchingConfig(**fields, **mode_fields)
         out = model.generate_batch(prompts, continuous_batching_config=config, max_new_tokens=NEW_TOKENS)
@@ -41,4 +43,6 @@ if __name__ == "__main__":
     prefix = sys.argv[1]
     for spec in sys.argv[2:]:
         name, model_dir, *chosen = spec.split("=")
-        run(model_dir, f"{prefix}.{name}.json", chosen[0].split(",") if chosen else list(MODES))
+        modes = chosen[0].split(",") if chosen else list(MODES)
+        scenarios = chosen[1].split(",") if len(chosen) > 1 else list(SCENARIOS)
+        run(model_dir, f"{prefix}.{name}.json", modes, scenarios, chosen[2:] == ["ep"])

@@ -1,0 +1,140 @@
+"""Mixture-of-experts families in this process (TP=1): token-identical to transformers' generate (greedy, float32)
+under chunked prefill, prefix sharing and preemption, on checkpoints whose routing varies; both checkpoint
+layouts load to the same tokens; the experts' two placements (tensor- and expert-parallel) sum to the same output
+as one rank holding everything. tests/test_moe_parity.py runs TP=2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import cluster
+from tests.conftest import hf_greedy
+from tests.test_parity import check_scenario
+from tests.workloads import NEW_TOKENS, SCENARIOS, prompts_for
+from worker.experts import ExpertPlacement, Experts
+from worker.layers import Shard
+
+# arch -> config overrides of its test checkpoint: Mixtral's window is shorter than most prompts
+MOE_CHECKPOINTS = {"qwen3_moe": {}, "mixtral": {"sliding_window": 48}, "glm4_moe": {}}
+MOE_ARCHS = list(MOE_CHECKPOINTS)
+TP1_SCENARIOS = ("chunked", "sharing", "preempt")
+
+
+def routed_experts(model_dir: Path, prompts: list[list[int]]) -> list[set[int]]:
+    """The experts transformers' own model routes the prompts' tokens to, per MoE layer (hooks on its routers)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("router")]
+    used: list[set[int]] = [set() for _ in routers]
+    hooks = [r.register_forward_hook(lambda _m, _i, out, seen=seen: seen.update(out[2].flatten().tolist()))
+             for r, seen in zip(routers, used)]
+    with torch.no_grad():
+        for p in prompts:
+            model(torch.tensor([p]))
+    for h in hooks:
+        h.remove()
+    return used
+
+
+def num_experts(config) -> int:
+    return next(getattr(config, f) for f in ("num_experts", "num_local_experts", "n_routed_experts")
+                if getattr(config, f, None))
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_routing_varies(arch, make_checkpoint):
+    """The test checkpoints' routers send different tokens to different experts: more than half of every MoE
+    layer's experts get tokens from the parity prompts (a degenerate router would make parity prove little)."""
+    model_dir = make_checkpoint(arch, **MOE_CHECKPOINTS[arch])
+    config = cluster.load(model_dir).config
+    used = routed_experts(model_dir, prompts_for("mixed", config.vocab_size)[:8])
+    assert used, "no router found"
+    assert all(len(u) > num_experts(config) // 2 for u in used), [sorted(u) for u in used]
+
+
+@pytest.mark.parametrize("scenario", TP1_SCENARIOS)
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_tp1_matches_transformers(arch, scenario, make_checkpoint):
+    model_dir = make_checkpoint(arch, **MOE_CHECKPOINTS[arch])
+    model = cluster.load(model_dir)
+    fields, kind = SCENARIOS[scenario]
+    prompts = prompts_for(kind, model.config.vocab_size)
+    out = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS,
+                               continuous_batching_config=cluster.ContinuousBatchingConfig(**fields))
+    check_scenario(scenario, [o.generated_tokens for o in out.values()], [o.status for o in out.values()],
+                   model.last_stats, hf_greedy(model_dir, prompts), "serial")
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_published_and_fused_layouts_load_to_the_same_tokens(arch, make_checkpoint):
+    """One tensor per expert (as published) and transformers' fused experts (`save_original_format=False`) hold the
+    same weights (same seed) and load to the same weights and tokens; the files' names differ."""
+    from safetensors import safe_open
+
+    overrides = MOE_CHECKPOINTS[arch]
+    published, fused = make_checkpoint(arch, **overrides), make_checkpoint(arch, layout="fused", **overrides)
+    names = [set(safe_open(str(d / "model.safetensors"), "pt").keys()) for d in (published, fused)]
+    assert any(".experts.0." in n for n in names[0]) and not any(".experts.0." in n for n in names[1])
+    assert any(n.endswith("experts.gate_up_proj") for n in names[1])
+    models = [cluster.load(d) for d in (published, fused)]
+    for (name, a), (_, b) in zip(models[0].model.named_parameters(), models[1].model.named_parameters()):
+        assert torch.equal(a, b), name
+    prompts = prompts_for("mixed", models[0].config.vocab_size)[::3]
+    config = cluster.ContinuousBatchingConfig(page_size=16, max_batch_tokens=64)
+    tokens = [[o.generated_tokens for o in m.generate_batch(prompts, max_new_tokens=NEW_TOKENS,
+                                                            continuous_batching_config=config).values()]
+              for m in models]
+    assert tokens[0] == tokens[1] == hf_greedy(published, prompts)
+
+
+def full_experts(e: int, inter: int, hidden: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Random experts in both layouts: per expert (part -> tensor) and fused (gate_up, down)."""
+    g = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(e, inter, hidden, generator=g), torch.randn(e, inter, hidden, generator=g)
+    down = torch.randn(e, hidden, inter, generator=g)
+    per = {f"{w}.{i}": t[i] for i in range(e) for w, t in (("gate", gate), ("up", up), ("down", down))}
+    return per, {"gate_up": torch.cat([gate, up], dim=1), "down": down}
+
+
+def loaded(placement: ExpertPlacement, hidden: int, tensors: dict[str, torch.Tensor]) -> Experts:
+    experts = Experts(hidden, placement, torch.float32)
+    for part, src in tensors.items():
+        dst, value = experts.shard_of(part, "weight", src)
+        dst.copy_(value)
+    return experts
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_both_placements_sum_to_the_one_rank_output(layout):
+    """Tensor-parallel experts (a slice of every expert a rank) and expert-parallel (whole experts, E / tp a rank):
+    the ranks' parts sum to what one rank holding everything computes, in both checkpoint layouts; an expert
+    that gets no token and tokens routed to other ranks' experts are handled; the masked path (used under graph
+    capture and compile) agrees with the grouped one."""
+    e, inter, hidden, tp, t, k = 8, 16, 12, 2, 9, 2
+    per, fused = full_experts(e, inter, hidden)
+    tensors = per if layout == "per_expert" else fused
+    x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(1))
+    chosen = torch.tensor([[0, 1], [1, 0], [7, 6], [6, 2], [2, 3], [3, 4], [4, 7], [0, 7], [1, 6]])  # 5: none
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(2))
+    one = loaded(ExpertPlacement.tensor_parallel(e, inter, Shard()), hidden, tensors)
+    want = one(x, chosen, weights)
+    torch.testing.assert_close(one._masked(x, chosen, weights), want)
+    for make in (ExpertPlacement.tensor_parallel, ExpertPlacement.expert_parallel):
+        parts = [loaded(make(e, inter, Shard(rank=r, size=tp)), hidden, tensors)(x, chosen, weights)
+                 for r in range(tp)]
+        torch.testing.assert_close(sum(parts), want)
+    ep0 = loaded(ExpertPlacement.expert_parallel(e, inter, Shard(rank=0, size=tp)), hidden, tensors)
+    assert ep0.gate_up.shape == (e // tp, 2 * inter, hidden) and ep0.view("gate.7", "weight").numel() == 0
+
+
+def test_the_preset_chooses_the_placement():
+    from cluster.config import expert_parallel
+
+    assert not expert_parallel(None) and not expert_parallel({"experts": "tensor_parallel"})
+    assert expert_parallel({"experts": "expert_parallel"})
+    with pytest.raises(ValueError, match="expected one of"):
+        expert_parallel({"experts": "ep"})

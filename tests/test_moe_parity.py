@@ -1,0 +1,51 @@
+"""Mixture-of-experts families at TP=2 (real processes): token-identical to transformers' generate under chunked
+prefill, prefix sharing and preemption, with tensor-parallel experts (every rank a slice of every expert) and with
+expert parallelism (every rank E / 2 whole experts), serial and overlapped; both ranks agree."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import cluster
+from tests.conftest import hf_greedy, read_json, run_ranks
+from tests.test_moe import MOE_ARCHS, MOE_CHECKPOINTS, TP1_SCENARIOS
+from tests.test_parity import check_scenario
+from tests.workloads import SCENARIOS, prompts_for
+
+PLACEMENTS = ("tp", "ep")
+MODES = ("serial", "overlap")
+CASES = [(arch, placement) for arch in MOE_ARCHS for placement in PLACEMENTS]
+
+
+@pytest.fixture(scope="module")
+def moe_tp2_outputs(make_checkpoint, tmp_path_factory):
+    """Every case in one torchrun launch (tests/scripts/parity_rank.py); each test reads its own files."""
+    prefix = tmp_path_factory.mktemp("moe_parity") / "out"
+    specs = [f"{arch}-{placement}={make_checkpoint(arch, **MOE_CHECKPOINTS[arch])}={','.join(MODES)}={','.join(TP1_SCENARIOS)}"
+             + ("=ep" if placement == "ep" else "") for arch, placement in CASES]
+    proc = run_ranks("parity_rank.py", [str(prefix), *specs], timeout=900)
+    return prefix, proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,placement", CASES)
+def test_tp2_matches_transformers(arch, placement, moe_tp2_outputs, make_checkpoint):
+    prefix, proc = moe_tp2_outputs
+    out_path = f"{prefix}.{arch}-{placement}.json"
+    assert os.path.exists(out_path), proc.stdout[-4000:]
+    results, rank1 = read_json(out_path), read_json(out_path + ".rank1")
+    model_dir = make_checkpoint(arch, **MOE_CHECKPOINTS[arch])
+    vocab = cluster.load(model_dir).config.vocab_size
+    for name in TP1_SCENARIOS:
+        want = hf_greedy(model_dir, prompts_for(SCENARIOS[name][1], vocab))
+        for mode in MODES:
+            r = results[f"{name}/{mode}"]
+            check_scenario(name, r["tokens"], r["status"], r["stats"], want, mode)
+            assert rank1[f"{name}/{mode}"] == r["tokens"], "rank 1 got different results from rank 0"
+
+
+@pytest.mark.slow
+def test_tp2_launch_exits_cleanly(moe_tp2_outputs):
+    assert moe_tp2_outputs[1].returncode == 0, moe_tp2_outputs[1].stdout[-4000:]

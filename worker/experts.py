@@ -1,0 +1,145 @@
+"""Routed experts (gated SiLU MLPs), placed across ranks one of two ways (`ExpertPlacement`):
+
+- tensor-parallel (the default): every rank holds every expert, a slice of its intermediate dim;
+- expert-parallel: every rank holds E / tp whole experts.
+
+Either way every rank holds the whole token batch (the attention's all-reduce left it replicated) and the same
+routing (the router is replicated), so the tokens an expert needs are already on the rank that holds it; each
+rank computes its experts' part of the output, and the MoE block's one all-reduce sums the parts and brings every
+token's result to every rank (worker/moe_block.py). So the block has the collectives of a dense MLP.
+
+Compute: the (token, choice) pairs are sorted by expert, counted (offsets), and each expert that has tokens runs
+one product over its rows; the results are weighted and summed into their tokens in expert order (as transformers'
+loop adds them). That reads the counts on the host: inside a CUDA graph capture or a compiled forward the block
+runs every local expert over every token with its routing weight masked instead (static shapes, no host sync)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.layers import Shard, expect_shape
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which experts, and which intermediate rows of each, this rank holds."""
+
+    num_experts: int
+    inter: int  # each expert's intermediate size
+    first: int  # the first expert held here
+    count: int  # experts held here
+    inter_start: int  # the first intermediate row held here
+    inter_rows: int  # intermediate rows held here
+
+    @classmethod
+    def tensor_parallel(cls, num_experts: int, inter: int, shard: Shard) -> ExpertPlacement:
+        if inter % shard.size:
+            raise ValueError(f"moe intermediate size {inter} does not split over tp={shard.size} ranks")
+        rows = inter // shard.size
+        return cls(num_experts, inter, 0, num_experts, shard.rank * rows, rows)
+
+    @classmethod
+    def expert_parallel(cls, num_experts: int, inter: int, shard: Shard) -> ExpertPlacement:
+        if num_experts % shard.size:
+            raise ValueError(f"{num_experts} experts do not split over tp={shard.size} ranks (expert parallelism)")
+        count = num_experts // shard.size
+        return cls(num_experts, inter, shard.rank * count, count, 0, inter)
+
+    def holds(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.count
+
+
+def _silu_gated(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+    return nn.functional.linear(nn.functional.silu(gate) * up, down)
+
+
+class Experts(nn.Module):
+    """This rank's experts: `gate_up` [count, 2 * rows, H] (gate rows, then up rows) and `down` [count, H, rows].
+    `forward` returns this rank's part of the output (not reduced)."""
+
+    def __init__(self, hidden: int, placement: ExpertPlacement, dtype: torch.dtype):
+        super().__init__()
+        p = self.placement = placement
+        self.hidden = hidden
+        self.gate_up = nn.Parameter(torch.empty(p.count, 2 * p.inter_rows, hidden, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(p.count, hidden, p.inter_rows, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; experts, weights [T, k]: each token's chosen experts and their weights."""
+        if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return self._masked(x, experts, weights)
+        return self._grouped(x, experts, weights)
+
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        p, k = self.placement, experts.shape[1]
+        local = experts.reshape(-1) - p.first
+        local = torch.where((local >= 0) & (local < p.count), local, p.count)  # other ranks' experts: last
+        order = torch.argsort(local, stable=True)
+        counts = torch.bincount(local, minlength=p.count + 1)[:p.count].tolist()
+        mine = sum(counts)
+        order = order[:mine]
+        tokens = torch.div(order, k, rounding_mode="floor")
+        xs = x.index_select(0, tokens)
+        ys, at = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                ys.append(_silu_gated(xs[at:at + n], self.gate_up[e], self.down[e]))
+            at += n
+        out = torch.zeros_like(x)
+        if ys:
+            y = torch.cat(ys) * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(x.dtype)
+            out.index_add_(0, tokens, y)
+        return out
+
+    def _masked(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        p = self.placement
+        out = torch.zeros_like(x)
+        for e in range(p.count):
+            w = (weights * (experts == p.first + e)).sum(-1, keepdim=True).to(x.dtype)
+            out = out + _silu_gated(x, self.gate_up[e], self.down[e]) * w
+        return out
+
+    # -- checkpoint parts: "gate.E", "up.E", "down.E" (published, one tensor per expert); "gate_up", "down"
+    # (transformers' fused [E, 2I, H] and [E, H, I]) --
+
+    def checkpoint_parts(self) -> list[tuple[str, str]]:
+        return [(f"{w}.{e}", "weight") for e in range(self.placement.num_experts) for w in ("gate", "up", "down")]
+
+    def covered_parts(self, part: str) -> list[str]:
+        names = ("gate", "up") if part == "gate_up" else ("down",)
+        return [f"{w}.{e}" for e in range(self.placement.num_experts) for w in names]
+
+    def view(self, part: str, kind: str) -> torch.Tensor:
+        """This rank's rows (gate, up) or columns (down) of one expert; empty for an expert held elsewhere."""
+        p = self.placement
+        name, expert = part.split(".")
+        e = int(expert)
+        if not p.holds(e):
+            return self.gate_up.data[0, :0] if name != "down" else self.down.data[0, :, :0]
+        if name == "down":
+            return self.down.data[e - p.first]
+        start = 0 if name == "gate" else p.inter_rows
+        return self.gate_up.data[e - p.first, start:start + p.inter_rows]
+
+    def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        p, h = self.placement, self.hidden
+        rows = slice(p.inter_start, p.inter_start + p.inter_rows)
+        held = slice(p.first, p.first + p.count)
+        if part == "gate_up":
+            expect_shape(src, (p.num_experts, 2 * p.inter, h))
+            both = (src[held, rows], src[held, p.inter + p.inter_start:p.inter + p.inter_start + p.inter_rows])
+            return self.gate_up.data, torch.cat(both, dim=1)
+        if part == "down":
+            expect_shape(src, (p.num_experts, h, p.inter))
+            return self.down.data, src[held, :, rows]
+        name, expert = part.split(".")
+        expect_shape(src, (h, p.inter) if name == "down" else (p.inter, h))
+        dst = self.view(part, kind)
+        if not p.holds(int(expert)):
+            return dst, src[:, :0] if name == "down" else src[:0]
+        return dst, src[:, rows] if name == "down" else src[rows]

@@ -1,0 +1,133 @@
+"""What every family shares: the pre-norm decoder layer and the sharded causal LM around it (embedding, layers,
+final norm, vocab-parallel head, rotary table), and the mapping between checkpoint names and layers through the
+family's `NameTable`. A family (worker/models/<family>.py) subclasses `CausalLM`, names its model types and
+table, and says how each layer is made (`make_attention`, `make_mlp`, `layer_windows`)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from worker.attention import AttnMeta, StepMasks, step_masks
+from worker.checkpoint_names import NameRule, NameTable, Target
+from worker.layers import ParallelLMHead, RMSNorm, Shard, VocabParallelEmbedding
+from worker.rope import RotaryTable, StepRotary
+from worker.self_attention import head_dim_of
+
+BASE_NAMES = NameTable((
+    NameRule("model.embed_tokens.{kind}", "embed_tokens"),
+    NameRule("model.norm.{kind}", "norm"),
+    NameRule("lm_head.{kind}", "lm_head"),
+    NameRule("model.layers.{L}.input_layernorm.{kind}", "layers.{L}.input_layernorm"),
+    NameRule("model.layers.{L}.post_attention_layernorm.{kind}", "layers.{L}.post_attention_layernorm"),
+))
+
+
+class DecoderLayer(nn.Module):
+    """h + attn(norm(h)), then h + mlp(norm(h)); `mlp` is any block of one all-reduce (dense or experts)."""
+
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = mlp
+
+    def forward(self, h: torch.Tensor, meta: AttnMeta, rope: StepRotary, masks: StepMasks, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), meta, rope, masks, k_cache, v_cache)
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
+
+
+class CausalLM(nn.Module):
+    """The sharded model. `forward` returns this rank's slice of the logits of `meta.logits_idx`."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()  # transformers' `model_type`s this family serves
+    names: ClassVar[NameTable] = BASE_NAMES  # checkpoint name <-> layer
+
+    def __init__(self, config: Any, shard: Shard, dtype: torch.dtype, device: torch.device,
+                 expert_parallel: bool = False):
+        super().__init__()
+        self.check(config)
+        self.config, self.shard = config, shard
+        self.expert_parallel = expert_parallel  # MoE families: whole experts per rank (worker/experts.py)
+        self.windows = self.layer_windows(config)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        with torch.device(device):  # every parameter and buffer is made on `device`, whatever the caller's default
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard, dtype)
+            self.layers = nn.ModuleList(
+                DecoderLayer(config, self.make_attention(config, shard, i, w, dtype),
+                             self.make_mlp(config, shard, i, dtype), dtype) for i, w in enumerate(self.windows))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, shard, dtype)
+            if self.tied:
+                self.lm_head.weight = self.embed_tokens.weight
+            self.rope = RotaryTable(config, head_dim_of(config), config.max_position_embeddings, device)
+        self._expected: frozenset[str] | None = None
+
+    # -- what a family says ------------------------------------------------------------------------------------
+
+    @classmethod
+    def check(cls, config: Any) -> None:
+        """Refuse a config this family cannot serve exactly (by name)."""
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+
+    def layer_windows(self, config: Any) -> list[int | None]:
+        """Sliding-window size of each layer (None: full attention)."""
+        window = getattr(config, "sliding_window", None)
+        if types := getattr(config, "layer_types", None):
+            return [window if t == "sliding_attention" else None for t in types]
+        return [window if getattr(config, "use_sliding_window", False) else None] * config.num_hidden_layers
+
+    def make_attention(self, config: Any, shard: Shard, layer: int, window: int | None,
+                       dtype: torch.dtype) -> nn.Module:
+        raise NotImplementedError
+
+    def make_mlp(self, config: Any, shard: Shard, layer: int, dtype: torch.dtype) -> nn.Module:
+        raise NotImplementedError
+
+    # -- the forward -------------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, k_caches: list[torch.Tensor],
+                v_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank of the device group calls it: two all-reduces a layer, one for the embedding.
+        The per-step metadata (rope cos/sin at the step's positions, the decode masks) is computed once here."""
+        h = self.embed_tokens(input_ids)
+        rope = self.rope.at(meta.positions, h.dtype)
+        masks = step_masks(meta, self.windows, h.dtype)
+        for layer, kc, vc in zip(self.layers, k_caches, v_caches):
+            h = layer(h, meta, rope, masks, kc, vc)
+        return self.lm_head(self.norm(h.index_select(0, meta.logits_idx)))
+
+    # -- checkpoint names --------------------------------------------------------------------------------------
+
+    def target(self, name: str) -> Target | None:
+        """What loads checkpoint tensor `name`, or None if it is not one of this model's (a tied head's name is
+        not: the embedding's covers it)."""
+        found = self.names.from_checkpoint(name)
+        if found is None:
+            return None
+        rule, (path, part, kind) = found
+        try:
+            layer = self.get_submodule(path)
+        except AttributeError:  # e.g. a dense layer's name for a layer with experts, or a layer past the last
+            return None
+        if not hasattr(layer, "shard_of") or (layer is self.lm_head and self.tied):
+            return None
+        if not rule.alias:
+            return Target(layer, part, kind, (name,)) if name in self.expected_tensors() else None
+        covers = tuple(self.names.to_checkpoint(path, p, kind) for p in layer.covered_parts(part))
+        return Target(layer, part, kind, covers)
+
+    def expected_tensors(self) -> frozenset[str]:
+        """Checkpoint names a complete load must find: one for each part of each loading layer, in the published
+        layout (a tied head's is the embedding's)."""
+        if self._expected is None:
+            self._expected = frozenset(
+                self.names.to_checkpoint(path, part, kind)
+                for path, layer in self.named_modules() if hasattr(layer, "checkpoint_parts")
+                and not (layer is self.lm_head and self.tied) for part, kind in layer.checkpoint_parts())
+        return self._expected

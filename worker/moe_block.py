@@ -1,0 +1,67 @@
+"""A mixture-of-experts feed-forward block: route, run this rank's experts (and its slice of the shared experts,
+if the family has them), then one all-reduce, as a dense MLP's. Also the name rules of its checkpoint tensors in
+both layouts: published (one tensor per expert) and transformers' fused (`experts.gate_up_proj`,
+`experts.down_proj`, as transformers/conversion_mapping.py makes them and `save_pretrained(...,
+save_original_format=False)` or `state_dict()` name them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from worker.checkpoint_names import NameRule, NameTable
+from worker.experts import Experts
+from worker.gated_mlp import GatedMLP, mlp_names
+from worker.layers import Shard
+from worker.routers import ReplicatedRouter
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, router: ReplicatedRouter, experts: Experts, shared: GatedMLP | None, shard: Shard):
+        super().__init__()
+        self.router, self.experts, self.shard = router, experts, shard
+        if shared is not None:
+            self.shared_experts = shared  # made with reduce=False: summed into the experts' part first
+        self.has_shared = shared is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank of the device group calls it (one all-reduce)."""
+        chosen, weights = self.router(x)
+        y = self.experts(x, chosen, weights)
+        if self.has_shared:
+            y = y + self.shared_experts(x)
+        return self.shard.all_reduce(y)
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """How a family's checkpoint spells its MoE block: `block` under the layer (published), the router's name,
+    each expert's gate, up and down projections."""
+
+    block: str = "mlp"
+    router: str = "gate"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    shared: str = ""  # the shared experts' block under `block` ("shared_experts"), if any
+    correction: bool = False  # the router has `e_score_correction_bias`
+
+    def table(self) -> NameTable:
+        published = f"model.layers.{{L}}.{self.block}"
+        rules = [NameRule(f"{published}.{self.router}.weight", "layers.{L}.mlp.router"),
+                 *(NameRule(f"{published}.experts.{{E}}.{proj}.weight", "layers.{L}.mlp.experts", f"{part}.{{E}}")
+                   for part, proj in (("gate", self.gate), ("up", self.up), ("down", self.down))),
+                 # transformers' in-memory names (its conversion renames the block to `mlp` and fuses experts)
+                 NameRule("model.layers.{L}.mlp.experts.gate_up_proj", "layers.{L}.mlp.experts", "gate_up", True),
+                 NameRule("model.layers.{L}.mlp.experts.down_proj", "layers.{L}.mlp.experts", "down", True)]
+        if self.block != "mlp":
+            rules.append(NameRule("model.layers.{L}.mlp.gate.weight", "layers.{L}.mlp.router", alias=True))
+        if self.correction:
+            rules.append(NameRule(f"{published}.{self.router}.e_score_correction_bias", "layers.{L}.mlp.router",
+                                  "correction"))
+        table = NameTable(tuple(rules))
+        if self.shared:
+            table = table + mlp_names(f"{self.block}.{self.shared}")
+        return table
