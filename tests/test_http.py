@@ -22,11 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.client import Client
 from cluster.errors import ClientError, Code
-from launch.gateway.errors import STATUS, HttpError, status_of
 from launch.gateway.server import Gateway, settings_for
 from launch.gateway.child import GatewayProcess
 from launch.torchrun import free_port
 from tests.conftest import HTTP_ADMIN_TOKEN, hf_greedy
+
+pytestmark = pytest.mark.slow  # one TP=2 server (tests/test_http_shapes.py: the gateway's logic in process)
 
 TOKEN = HTTP_ADMIN_TOKEN
 NEW = 12
@@ -94,7 +95,6 @@ def cancelled(server) -> int:
 
 
 # ------------------------------------------------------------------ completions and chat
-@pytest.mark.slow
 def test_completions_text_equals_transformers(oai, tok, model_dir):
     text_prompt = tok.decode(PROMPT_IDS[1:])
     for prompt, ids in ((PROMPT_IDS, PROMPT_IDS), (text_prompt, tok(text_prompt)["input_ids"])):
@@ -109,7 +109,6 @@ def test_completions_text_equals_transformers(oai, tok, model_dir):
         assert chunks[-1].usage.completion_tokens == NEW and chunks[-2].choices[0].finish_reason == "length"
 
 
-@pytest.mark.slow
 def test_chat_text_equals_transformers(oai, tok, model_dir):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is a tensor?"}]
     ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
@@ -125,7 +124,6 @@ def test_chat_text_equals_transformers(oai, tok, model_dir):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
 
 
-@pytest.mark.slow
 def test_stop_trims_and_ends(server, oai, tok, model_dir):
     want = expected_text(tok, PROMPT_IDS, model_dir)
     stop = want[len(want) // 2:len(want) // 2 + 3]
@@ -144,7 +142,6 @@ def test_stop_trims_and_ends(server, oai, tok, model_dir):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-@pytest.mark.slow
 def test_n_seed_and_usage(oai, model_dir):
     def call(seed: int):
         return oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=6, n=3, temperature=1.0,
@@ -162,7 +159,6 @@ def test_n_seed_and_usage(oai, model_dir):
 
 
 # ------------------------------------------------------------------ disconnects
-@pytest.mark.slow
 def test_disconnect_mid_stream_cancels(server, oai, model_dir):
     before = cancelled(server)
     stream = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=400, stream=True)
@@ -181,7 +177,6 @@ def test_disconnect_mid_stream_cancels(server, oai, model_dir):
         assert http(server, "POST", "/resume", token=TOKEN) == (200, {"paused": False})
 
 
-@pytest.mark.slow
 def test_disconnect_while_waiting_cancels(server, model_dir):
     before = cancelled(server)
     impatient = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=0.5)
@@ -194,16 +189,6 @@ def test_disconnect_while_waiting_cancels(server, model_dir):
 
 
 # ------------------------------------------------------------------ errors
-def test_every_code_has_a_status():
-    codes = [v for k, v in vars(Code).items() if k.isupper()]
-    assert set(codes) <= set(STATUS)
-    assert status_of(Code.QUEUE_FULL) == status_of(Code.CLIENT_LIMIT) == 429
-    assert status_of(Code.STOPPED) == status_of(Code.RANK_FAILED) == status_of(Code.SERVER_GONE) == 503
-    assert HttpError(Code.BAD_FIELD, "x", "n").body() == {
-        "error": {"message": "x", "type": "invalid_request_error", "param": "n", "code": "bad_field"}}
-
-
-@pytest.mark.slow
 def test_error_bodies(oai, model_dir):
     with pytest.raises(openai.NotFoundError) as e:
         oai.completions.create(model="no-such-model", prompt=PROMPT_IDS)
@@ -219,7 +204,6 @@ def test_error_bodies(oai, model_dir):
     assert e.value.body["code"] == Code.BAD_FIELD and e.value.body["param"] == "n"
 
 
-@pytest.mark.slow
 def test_priority_is_taken_and_checked(server, oai, model_dir):
     """vLLM's `priority` field (lower first) on both routes and the wire; out of range or not an integer: 400
     bad_field naming it (the wire: `bad_field`)."""
@@ -245,7 +229,6 @@ def test_priority_is_taken_and_checked(server, oai, model_dir):
 
 
 # ------------------------------------------------------------------ metrics
-@pytest.mark.slow
 def test_metrics_move(server, oai, model_dir):
     before = metrics(server)
     oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=5, temperature=0)
@@ -266,7 +249,6 @@ def test_metrics_move(server, oai, model_dir):
 
 
 # ------------------------------------------------------------------ admin
-@pytest.mark.slow
 def test_admin_routes_need_the_token(server, model_dir):
     assert http(server, "POST", "/pause")[0] == 401
     assert http(server, "POST", "/pause", token="wrong")[0] == 401
@@ -284,7 +266,6 @@ def test_admin_routes_need_the_token(server, model_dir):
     assert status == 400 and body["error"]["code"] == Code.WEIGHT_UPDATE_FAILED
 
 
-@pytest.mark.slow
 def test_separate_gateway_without_token_refuses_admin(server, model_dir):
     """A gateway of its own (as `lockstep http` runs it) on the same driver: it serves, and with no token
     configured refuses the admin routes to everyone."""
@@ -319,7 +300,6 @@ def gateway_pids(listen: str) -> list[int]:
     return found
 
 
-@pytest.mark.slow
 def test_a_killed_gateway_process_comes_back(server, model_dir):
     """`lockstep serve --http` runs the gateway as a child of rank 0; killed outright, it is started again and
     serves the same address (this test runs last in the module: the gateway is briefly away)."""
@@ -340,7 +320,6 @@ def test_a_killed_gateway_process_comes_back(server, model_dir):
     assert gateway_pids(listen) not in ([], [pid])
 
 
-@pytest.mark.slow
 def test_the_gateway_process_leaves_with_its_parent(model_dir):
     """`--exit-with-parent`: a gateway whose parent is killed outright stops and lets its port go."""
     port = free_port()
@@ -370,7 +349,6 @@ def test_the_gateway_process_leaves_with_its_parent(model_dir):
             pass
 
 
-@pytest.mark.slow
 def test_a_gateway_on_a_taken_address_says_so(model_dir):
     """`lockstep http` on an address in use exits 1 with one line that says so (not uvicorn's traceback), and
     rank 0's GatewayProcess refuses at once, naming the address."""
@@ -387,7 +365,6 @@ def test_a_gateway_on_a_taken_address_says_so(model_dir):
             GatewayProcess("tcp://127.0.0.1:1", listen, str(model_dir), None).start()
 
 
-@pytest.mark.slow
 def test_release_and_resume_memory_over_http(server, model_dir):
     """Refused unpaused; freed on both ranks; resume refused until an update; then transformers' tokens."""
     status, body = http(server, "POST", "/release_memory", {"tags": ["kv_cache"]}, TOKEN)

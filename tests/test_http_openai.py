@@ -14,6 +14,7 @@ import pytest
 from cluster.errors import Code
 from tests.test_http import PROMPT_IDS, http, model_dir, oai, server, tok  # noqa: F401  (the shared fixtures)
 
+pytestmark = pytest.mark.slow  # the shared TP=2 server (tests/test_http_shapes.py: the gateway's logic in process)
 NEW = 10
 
 
@@ -55,7 +56,6 @@ def refused(fn, param: str, code: str = Code.BAD_FIELD) -> dict:
 
 
 # ------------------------------------------------------------------ items 1, 4, 5: ranges, stream_options, models
-@pytest.mark.slow
 def test_out_of_range_fields_are_400s_naming_them(server, oai, model_dir):
     name = model_dir.name
     for seed in (1 << 63, -(1 << 63) - 1, 1 << 70):
@@ -86,7 +86,6 @@ def test_out_of_range_fields_are_400s_naming_them(server, oai, model_dir):
             Code.UNSUPPORTED)
 
 
-@pytest.mark.slow
 def test_models_by_id(oai, model_dir):
     card = oai.models.retrieve(model_dir.name)
     assert card.id == model_dir.name and card.object == "model"
@@ -96,7 +95,6 @@ def test_models_by_id(oai, model_dir):
 
 
 # ------------------------------------------------------------------ items 2, 3: text_offset, logprobs=0
-@pytest.mark.slow
 def test_streamed_text_offsets_equal_the_whole_ones_under_a_stop_string(oai, model_dir):
     name = model_dir.name
     free = oai.completions.create(model=name, prompt=PROMPT_IDS, max_tokens=NEW, temperature=0).choices[0].text
@@ -114,7 +112,6 @@ def test_streamed_text_offsets_equal_the_whole_ones_under_a_stop_string(oai, mod
 
 
 # ------------------------------------------------------------------ item 6: bias, penalties, top_logprobs, echo
-@pytest.mark.slow
 def test_logit_bias_and_penalties_equal_transformers_reference(oai, tok, hf, model_dir):
     plain = reference(hf, PROMPT_IDS, NEW)
     bias = {plain[0]: -100.0, plain[1]: -50.0, 300: 4.0}
@@ -133,7 +130,6 @@ def test_logit_bias_and_penalties_equal_transformers_reference(oai, tok, hf, mod
             assert text == tok.decode(want, skip_special_tokens=True), (fields, stream)
 
 
-@pytest.mark.slow
 def test_top_logprobs_equal_transformers_top_k(oai, tok, hf, model_dir):
     import torch
 
@@ -162,7 +158,6 @@ def test_top_logprobs_equal_transformers_top_k(oai, tok, hf, model_dir):
         [lp for w in want for _, lp in w[:5]], abs=2e-5)
 
 
-@pytest.mark.slow
 def test_echo(oai, tok, model_dir):
     text = tok.decode(PROMPT_IDS, skip_special_tokens=True)
     plain = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=4, temperature=0)
@@ -180,7 +175,6 @@ def test_echo(oai, tok, model_dir):
 
 
 # ------------------------------------------------------------------ structured outputs
-@pytest.mark.slow
 def test_structured_outputs_follow_their_schema(server, oai, model_dir):
     """Every output of every schema parses and validates: greedy and sampled, streamed and not, at TP=2."""
     import json
@@ -221,7 +215,6 @@ def test_structured_outputs_follow_their_schema(server, oai, model_dir):
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].text), dict)
 
 
-@pytest.mark.slow
 def test_regex_grammar_and_refusals(server, oai, model_dir):
     import re
 
@@ -251,11 +244,3 @@ def test_regex_grammar_and_refusals(server, oai, model_dir):
     body = refused(lambda: oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=4,
                                                   extra_body={"guided_regex": "a(b"}), "guided_regex")
     assert "unclosed group" in body["message"]
-
-
-def test_logprobs_json_can_carry():
-    """-inf (a token a filter dropped) as -9999.0, NaN (a token delivered before a resume) as null: Starlette's
-    JSON refuses both, which made such an answer a 500."""
-    from launch.gateway.openai_serving import MIN_LOGPROB, finite
-
-    assert finite(float("nan")) is None and finite(float("-inf")) == MIN_LOGPROB and finite(-1.5) == -1.5

@@ -16,6 +16,7 @@ from tests.conftest import hf_greedy
 from tests import test_http
 from tests.test_http import PROMPT_IDS
 
+pytestmark = pytest.mark.slow  # the shared TP=2 server
 server, model_dir, oai = test_http.server, test_http.model_dir, test_http.oai  # the shared server's fixtures
 
 SAMPLED = dict(do_sample=True, temperature=1.0, seed=5, max_new_tokens=8, eos_token_id=-1)
@@ -26,7 +27,6 @@ def fork_stats(c: Client) -> tuple[int, int]:
     return s["forked_children"], s["prompt_tokens_computed"]
 
 
-@pytest.mark.slow
 def test_wire_n_samples_one_prefill_seeded_and_greedy(server, model_dir):
     with Client(server.address, timeout=120) as c:
         before = fork_stats(c)
@@ -46,7 +46,6 @@ def test_wire_n_samples_one_prefill_seeded_and_greedy(server, model_dir):
         assert [o.generated_tokens for o in greedy] == hf_greedy(model_dir, [PROMPT_IDS], 8) * 3
 
 
-@pytest.mark.slow
 def test_cancelling_the_request_id_ends_every_sample(server):
     with Client(server.address, timeout=120) as c:
         rid = c.submit(PROMPT_IDS, n=3, max_new_tokens=400, eos_token_id=-1)
@@ -56,7 +55,6 @@ def test_cancelling_the_request_id_ends_every_sample(server):
         assert c.stats()["running"] == 0
 
 
-@pytest.mark.slow
 def test_async_stream_of_n_samples_ends_with_every_final(server):
     async def run() -> dict[str, list[int]]:
         client = AsyncClient(server.address, timeout=120)
@@ -73,7 +71,6 @@ def test_async_stream_of_n_samples_ends_with_every_final(server):
     assert [finals[i] for i in sample_ids("s-1", 3)] == [o.generated_tokens for o in whole]
 
 
-@pytest.mark.slow
 def test_openai_n_is_one_submit_with_choices_0_to_n_minus_1(server, oai, model_dir):
     def call(n: int, stream: bool = False):
         return oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=6, n=n, temperature=1.0,
