@@ -56,8 +56,12 @@ def test_routing_varies(arch, make_checkpoint):
     assert all(len(u) > num_experts(config) // 2 for u in used), [sorted(u) for u in used]
 
 
-@pytest.mark.parametrize("scenario", TP1_SCENARIOS)
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+# the fast tier runs one scenario a family (prefix sharing: the shortest); the whole matrix is slow, as the dense one is
+TP1_RUNS = [pytest.param(arch, scenario, marks=() if scenario == "sharing" else pytest.mark.slow)
+            for arch in MOE_ARCHS for scenario in TP1_SCENARIOS]
+
+
+@pytest.mark.parametrize("arch,scenario", TP1_RUNS)
 def test_tp1_matches_transformers(arch, scenario, make_checkpoint):
     model_dir = make_checkpoint(arch, **MOE_CHECKPOINTS[arch])
     model = cluster.load(model_dir)
