@@ -101,12 +101,18 @@ class Liveness:
                 self._stamp()
 
     def _run(self) -> None:
+        watch_failed = False
         while not self.stop_event.wait(self.period_s):
             try:
                 self._stamp()
-                self.watch_peers()
             except Exception:  # the store went away: the group is ending
                 return
+            try:
+                self.watch_peers()
+            except Exception:  # a failed look at the peers must never stop this rank's own stamps
+                if not watch_failed:
+                    log.exception("lockstep: the liveness watch failed (this rank goes on stamping)")
+                watch_failed = True
 
     def watch_peers(self) -> list[int]:
         """Kill every peer on this host whose stamp says `up` but has not moved for `hang_after_s` on this rank's

@@ -83,3 +83,25 @@ def test_no_watch_without_a_timeout(monkeypatch, peer):
     liveness = watcher(monkeypatch, control_timeout=None)
     stamp(liveness, 7, "up", peer.pid)
     assert liveness.hang_after_s is None and watch(liveness, peer, 3 * TIMEOUT_S) is None
+
+
+def test_a_failing_watch_does_not_stop_this_ranks_stamps(monkeypatch):
+    """A frozen stamp would get this (healthy) rank killed by its peers' watch."""
+    liveness = watcher(monkeypatch)
+
+    def broken() -> list[int]:
+        raise ValueError("a malformed stamp")
+
+    liveness.watch_peers = broken
+    liveness.start()
+    try:
+        first = liveness.store.get("lockstep/alive/0")
+        deadline = time.monotonic() + 20 * PERIOD_S
+        stamps = {first}
+        while len(stamps) < 4 and time.monotonic() < deadline:
+            time.sleep(PERIOD_S / 2)
+            stamps.add(liveness.store.get("lockstep/alive/0"))
+        assert len(stamps) >= 4 and liveness.thread.is_alive(), stamps
+    finally:
+        liveness.stop()
+    assert liveness.store.get("lockstep/alive/0").decode().split()[2] == "stopped"
