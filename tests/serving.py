@@ -11,14 +11,14 @@ from typing import Iterator
 from launch.local_server import LocalServer, local_server
 
 
-def fast_config(client_timeout_s: float = 2.0) -> str:
-    """The small TP=2 preset the serving tests share: 16-token pages, a 5 s control timeout."""
+def fast_config(client_timeout_s: float = 2.0, page_size: int = 16, cpu_group_timeout: float = 5.0) -> str:
+    """The small TP=2 preset the serving tests share: 16-token pages, a 5 s control timeout (unless told)."""
     return f"""
 [continuous_batching]
-page_size = 16
+page_size = {page_size}
 max_batch_tokens = 256
 max_requests_per_batch = 64
-cpu_group_timeout = 5.0
+cpu_group_timeout = {cpu_group_timeout}
 
 [serve]
 client_timeout_s = {client_timeout_s}
