@@ -1,6 +1,10 @@
 """Correctness on one device, against transformers on the same device: what benchmarks/gpu_proof.sh checks.
 
     python benchmarks/gpu_parity.py --model DIR --device cuda --json OUT.json [--prompts 16 --new-tokens 32]
+    python benchmarks/gpu_parity.py --model DIR --make-arch qwen3_moe --label MoE --no-bursts ...   # the MoE row
+
+--make-arch ARCH writes a tiny checkpoint of ARCH (launch.make_model, seed 0) at --model first when none is there;
+--label prefixes every check's name; --no-bursts leaves check 4 out (the MoE row: parity, graphs on = off).
 
 1. float32 greedy parity: Lockstep's generate_batch and transformers' generate (one prompt at a time, no
    padding) give identical tokens, EOS disabled so every request runs to --new-tokens.
@@ -214,7 +218,14 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--json", default=None)
+    p.add_argument("--make-arch", default=None, help="write a tiny checkpoint of this arch at --model if missing")
+    p.add_argument("--label", default="", help="prefix of every check's name, e.g. MoE")
+    p.add_argument("--no-bursts", action="store_true", help="leave out check 4 (multi-step decode)")
     args = p.parse_args()
+    if args.make_arch and not Path(args.model, "config.json").exists():
+        from launch.make_model import make_model
+
+        make_model(args.model, arch=args.make_arch, size="tiny", seed=0)
     if args.device.startswith("cuda"):  # the same arithmetic for both engines: no TF32 in float32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -223,8 +234,12 @@ def main() -> int:
     t0 = time.perf_counter()
     rows = [check_fp32(args, prompts)]
     bf16_row, eager = check_bf16(args, prompts)
-    rows += [bf16_row, check_graphs(args, prompts, eager), check_bursts(args, prompts, eager)]
+    rows += [bf16_row, check_graphs(args, prompts, eager)]
+    if not args.no_bursts:
+        rows.append(check_bursts(args, prompts, eager))
     rows.append(row("parity checks time", f"{time.perf_counter() - t0:.1f} s on {args.device}", None))
+    for r in rows:
+        r["check"] = f"{args.label} {r['check']}".lstrip()
     if args.json:
         Path(args.json).write_text(json.dumps(rows))
     return 0 if all(r["ok"] is not False for r in rows) else 1

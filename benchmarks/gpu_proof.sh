@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The one GPU command: install without replacing the machine's torch and transformers (no network: nothing but
 # wheels/ at the repository root), make a small model, check float32 parity / bfloat16 closeness / CUDA graphs
-# on against off against transformers on the same GPU, measure one throughput pair beside transformers'
+# on against off against transformers on the same GPU, the same for a tiny MoE model (qwen3_moe: float32 parity,
+# CUDA graphs on = off, the grouped Triton expert kernel inside the graphs), measure one throughput pair beside transformers'
 # continuous batching, TP=2 and a weight push where two GPUs are visible, and print one summary table.
 #
 #   benchmarks/gpu_proof.sh [--out DIR]               on a GPU machine
 #   benchmarks/gpu_proof.sh --cpu-dry-run [--out DIR] the same entry points on the CPU, tiny and quick
 #
-# Time budget: 420 s (LIMIT_S), the sum of the step limits: install 40, make-model 40, parity 130,
-# throughput-tp1 110, throughput-tp2 60, weight-push-tp2 40; a step past its limit is killed and fails.
+# Time budget: 420 s (LIMIT_S), the sum of the step limits: install 40, make-model 40, parity 115, moe-parity 30,
+# throughput-tp1 95, throughput-tp2 60, weight-push-tp2 40; a step past its limit is killed and fails.
 # The weight push talks to a `lockstep serve` over ZeroMQ: it is skipped where pyzmq is missing (carry it:
 # benchmarks/gpu_wheels.sh). Python: $PYTHON, else `python`, else `python3`. docs/gpu.md says more.
 #
@@ -56,6 +57,7 @@ skip() { printf '%s\t200\t0\t%s\n' "$1" "skipped: $2" >>"$OUT/steps.tsv"; echo "
 if [ "$DRY" -eq 1 ]; then
   DEVICE=cpu; SIZE=tiny; NGPU=0
   PARITY_ARGS=(--prompts 2 --new-tokens 4)
+  MOE_ARGS=(--prompts 2 --new-tokens 4)
   BENCH_ARGS=(--pairs 1 --num-prompts 4 --min-len 8 --max-len 16 --new-tokens 4 --dtype float32)
 else
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
@@ -65,6 +67,7 @@ else
   fi
   DEVICE=cuda:0; SIZE=small
   PARITY_ARGS=(--prompts 16 --new-tokens 32)
+  MOE_ARGS=(--prompts 8 --new-tokens 16)
   BENCH_ARGS=(--pairs 1 --num-prompts 256 --min-len 16 --max-len 128 --new-tokens 128 --dtype bfloat16)
 fi
 echo "gpu_proof: device $DEVICE, $NGPU GPU(s), out $OUT"
@@ -77,11 +80,15 @@ MODEL="$OUT/model-$SIZE"
 step make-model 40 "$PY" -m launch.cli make-model "$MODEL" --arch llama --size "$SIZE" --seed 0
 
 # 3. correctness on this device: float32 parity, bfloat16 closeness, graphs on vs off
-step parity 130 "$PY" benchmarks/gpu_parity.py --model "$MODEL" --device "$DEVICE" --json "$OUT/parity.json" \
+step parity 115 "$PY" benchmarks/gpu_parity.py --model "$MODEL" --device "$DEVICE" --json "$OUT/parity.json" \
   "${PARITY_ARGS[@]}"
 
+# 3b. a tiny MoE model (made here): float32 parity, graphs on = off (bfloat16 logprobs), no bursts
+step moe-parity 30 "$PY" benchmarks/gpu_parity.py --model "$OUT/model-moe-tiny" --make-arch qwen3_moe --label MoE \
+  --no-bursts --device "$DEVICE" --json "$OUT/moe_parity.json" "${MOE_ARGS[@]}"
+
 # 4. one throughput pair beside transformers' continuous batching, same device and dtype
-step throughput-tp1 110 "$PY" benchmarks/throughput.py --model "$MODEL" --device "$DEVICE" --json "$OUT/tp1.json" \
+step throughput-tp1 95 "$PY" benchmarks/throughput.py --model "$MODEL" --device "$DEVICE" --json "$OUT/tp1.json" \
   "${BENCH_ARGS[@]}"
 
 # 5. TP=2 and a weight push (through `lockstep serve`, so pyzmq), where two GPUs are visible

@@ -3,7 +3,8 @@
     python benchmarks/throughput.py --model models/small                            # TP=1
     torchrun --nproc-per-node 2 benchmarks/throughput.py --model models/small      # TP=2, every rank runs it
 
-A missing checkpoint is written first by rank 0 (launch.make_model llama/small, seed 0); other ranks wait.
+A missing checkpoint is written first by rank 0 (launch.make_model, --arch's small size, seed 0: llama by default;
+--arch qwen3_moe makes the MoE benchmark model, 8 experts top-2, about 100M parameters); other ranks wait.
 --pairs N (default 3) runs lockstep, transformers, lockstep, transformers ... N pairs in one invocation, each
 run loading and freeing its own model, and prints every pair's ratio and their median (the acceptance figure).
 Each engine gets a warm-up call (4 short prompts), then one timed generate_batch call on the workload: `wall s`
@@ -60,16 +61,16 @@ def barrier() -> None:
         dist.barrier()
 
 
-def ensure_model(model_dir: Path, wait_s: float = 900.0) -> None:
-    """Rank 0 writes the small checkpoint if it is missing (atomically, by rename); the others poll for it."""
+def ensure_model(model_dir: Path, arch: str = "llama", wait_s: float = 900.0) -> None:
+    """Rank 0 writes `arch`'s small checkpoint if it is missing (atomically, by rename); the others poll for it."""
     if (model_dir / "config.json").exists():
         return
     if RANK == 0:
         from launch.make_model import make_model
 
-        say(f"no checkpoint in {model_dir}: writing llama/small (seed 0)")
+        say(f"no checkpoint in {model_dir}: writing {arch}/small (seed 0)")
         tmp = model_dir.with_name(f"{model_dir.name}.tmp-{os.getpid()}")
-        make_model(tmp, arch="llama", size="small", seed=0)
+        make_model(tmp, arch=arch, size="small", seed=0)
         if model_dir.exists():
             model_dir.rmdir()  # an empty directory is all it can be here; rename cannot replace a full one
         os.rename(tmp, model_dir)
@@ -267,6 +268,8 @@ def median_pair(pairs: list[list[dict]]) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="checkpoint directory (made if missing)")
+    p.add_argument("--arch", default="llama", help="the architecture of a checkpoint made where --model is missing "
+                   "(launch.make_model's ARCHS, small size), e.g. qwen3_moe")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=128)
@@ -309,7 +312,7 @@ def main() -> int:
         args.num_blocks = args.num_prompts * math.ceil((args.max_len + args.new_tokens) / args.page_size)
     args.num_blocks = args.num_blocks or None
     model_dir = Path(args.model)
-    ensure_model(model_dir)
+    ensure_model(model_dir, args.arch)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(args, vocab)
     warm = [x[:args.min_len] for x in prompts[:4]]

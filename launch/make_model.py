@@ -34,6 +34,9 @@ ARCHS = {
         topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True,
         partial_rotary_factor=0.5)),
 }
+# arch -> size -> the arch's own config fields at that size (over ARCHS'): qwen3_moe/small is the MoE benchmark
+# model, 8 experts top-2 of 256 rows on 7 of 8 layers, about 100M parameters (experts a third of them)
+ARCH_SIZES = {"qwen3_moe": {"small": dict(moe_intermediate_size=256)}}
 # MoE routers' weights are multiplied by this after transformers' initialisation: its default (std 0.02) gives
 # near-uniform router probabilities, where every token's top-k is decided by rounding; scaled, tokens differ
 ROUTER_SCALE = 10.0
@@ -62,6 +65,7 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tin
     fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
     config_name, model_name, arch_fields = ARCHS[arch]
     fields.update(arch_fields)
+    fields.update(ARCH_SIZES.get(arch, {}).get(size, {}))
     fields.update(overrides)
     config = getattr(transformers, config_name)(**fields)
     torch.manual_seed(seed)

@@ -23,21 +23,32 @@ MOE_ARCHS = list(MOE_CHECKPOINTS)
 TP1_SCENARIOS = ("chunked", "sharing", "preempt")
 
 
-def routed_experts(model_dir: Path, prompts: list[list[int]]) -> list[set[int]]:
-    """The experts transformers' own model routes the prompts' tokens to, per MoE layer (hooks on its routers)."""
+def routed_histograms(model_dir: Path, sequences: list[list[int]]) -> list[list[int]]:
+    """Per MoE layer of transformers' own model, the tokens of `sequences` routed to each expert (hooks on its
+    routers: their third output is each token's chosen experts)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     routers = [m for m in model.modules() if type(m).__name__.lower().endswith("router")]
-    used: list[set[int]] = [set() for _ in routers]
-    hooks = [r.register_forward_hook(lambda _m, _i, out, seen=seen: seen.update(out[2].flatten().tolist()))
-             for r, seen in zip(routers, used)]
+    counts = [torch.zeros(num_experts(model.config), dtype=torch.int64) for _ in routers]
+
+    def counter(seen: torch.Tensor):
+        def hook(_module, _inputs, out) -> None:  # None: the router's output stays as it is
+            seen.add_(torch.bincount(out[2].flatten(), minlength=seen.numel()))
+        return hook
+
+    hooks = [r.register_forward_hook(counter(seen)) for r, seen in zip(routers, counts)]
     with torch.no_grad():
-        for p in prompts:
-            model(torch.tensor([p]))
+        for tokens in sequences:
+            model(torch.tensor([tokens]))
     for h in hooks:
         h.remove()
-    return used
+    return [c.tolist() for c in counts]
+
+
+def routed_experts(model_dir: Path, prompts: list[list[int]]) -> list[set[int]]:
+    """The experts transformers' own model routes the prompts' tokens to, per MoE layer."""
+    return [{e for e, n in enumerate(layer) if n} for layer in routed_histograms(model_dir, prompts)]
 
 
 def num_experts(config) -> int:
@@ -71,6 +82,27 @@ def test_tp1_matches_transformers(arch, scenario, make_checkpoint):
                                continuous_batching_config=cluster.ContinuousBatchingConfig(**fields))
     check_scenario(scenario, [o.generated_tokens for o in out.values()], [o.status for o in out.values()],
                    model.last_stats, hf_greedy(model_dir, prompts), "serial")
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_stats_count_the_tokens_routed_to_each_expert(arch, make_checkpoint):
+    """`stats()["experts_routed"]`: per MoE layer, the real tokens routed to each expert since the model was loaded
+    equal what transformers' routers choose for every token the model ran (each prompt and its generated tokens
+    but the last), in chunked prefill and decode steps padded to their buckets (three decode rows in a bucket of
+    four: padding rows count nothing); a second batch adds to the counts."""
+    model_dir = make_checkpoint(arch, **MOE_CHECKPOINTS[arch])
+    model = cluster.load(model_dir)
+    prompts = prompts_for("mixed", model.config.vocab_size)[:3]
+    config = cluster.ContinuousBatchingConfig(page_size=16, max_batch_tokens=64, use_async_batching=False)
+    for batch in (1, 2):
+        out = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS, continuous_batching_config=config)
+        routed = model.last_stats["experts_routed"]
+        ran = [p + o.generated_tokens[:-1] for p, o in zip(prompts, out.values())]
+        want = routed_histograms(model_dir, ran)
+        assert list(routed.values()) == [[batch * n for n in layer] for layer in want]
+        top_k = model.config.num_experts_per_tok
+        assert all(sum(layer) == batch * top_k * sum(map(len, ran)) for layer in routed.values())
+    assert all(int(layer) < model.config.num_hidden_layers for layer in routed)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

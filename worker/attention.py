@@ -37,6 +37,9 @@ class AttnMeta:
     dec_ahead: torch.Tensor | None = None
     pre_flash: flash.VarlenMeta | None = None  # paged kernels' prefill only (flash-attn's varlen layout)
     page_size: int = 0  # tokens a page, for viewing the cache as pages (paged kernels and row-view paths)
+    # the scratch block's first slot: padding tokens write into that block, so a token whose slot is below it is
+    # real (a MoE layer counts only real tokens' routing)
+    scratch_slot: int = 1 << 62
     chunk_elements: int = 1 << 22  # work budget of one SDPA chunk (ResolvedConfig.attn_chunk_elements)
     # `row_views` steps only (dec_kv_slots [Bd, 0]): each real decode row's keys as runs of `unit` cache slots
     # ([rows, units] indices into the cache viewed as [slots / unit, unit, Hkv, D]), and the gathered positions

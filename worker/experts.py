@@ -8,10 +8,12 @@ routing (the router is replicated), so the tokens an expert needs are already on
 rank computes its experts' part of the output, and the MoE block's one all-reduce sums the parts and brings every
 token's result to every rank (worker/moe_block.py). So the block has the collectives of a dense MLP.
 
-Compute: the (token, choice) pairs are sorted by expert, counted (offsets), and each expert that has tokens runs
-one product over its rows; the results are weighted and summed into their tokens in expert order (as transformers'
-loop adds them). That reads the counts on the host: inside a CUDA graph capture or a compiled forward the block
-runs every local expert over every token with its routing weight masked instead (static shapes, no host sync)."""
+Compute: the (token, choice) pairs are sorted by expert and counted on the device (`sort_by_expert`). On CUDA the
+grouped Triton kernel (worker/triton_experts.py) runs each local expert over its rows from those device-side
+counts, with no host sync, so eagerly, in a decode graph and in a compiled forward alike. Elsewhere each expert that
+has tokens runs one product over its rows (the counts read on the host) and the results are weighted and summed
+into their tokens in expert order (as transformers' loop adds them); inside a compiled forward on the CPU every
+local expert runs over every token with its routing weight masked instead (static shapes)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,19 @@ class ExpertPlacement:
         return self.first <= expert < self.first + self.count
 
 
+def sort_by_expert(experts: torch.Tensor, placement: ExpertPlacement) -> tuple[torch.Tensor, torch.Tensor,
+                                                                            torch.Tensor]:
+    """(order, offsets, counts), on the device, no host sync: the (token, choice) pair indexes of `experts` [T, k]
+    sorted by local expert, stable (pairs of other ranks' experts last); each local expert's first sorted position
+    and its number of pairs [count]."""
+    local = experts.reshape(-1) - placement.first
+    local = torch.where((local >= 0) & (local < placement.count), local, placement.count)
+    order = torch.argsort(local, stable=True)
+    counts = torch.zeros(placement.count + 1, dtype=torch.int64, device=experts.device)
+    counts = counts.scatter_add_(0, local, torch.ones_like(local))[:placement.count]
+    return order, torch.cumsum(counts, 0) - counts, counts
+
+
 def _silu_gated(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     gate, up = nn.functional.linear(x, gate_up).chunk(2, dim=-1)
     return nn.functional.linear(nn.functional.silu(gate) * up, down)
@@ -71,19 +86,20 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; experts, weights [T, k]: each token's chosen experts and their weights."""
-        if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if x.is_cuda:
+            from worker.triton_experts import grouped_experts  # Triton is needed on this path only
+
+            order, offsets, counts = sort_by_expert(experts, self.placement)
+            return grouped_experts(x, self.gate_up, self.down, order, offsets, counts, weights)
+        if torch.compiler.is_compiling():
             return self._masked(x, experts, weights)
         return self._grouped(x, experts, weights)
 
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        p, k = self.placement, experts.shape[1]
-        local = experts.reshape(-1) - p.first
-        local = torch.where((local >= 0) & (local < p.count), local, p.count)  # other ranks' experts: last
-        order = torch.argsort(local, stable=True)
-        counts = torch.bincount(local, minlength=p.count + 1)[:p.count].tolist()
-        mine = sum(counts)
-        order = order[:mine]
-        tokens = torch.div(order, k, rounding_mode="floor")
+        order, _, counted = sort_by_expert(experts, self.placement)
+        counts = counted.tolist()
+        order = order[:sum(counts)]
+        tokens = torch.div(order, experts.shape[1], rounding_mode="floor")
         xs = x.index_select(0, tokens)
         ys, at = [], 0
         for e, n in enumerate(counts):

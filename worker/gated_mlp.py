@@ -21,7 +21,8 @@ class GatedMLP(nn.Module):
         # reduce=False: the caller sums this rank's partial output with others' before one all-reduce
         self.down_proj = RowParallelLinear(inter, hidden, bias, shard, dtype, reduce=reduce)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H]; `real` (the step's real-token mask) is not needed by a dense block."""
         gate, up = self.gate_up_proj(x).split([self.rows, self.rows], dim=-1)
         return self.down_proj(nn.functional.silu(gate).mul_(up))
 

@@ -19,20 +19,38 @@ from worker.routers import ReplicatedRouter
 
 
 class SparseMoE(nn.Module):
+    """`routed` [E] int64: the real tokens routed to each expert since the model was made (a (token, choice) pair
+    each), added on the device in the forward (no host sync; padding rows add nothing), read by `routed_tokens`.
+    The router is replicated, so every rank counts the same routing: one rank's counts are the cluster's."""
+
     def __init__(self, router: ReplicatedRouter, experts: Experts, shared: GatedMLP | None, shard: Shard):
         super().__init__()
         self.router, self.experts, self.shard = router, experts, shard
         if shared is not None:
             self.shared_experts = shared  # made with reduce=False: summed into the experts' part first
         self.has_shared = shared is not None
+        self.register_buffer("routed", torch.zeros(router.weight.shape[0], dtype=torch.int64,
+                                                   device=router.weight.device), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank of the device group calls it (one all-reduce)."""
+    def forward(self, x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; real [T] bool, False on padding rows. Every rank of the device group calls it (one
+        all-reduce)."""
         chosen, weights = self.router(x)
+        self.routed.scatter_add_(0, chosen.reshape(-1), real.to(torch.int64).repeat_interleave(chosen.shape[1]))
         y = self.experts(x, chosen, weights)
         if self.has_shared:
             y = y + self.shared_experts(x)
         return self.shard.all_reduce(y)
+
+
+def routed_tokens(model: nn.Module) -> dict[str, list[int]]:
+    """Layer index (as text: the figure travels as JSON and msgpack alike) -> real tokens routed to each of its
+    experts since the model was made (a token counts once for each of its top-k choices), for every MoE layer of
+    `model` (none: empty). Reads the device counters (one host copy here, none in the forward). Every rank routes
+    every token alike (the router is replicated; expert-parallel ranks too), so this rank's counts are already the
+    figure summed over the cluster, each token counted once, not once a rank: rank 0 reports them unreduced."""
+    return {name.split(".")[1]: block.routed.tolist() for name, block in model.named_modules()
+            if isinstance(block, SparseMoE)}
 
 
 @dataclass(frozen=True)

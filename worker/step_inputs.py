@@ -167,7 +167,7 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     meta = AttnMeta(positions=positions_dev, slot_mapping=slots_dev, dec_kv_slots=dec_slots_dev,
                     dec_q_pos=dec_q_pos_dev, pre_q_gather=gather_dev, pre_q_scatter=scatter_dev,
                     pre_kv_slots=pre_slots_dev, pre_q_pos=q_pos_dev, logits_idx=logits_dev, page_size=page,
-                    chunk_elements=rc.attn_chunk_elements, attention=rc.attention)
+                    scratch_slot=scratch,                     chunk_elements=rc.attn_chunk_elements, attention=rc.attention)
     if rows:
         meta.unit = math.gcd(page, UNIT)
         meta.dec_units, meta.dec_tail, meta.dec_tail_at = unit_lists(tables[:bd], kv_lens[:bd], page, meta.unit,

@@ -29,7 +29,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+def dot_float32(a, b, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
     """a @ b in float32. WIDEN (the interpreter with bfloat16 only: triton 3.8's interpreter multiplies bfloat16
     tiles as their raw bits) multiplies the same values widened to float32, as a bfloat16 MMA accumulates them."""
     if WIDEN:
@@ -86,7 +86,7 @@ def _paged_attention_kernel(
         load_mask = inside[:, None] & (dim[None, :] < D)
         k = tl.load(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + dim[None, :], mask=load_mask, other=0.0)
         v = tl.load(v_ptr + slot[:, None] * stride_vt + kvh * stride_vh + dim[None, :], mask=load_mask, other=0.0)
-        s = _dot(q, tl.trans(k), PRECISION, WIDEN) * scale_log2
+        s = dot_float32(q, tl.trans(k), PRECISION, WIDEN) * scale_log2
         visible = inside[None, :] & (j[None, :] <= pos[:, None])
         if WINDOW > 0:
             visible = visible & (pos[:, None] - j[None, :] < WINDOW)
@@ -96,7 +96,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
+        acc = acc * alpha[:, None] + dot_float32(p.to(v.dtype), v, PRECISION, WIDEN)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows that saw no key (padding) write zeros
     tl.store(o_ptr + (q_start + qi)[:, None] * stride_ot + head[:, None] * stride_oh + dim[None, :],

@@ -38,6 +38,7 @@ from driver.api.validation import build_request, supported_generation_config
 from worker.cpu_threads import release_openmp_pool
 from worker.loop import worker_loop
 from worker.memory import use_device
+from worker.moe_block import routed_tokens
 from worker.memory_release import MemoryCall
 from worker.packed_linear import weights_changed
 from worker.weights import UpdateCall
@@ -175,7 +176,14 @@ class ContinuousBatchingManager:
                 len(e.scheduler.waiting), "free_blocks": e.blocks.num_free, "num_blocks": e.blocks.num_blocks,
                 "num_host_blocks": e.scheduler.host.num_slots, **e.scheduler.offload_stats(),
                 "prompt_tokens_computed": e.num_prompt_tokens, **asdict(e.scheduler.forks.stats),
-                "cuda_graphs": dict(self.runner.graph_stats), "attention": self.effective_config.attention}
+                "cuda_graphs": dict(self.runner.graph_stats), "attention": self.effective_config.attention,
+                **self.routing_stats()}
+
+    def routing_stats(self) -> dict[str, Any]:
+        """A MoE model's `experts_routed`: MoE layer -> real tokens routed to each expert since the model was
+        loaded (worker/moe_block.py, `routed_tokens`; rank 0's counts are the cluster's, routing being replicated)."""
+        routed = routed_tokens(self.runner.model)
+        return {"experts_routed": routed} if routed else {}
 
     # ---------------------------------------------------------------- requests (driver)
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,

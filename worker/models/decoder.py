@@ -26,7 +26,8 @@ BASE_NAMES = NameTable((
 
 
 class DecoderLayer(nn.Module):
-    """h + attn(norm(h)), then h + mlp(norm(h)); `mlp` is any block of one all-reduce (dense or experts)."""
+    """h + attn(norm(h)), then h + mlp(norm(h)); `mlp` is any block of one all-reduce (dense or experts), called
+    with the hidden states and the step's real-token mask [T] (False on padding rows)."""
 
     def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module, dtype: torch.dtype):
         super().__init__()
@@ -35,10 +36,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = mlp
 
-    def forward(self, h: torch.Tensor, meta: AttnMeta, rope: StepRotary, masks: StepMasks, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, meta: AttnMeta, rope: StepRotary, masks: StepMasks, real: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), meta, rope, masks, k_cache, v_cache)
-        return h.add_(self.mlp(self.post_attention_layernorm(h)))
+        return h.add_(self.mlp(self.post_attention_layernorm(h), real))
 
 
 class CausalLM(nn.Module):
@@ -94,12 +95,14 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor]) -> torch.Tensor:
         """Every rank of the device group calls it: two all-reduces a layer, one for the embedding.
-        The per-step metadata (rope cos/sin at the step's positions, the decode masks) is computed once here."""
+        The per-step metadata (rope cos/sin at the step's positions, the decode masks, which tokens are real) is
+        computed once here."""
         h = self.embed_tokens(input_ids)
         rope = self.rope.at(meta.positions, h.dtype)
         masks = step_masks(meta, self.windows, h.dtype)
+        real = meta.slot_mapping < meta.scratch_slot
         for layer, kc, vc in zip(self.layers, k_caches, v_caches):
-            h = layer(h, meta, rope, masks, kc, vc)
+            h = layer(h, meta, rope, masks, real, kc, vc)
         return self.lm_head(self.norm(h.index_select(0, meta.logits_idx)))
 
     # -- checkpoint names --------------------------------------------------------------------------------------
