@@ -176,7 +176,37 @@ def test_echo(oai, tok, model_dir):
             got[ch.index] = got.get(ch.index, "") + ch.text
     assert got[0].startswith(text) and got[1].startswith("def f") and len(got) == 2
     refused(lambda: oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=2, echo=True,
-                                           logprobs=1), "echo", Code.UNSUPPORTED)
+                                           logprobs=1, stream=True), "stream", Code.UNSUPPORTED)
+
+
+LONG_PROMPT = [(7 * i * i + 13 * i + 1) % 2000 + 2 for i in range(300)]  # past max_batch_tokens 256: two chunks
+
+
+@pytest.mark.slow
+def test_echo_logprobs_equal_transformers_at_tp2(oai, hf, model_dir):
+    """Prompt logprobs (echo + logprobs, as lm-evaluation-harness asks them) equal transformers' log-softmax of the
+    prompt (1e-4, float32) at TP=2: a prompt chunked over two prefill steps whose prefix an earlier request left in
+    the cache; max_tokens 0 scores alone (no completion token)."""
+    import torch
+
+    with torch.no_grad():
+        logsm = hf(torch.tensor([LONG_PROMPT])).logits[0, :-1].float().log_softmax(-1)
+    want = logsm.gather(1, torch.tensor(LONG_PROMPT[1:])[:, None])[:, 0].tolist()
+    name = model_dir.name
+    first = oai.completions.create(model=name, prompt=LONG_PROMPT, max_tokens=1, temperature=0)
+    for limit in (1, 0):
+        r = oai.completions.create(model=name, prompt=LONG_PROMPT, max_tokens=limit, temperature=0, echo=True,
+                                   logprobs=2)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(LONG_PROMPT) + limit
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(LONG_PROMPT)] == pytest.approx(want, abs=1e-4)
+        assert all(len(d) in (2, 3) and max(d.values()) >= v for d, v in zip(lp.top_logprobs[1:], want))
+        assert r.usage.completion_tokens == limit and r.usage.prompt_tokens == len(LONG_PROMPT)
+        assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == oai.completions.create(model=name, prompt=LONG_PROMPT, max_tokens=1, echo=True,
+                                                       temperature=0).choices[0].text[:len(r.choices[0].text)]
+    assert first.choices[0].text
 
 
 # ------------------------------------------------------------------ structured outputs
@@ -256,6 +286,6 @@ def test_regex_grammar_and_refusals(server, oai, model_dir):
 def test_logprobs_json_can_carry():
     """-inf (a token a filter dropped) as -9999.0, NaN (a token delivered before a resume) as null: Starlette's
     JSON refuses both, which made such an answer a 500."""
-    from launch.gateway.openai_serving import MIN_LOGPROB, finite
+    from launch.gateway.echo_logprobs import MIN_LOGPROB, finite
 
     assert finite(float("nan")) is None and finite(float("-inf")) == MIN_LOGPROB and finite(-1.5) == -1.5

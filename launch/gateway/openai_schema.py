@@ -132,7 +132,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)  # 0: score the prompt only (one prefill)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the chosen token's, and this many top ones
     echo: bool = False
     suffix: str | None = None
@@ -151,16 +151,23 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
-            raise HttpError(Code.UNSUPPORTED, "echo with logprobs is not supported (the prompt's logprobs are not "
-                                              "computed)", "echo")
+        if self.stream and (self.scores_prompt() or self.max_tokens == 0):
+            raise HttpError(Code.UNSUPPORTED, "echo with logprobs, and max_tokens 0, are answered whole: not with "
+                                              "stream", "stream")
         if self.suffix:
             raise HttpError(Code.UNSUPPORTED, "suffix is not supported", "suffix")
         if self.best_of not in (None, self.n):
             raise HttpError(Code.UNSUPPORTED, "best_of other than n is not supported", "best_of")
 
+    def scores_prompt(self) -> bool:
+        """`echo` with `logprobs`: the prompt's tokens come back with their logprobs (vLLM's prompt_logprobs)."""
+        return self.echo and self.logprobs is not None
+
     def params(self, text: bool) -> dict[str, Any]:
-        return self.submit_params(self.max_tokens, self.logprobs is not None, self.logprobs or 0, text)
+        """max_tokens 0 (score only) runs the prompt's one prefill, whose one sampled token is not reported."""
+        limit = 1 if self.max_tokens == 0 else self.max_tokens
+        params = self.submit_params(limit, self.logprobs is not None, self.logprobs or 0, text)
+        return params | ({"prompt_logprobs": self.logprobs} if self.scores_prompt() else {})
 
 
 class ChatMessage(BaseModel):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from cluster.client import AsyncClient
 from cluster.errors import ClientError, Code
+from launch.gateway.echo_logprobs import finite, joined, prompt_logprobs
 from launch.gateway.errors import MODEL_NOT_FOUND, HttpError
 from launch.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from cluster.outputs import GenerationOutput
@@ -77,14 +77,6 @@ class Tokens:
     ids: list[int]
     logprobs: list[float]
     top: list | None = None
-
-
-MIN_LOGPROB = -9999.0  # what a -inf logprob (a token its filters dropped) is reported as: JSON has no infinity
-
-
-def finite(logprob: float) -> float | None:
-    """A logprob JSON can carry: -inf as MIN_LOGPROB, NaN (a token delivered before a resume) as null."""
-    return None if math.isnan(logprob) else max(logprob, MIN_LOGPROB)
 
 
 def finish_reason(out: GenerationOutput, max_new_tokens: int | None) -> str:
@@ -265,10 +257,16 @@ class OpenAIServing:
         """The whole answer of a non-streaming call."""
         await self._run(choices, params)
         limit = params.get("max_new_tokens")
+        score_only = not chat and body.max_tokens == 0  # one prefill: its one sampled token is not reported
         out_choices = []
         for c in choices:
             out = c.last
-            lp = self._logprobs(body, chat, c, Tokens(out.generated_tokens, out.logprobs, out.top_logprobs))
+            if score_only:
+                c.text, c.tokens = "", 0
+            lp = self._logprobs(body, chat, c, Tokens([], []) if score_only else
+                                Tokens(out.generated_tokens, out.logprobs, out.top_logprobs))
+            if not chat and body.scores_prompt():
+                lp = joined(prompt_logprobs(out, self.model.token_text), lp)
             d: dict[str, Any] = {"index": c.index, "logprobs": lp, "finish_reason": finish_reason(c.last, limit)}
             d |= {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.echo + c.text}
             out_choices.append(d)
