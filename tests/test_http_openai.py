@@ -289,3 +289,27 @@ def test_logprobs_json_can_carry():
     from launch.gateway.echo_logprobs import MIN_LOGPROB, finite
 
     assert finite(float("nan")) is None and finite(float("-inf")) == MIN_LOGPROB and finite(-1.5) == -1.5
+
+
+@pytest.mark.slow
+def test_logprobs_mode_and_token_ids_at_tp2(oai, hf, model_dir):
+    """vLLM's `logprobs_mode` per request (raw: the model's log-softmax; processed: after temperature) and
+    `return_token_ids` (prompt and completion ids in each choice) at TP=2, against transformers' logits."""
+    import torch
+
+    outs = {}
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        r = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=5, temperature=0.7, seed=5,
+                                   logprobs=1, extra_body={"logprobs_mode": mode, "return_token_ids": True})
+        outs[mode] = r.choices[0]
+    tokens = outs["raw_logprobs"].token_ids
+    assert outs["processed_logprobs"].token_ids == tokens and len(tokens) == 5
+    assert outs["raw_logprobs"].prompt_token_ids == PROMPT_IDS
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT_IDS + tokens])).logits[0, len(PROMPT_IDS) - 1:-1].double()
+    for mode, scale in (("raw_logprobs", 1.0), ("processed_logprobs", 0.7)):
+        want = (logits / scale).log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        assert outs[mode].logprobs.token_logprobs == pytest.approx(want, abs=1e-4), mode
+    chat = oai.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=3, temperature=0, extra_body={"return_token_ids": True})
+    assert chat.prompt_token_ids == chat.choices[0].prompt_token_ids and len(chat.choices[0].token_ids) <= 3

@@ -93,6 +93,7 @@ class Request:
     # prompt logprobs (driver/engine/prompt_scores.py): None: not asked; k >= 0: each prompt token's logprob and its
     # position's k most probable tokens; prompt_scores holds them per prompt position (the first stays None)
     prompt_logprobs: int | None = None
+    logprobs_mode: str = "processed_logprobs"  # what its logprobs report (driver/engine/logprobs_mode.py)
     prompt_scores: list | None = field(default=None, repr=False)
     # fair scheduling (driver/engine/fair_queue.py): lower priority numbers go first; clients take turns
     priority: int = 0

@@ -269,8 +269,13 @@ class OpenAIServing:
                 lp = joined(prompt_logprobs(out, self.model.token_text), lp)
             d: dict[str, Any] = {"index": c.index, "logprobs": lp, "finish_reason": finish_reason(c.last, limit)}
             d |= {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.echo + c.text}
+            if body.return_token_ids:  # vLLM's: the prompt's and the completion's token ids
+                d |= {"prompt_token_ids": list(out.prompt_ids), "token_ids": out.generated_tokens[:c.tokens]}
             out_choices.append(d)
-        return self._head(choices, chat, False) | {"choices": out_choices, "usage": self._usage(choices)}
+        answer = self._head(choices, chat, False) | {"choices": out_choices, "usage": self._usage(choices)}
+        if chat and body.return_token_ids:  # vLLM's chat answer carries them at the top too
+            answer["prompt_token_ids"] = out_choices[0]["prompt_token_ids"]
+        return answer
 
     async def stream_events(self, body: Any, chat: bool, choices: list[Choice], params: dict[str, Any]
                             ) -> AsyncIterator[str]:
@@ -287,6 +292,7 @@ class OpenAIServing:
                                                "logprobs": None, "finish_reason": None}]} | extra)
         try:
             echoed: set[int] = set()
+            ids_sent: set[int] = set()
             async for c, out in outputs:
                 delta, new = c.advance(out)
                 reason = finish_reason(out, limit) if out.is_finished() else None
@@ -298,6 +304,9 @@ class OpenAIServing:
                     delta = c.echo + delta
                 d: dict[str, Any] = {"index": c.index, "logprobs": lp, "finish_reason": reason}
                 d |= {"delta": {"content": delta} if delta or not reason else {}} if chat else {"text": delta}
+                if body.return_token_ids:  # the prompt's ids in a choice's first chunk, then each chunk's new ids
+                    d |= {"token_ids": new.ids} | ({} if c.index in ids_sent else {"prompt_token_ids": out.prompt_ids})
+                    ids_sent.add(c.index)
                 yield sse(head | {"choices": [d]} | extra)
             if usage_on:
                 yield sse(head | {"choices": [], "usage": self._usage(choices)})
