@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, transformers_greedy
 from tests.test_http import http
 
 TOKEN = "sglang-test-token"
@@ -85,7 +85,8 @@ def test_slime_rounds(server, model_dir, make_checkpoint):
             resubmitted = pool.submit(generate, server, PROMPT + done, max_new_tokens=NEW)  # queued while paused
             assert admin(server, "/continue_generation", {})[0] == 200
             again = resubmitted.result(timeout=120)
-            assert again["output_ids"] == hf_greedy(new_dir, [PROMPT + done], NEW)[0]
+            # the partial length varies run to run: transformers' reference is not cached (tests/references)
+            assert again["output_ids"] == transformers_greedy(new_dir, [PROMPT + done], NEW)[0]
             assert again["meta_info"]["weight_version"] == f"v{round_no}"
             fresh = generate(server, PROMPT, max_new_tokens=NEW)
             assert fresh["output_ids"] == hf_greedy(new_dir, [PROMPT], NEW)[0]
