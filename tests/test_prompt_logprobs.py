@@ -115,3 +115,29 @@ def test_echo_logprobs_shape_and_wire_field():
         with pytest.raises(ProtocolError) as e:
             parse_submit({"input_ids": [1], "prompt_logprobs": bad})
         assert e.value.code == Code.BAD_FIELD
+
+
+def test_runner_returns_scored_positions_after_sampled_rows(make_checkpoint):
+    """The runner's logits: sampled rows' last positions, then every position of each SCORE_ALL row; a decode-only
+    plan replayed by a graph (CPU stand-in) gives what the eager runner gives."""
+    import numpy as np
+
+    from cluster.plan import SAMPLE_LAST, SCORE_ALL, StepPlan
+    from tests.test_graphs import decode_plan, graph_runner, prefill_plan
+
+    model = cluster.load(make_checkpoint("qwen3"))
+    runner, eager = graph_runner(model)
+    lens = [5, 19, 33]
+    for r in (runner, eager):
+        r.execute(prefill_plan(lens))
+    plan = decode_plan([7, 8, 9], [n + 1 for n in lens], sample=[SAMPLE_LAST, SCORE_ALL, SAMPLE_LAST | SCORE_ALL])
+    got, want = runner.execute(plan), eager.execute(plan)
+    assert got.shape == (4, model.config.vocab_size) and runner.graph_stats["replays"] == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], got[3])  # row 2: sampled (second) and scored (last) at its one position
+    whole = eager.execute(decode_plan([7, 8, 9], [n + 1 for n in lens]))  # every row sampled
+    torch.testing.assert_close(got[[0, 2, 1]], whole, rtol=1e-5, atol=1e-5)  # rows 0, 1, 2 by their positions
+    chunk = StepPlan(input_ids=np.arange(5, 15, dtype=np.int32), q_lens=np.array([1, 9], np.int32),
+                     kv_lens=np.array([lens[0] + 2, 9], np.int32), sample=np.array([SAMPLE_LAST, SCORE_ALL], np.int32),
+                     block_tables=np.stack([np.arange(0, 8), np.arange(24, 32)]).astype(np.int32))
+    assert eager.execute(chunk).shape == (1 + 9, model.config.vocab_size)
