@@ -16,8 +16,10 @@ from cluster.compile_settings import CompileSettings, compile_decision
 
 # Defaults where the seed says "inferred" and there is no GPU memory to infer from.
 # ContinuousBatchingConfig's fields that transformers' class does not have
-LOCKSTEP_FIELDS = ("decode_burst", "max_weight_lag", "stale_policy")
+LOCKSTEP_FIELDS = ("decode_burst", "max_weight_lag", "stale_policy", "logprobs_mode")
 STALE_POLICIES = ("end", "restart")  # what an update does to a request beyond its max_weight_lag (docs/weights.md)
+# vLLM's: which figures a token's logprobs (and top_logprobs) report (driver/engine/logprobs_mode.py)
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
 CPU_KV_CACHE_BYTES = 1 << 30  # KV budget on a CPU rank when num_blocks is None (1 GiB)
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
 DEFAULT_MAX_REQUESTS_PER_BATCH = {"cpu": 128, "cuda": 1024}
@@ -76,6 +78,7 @@ class ContinuousBatchingConfig:
     # with finish_reason "stale"; "restart": from its prompt under the new weights); docs/weights.md, "Staleness"
     max_weight_lag: int | None = None
     stale_policy: str = "end"
+    logprobs_mode: str = "processed_logprobs"  # every request's default (LOGPROBS_MODES; docs/http.md, "Logprobs")
 
     def __post_init__(self) -> None:
         if self.use_default_compile_configs is not None:
@@ -136,6 +139,8 @@ class ContinuousBatchingConfig:
             bad("max_weight_lag", "must be a non-negative integer or None")
         if self.stale_policy not in STALE_POLICIES:
             bad("stale_policy", f"must be one of {STALE_POLICIES}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            bad("logprobs_mode", f"must be one of {LOGPROBS_MODES}")
 
     @classmethod
     def from_any(cls, obj: Any) -> "ContinuousBatchingConfig":

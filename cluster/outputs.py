@@ -22,8 +22,8 @@ class RequestStatus(IntEnum):
 # a request's finish_reason by its terminal status; set where it ends: "length" (max_new_tokens or the context),
 # "abort" (a pause of mode "abort", status CANCELLED) and "stale" (beyond its max_weight_lag at an update, FINISHED)
 FINISH_REASONS = {RequestStatus.FINISHED: "stop", RequestStatus.FAILED: "error", RequestStatus.CANCELLED: "cancelled"}
-OPTIONAL_KEYS = ("resumes", "text", "finish_reason", "stop_string", "top_logprobs", "pauses",
-                 "stale_restarts")  # in to_dict only when set (0 or None: unset)
+OPTIONAL_KEYS = ("resumes", "text", "finish_reason", "stop_string", "top_logprobs", "pauses", "stale_restarts",
+                 "prompt_logprobs", "prompt_top_logprobs")  # in to_dict only when set (0 or None: unset)
 
 
 @dataclass
@@ -53,6 +53,10 @@ class GenerationOutput:
     # each pause that held the request (docs/weights.md, "Pause modes"): (its generated tokens then, the pause's mode)
     pauses: list[tuple[int, str]] | None = None
     stale_restarts: int = 0  # times it restarted from its prompt for its max_weight_lag (docs/weights.md, "Staleness")
+    # prompt logprobs (asked with prompt_logprobs): per prompt token, its logprob under the raw model (the first
+    # None), and its position's most probable (token, logprob) pairs (the first empty); None: not asked for
+    prompt_logprobs: list | None = None
+    prompt_top_logprobs: list | None = None
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED

@@ -65,6 +65,15 @@ class S(IntEnum):
 
 STATE_MAGIC = 0x5747
 
+SAMPLE_LAST = 1  # StepPlan.sample flag: the row's last position's logits are sampled
+SCORE_ALL = 2  # StepPlan.sample flag: the logits of all the row's positions come back too (prompt logprobs)
+
+
+def logits_rows(sample: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sampled rows, scored rows) of a plan: the gathered logits hold one row per sampled row (its last position),
+    then every position of each scored row, in row order."""
+    return np.flatnonzero(sample & SAMPLE_LAST), np.flatnonzero(sample & SCORE_ALL)
+
 
 @dataclass
 class StepPlan:
@@ -74,7 +83,9 @@ class StepPlan:
     input_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [T]
     q_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [B] tokens run this step
     kv_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [B] context after the step
-    sample: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [B] 1: return last logits
+    # [B] flags: SAMPLE_LAST (its last position's logits are sampled), SCORE_ALL (every position's logits come back
+    # after the sampled rows', for prompt logprobs: driver/engine/prompt_scores.py)
+    sample: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [B, NB]
     swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [n, 2] (page, host slot)
     swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [m, 2] (host slot, page)

@@ -118,6 +118,8 @@ class Submit:
     top_logprobs: int = 0  # 1..MAX_TOP_LOGPROBS: each token's most probable alternatives with their logprobs
     max_weight_lag: int | None = None  # None: the preset's (values checked where the request is built)
     stale_policy: str | None = None  # "end" or "restart"; None: the preset's
+    prompt_logprobs: int | None = None  # 0..MAX_TOP_LOGPROBS: the prompt's logprobs with that many alternatives
+    logprobs_mode: str | None = None  # vLLM's (cluster.config.LOGPROBS_MODES); None: the preset's
     n: int = 1  # samples of the prompt (cluster/samples.py: its children `<id>__child#<i>` and itself), one prefill
 
     @property
@@ -180,7 +182,8 @@ def parse_submit(msg: dict) -> Submit:
                   return_text=field(msg, "return_text", bool, False), logprobs=field(msg, "logprobs", bool, False),
                   priority=field(msg, "priority", int, 0), top_logprobs=check_top_logprobs(msg, mid, rid),
                   max_weight_lag=field(msg, "max_weight_lag", int), stale_policy=field(msg, "stale_policy", str),
-                  n=check_samples(msg, mid, rid))
+                  n=check_samples(msg, mid, rid), prompt_logprobs=check_prompt_logprobs(msg, mid, rid),
+                  logprobs_mode=field(msg, "logprobs_mode", str))
 
 
 def pause_mode(msg: dict) -> str:
@@ -204,6 +207,14 @@ def check_top_logprobs(msg: dict, mid: Any = None, rid: str | None = None) -> in
     k = field(msg, "top_logprobs", int, 0)
     if not 0 <= k <= MAX_TOP_LOGPROBS:
         raise _bad(f"top_logprobs={k}; it must be an integer in [0, {MAX_TOP_LOGPROBS}]", mid, rid)
+    return k
+
+
+def check_prompt_logprobs(msg: dict, mid: Any = None, rid: str | None = None) -> int | None:
+    """A submit's `prompt_logprobs` (vLLM's): absent, or an integer in [0, MAX_TOP_LOGPROBS]."""
+    k = field(msg, "prompt_logprobs", int)
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise _bad(f"prompt_logprobs={k}; it must be an integer in [0, {MAX_TOP_LOGPROBS}]", mid, rid)
     return k
 
 

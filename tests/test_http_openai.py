@@ -171,7 +171,36 @@ def test_echo(oai, tok, model_dir):
             got[ch.index] = got.get(ch.index, "") + ch.text
     assert got[0].startswith(text) and got[1].startswith("def f") and len(got) == 2
     refused(lambda: oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=2, echo=True,
-                                           logprobs=1), "echo", Code.UNSUPPORTED)
+                                           logprobs=1, stream=True), "stream", Code.UNSUPPORTED)
+
+
+LONG_PROMPT = [(7 * i * i + 13 * i + 1) % 2000 + 2 for i in range(300)]  # past max_batch_tokens 256: two chunks
+
+
+def test_echo_logprobs_equal_transformers_at_tp2(oai, hf, model_dir):
+    """Prompt logprobs (echo + logprobs, as lm-evaluation-harness asks them) equal transformers' log-softmax of the
+    prompt (1e-4, float32) at TP=2: a prompt chunked over two prefill steps whose prefix an earlier request left in
+    the cache; max_tokens 0 scores alone (no completion token)."""
+    import torch
+
+    with torch.no_grad():
+        logsm = hf(torch.tensor([LONG_PROMPT])).logits[0, :-1].float().log_softmax(-1)
+    want = logsm.gather(1, torch.tensor(LONG_PROMPT[1:])[:, None])[:, 0].tolist()
+    name = model_dir.name
+    first = oai.completions.create(model=name, prompt=LONG_PROMPT, max_tokens=1, temperature=0)
+    for limit in (1, 0):
+        r = oai.completions.create(model=name, prompt=LONG_PROMPT, max_tokens=limit, temperature=0, echo=True,
+                                   logprobs=2)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(LONG_PROMPT) + limit
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(LONG_PROMPT)] == pytest.approx(want, abs=1e-4)
+        assert all(len(d) in (2, 3) and max(d.values()) >= v for d, v in zip(lp.top_logprobs[1:], want))
+        assert r.usage.completion_tokens == limit and r.usage.prompt_tokens == len(LONG_PROMPT)
+        assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == oai.completions.create(model=name, prompt=LONG_PROMPT, max_tokens=1, echo=True,
+                                                       temperature=0).choices[0].text[:len(r.choices[0].text)]
+    assert first.choices[0].text
 
 
 # ------------------------------------------------------------------ structured outputs
@@ -244,3 +273,26 @@ def test_regex_grammar_and_refusals(server, oai, model_dir):
     body = refused(lambda: oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=4,
                                                   extra_body={"guided_regex": "a(b"}), "guided_regex")
     assert "unclosed group" in body["message"]
+
+
+def test_logprobs_mode_and_token_ids_at_tp2(oai, hf, model_dir):
+    """vLLM's `logprobs_mode` per request (raw: the model's log-softmax; processed: after temperature) and
+    `return_token_ids` (prompt and completion ids in each choice) at TP=2, against transformers' logits."""
+    import torch
+
+    outs = {}
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        r = oai.completions.create(model=model_dir.name, prompt=PROMPT_IDS, max_tokens=5, temperature=0.7, seed=5,
+                                   logprobs=1, extra_body={"logprobs_mode": mode, "return_token_ids": True})
+        outs[mode] = r.choices[0]
+    tokens = outs["raw_logprobs"].token_ids
+    assert outs["processed_logprobs"].token_ids == tokens and len(tokens) == 5
+    assert outs["raw_logprobs"].prompt_token_ids == PROMPT_IDS
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT_IDS + tokens])).logits[0, len(PROMPT_IDS) - 1:-1].double()
+    for mode, scale in (("raw_logprobs", 1.0), ("processed_logprobs", 0.7)):
+        want = (logits / scale).log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        assert outs[mode].logprobs.token_logprobs == pytest.approx(want, abs=1e-4), mode
+    chat = oai.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=3, temperature=0, extra_body={"return_token_ids": True})
+    assert chat.prompt_token_ids == chat.choices[0].prompt_token_ids and len(chat.choices[0].token_ids) <= 3

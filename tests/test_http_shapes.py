@@ -19,6 +19,6 @@ def test_every_code_has_a_status():
 def test_logprobs_json_can_carry():
     """-inf (a token a filter dropped) as -9999.0, NaN (a token delivered before a resume) as null: Starlette's
     JSON refuses both, which made such an answer a 500."""
-    from launch.gateway.openai_serving import MIN_LOGPROB, finite
+    from launch.gateway.echo_logprobs import MIN_LOGPROB, finite
 
     assert finite(float("nan")) is None and finite(float("-inf")) == MIN_LOGPROB and finite(-1.5) == -1.5

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from cluster.config import ResolvedConfig
 from cluster.device_lists import on_device
 from cluster.dist import DRIVER
-from cluster.plan import StepPlan
+from cluster.plan import StepPlan, logits_rows
 from worker.attention import AttnMeta
 from worker.compiled import ForwardFn
 from worker.graphs import (CudaGraphFactory, DecodeGraphs, GraphFactory, GraphKey, decode_buckets, decode_widths,
@@ -123,8 +123,9 @@ class ModelRunner:
         return [] if self.graphs is None else self.graphs.changed_addresses(self.graph_reads())
 
     def execute(self, plan: StepPlan) -> torch.Tensor | ShardArgmax | None:
-        """Run one step and wait for it. Every rank calls it with the same plan; the driver gets [sampled seqs,
-        vocab] logits, or with `argmax_on_shards` every rank the greedy tokens (ShardArgmax)."""
+        """Run one step and wait for it. Every rank calls it with the same plan; the driver gets [sampled seqs +
+        scored positions, vocab] logits (cluster.plan.logits_rows), or with `argmax_on_shards` every rank the greedy
+        tokens (ShardArgmax)."""
         return self.launch(plan).value()
 
     @torch.inference_mode()
@@ -150,7 +151,8 @@ class ModelRunner:
             self.graph_stats["eager_steps"] += plan.burst
         ids, meta, n = self.prepare(plan, *(key or (None, None)))
         refs = bool(plan.num_tokens) and int(plan.input_ids.min()) < 0
-        rows = None if key is None else on_device(np.nonzero(plan.sample)[0], torch.int64, self.device)
+        rows = None if key is None else on_device(np.concatenate(logits_rows(plan.sample, plan.q_lens)), torch.int64,
+                                                  self.device)  # a decode row's positions: its own row
 
         def run(first: bool) -> torch.Tensor | ShardArgmax | None:
             if first:

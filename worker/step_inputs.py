@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from cluster.config import ResolvedConfig, next_pow2, round_up
-from cluster.plan import StepPlan
+from cluster.plan import StepPlan, logits_rows
 from worker import flash
 from worker.attention import AttnMeta
 
@@ -157,12 +157,14 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
         q_pos[p, i] = pos[bd:]
         pre_slots[:bp] = kv_slots(tables[bd:], kv_lens[bd:], lp_pad, page, scratch)
 
-    sampled = np.flatnonzero(plan.sample)
+    sampled, scored = logits_rows(plan.sample, q_lens)
+    # the sampled rows' last positions, then every position of each scored row (prompt logprobs)
+    picked = np.concatenate([where[cu[1:][sampled] - 1]] + [where[cu[r]:cu[r + 1]] for r in scored.tolist()])
     if bucket is not None:  # every bucket row's logits; the sampled rows are picked after the replay
         logits_dev = buf.put(np.arange(bucket))
     else:
-        logits_idx, logits_dev = buf.alloc((next_pow2(len(sampled)) if len(sampled) else 0,), fill=0)
-        logits_idx[:len(sampled)] = where[cu[1:][sampled] - 1]
+        logits_idx, logits_dev = buf.alloc((next_pow2(len(picked)) if len(picked) else 0,), fill=0)
+        logits_idx[:len(picked)] = picked
 
     meta = AttnMeta(positions=positions_dev, slot_mapping=slots_dev, dec_kv_slots=dec_slots_dev,
                     dec_q_pos=dec_q_pos_dev, pre_q_gather=gather_dev, pre_q_scatter=scatter_dev,
@@ -179,7 +181,7 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
         j = kv_lens[:bd, None] + np.arange(ahead)
         later[:bd] = tables[np.arange(bd)[:, None], j // page].astype(np.int64) * page + j % page
     buf.commit()
-    return ids_dev, meta, len(sampled)
+    return ids_dev, meta, len(picked)
 
 
 def _block_table_meta(buf: StaticBuffers, meta: AttnMeta, tables: np.ndarray, q_lens: np.ndarray,

@@ -149,7 +149,8 @@ class Client:
                       resume_versions: list[tuple[int, int]] | None = None, resumes: int = 0,
                       stop: list[str] | None = None, return_text: bool = False, logprobs: bool = False,
                       priority: int = 0, top_logprobs: int = 0, max_weight_lag: int | None = None,
-                      stale_policy: str | None = None, n: int = 1, **sampling: Any) -> tuple[PendingRequest, Future]:
+                      stale_policy: str | None = None, n: int = 1, prompt_logprobs: int | None = None,
+                      logprobs_mode: str | None = None, **sampling: Any) -> tuple[PendingRequest, Future]:
         """Send a submit; the future resolves to the request id once accepted (an id outstanding here raises
         `duplicate_request_id` at once). `resume_tokens` (`resume_versions`, `resumes`): resume by hand
         (docs/recovery.md). Outputs carry `text` when the submit is text, has `stop` strings or `return_text`.
@@ -158,7 +159,10 @@ class Client:
         `max_weight_lag`, `stale_policy`: the versions a request may span, and what an update beyond them does
         ("end": finish_reason "stale"; "restart"); unset, the server's preset's (docs/weights.md, "Staleness").
         `n` > 1: n samples of the prompt from one prefill, each a request of its own (`cluster.samples.sample_ids`:
-        `<id>__child#<i>`, then the id; collect each with `result`); they are not resumed."""
+        `<id>__child#<i>`, then the id; collect each with `result`); they are not resumed. `prompt_logprobs` (vLLM's,
+        0..20): the final output's `prompt_logprobs` and `prompt_top_logprobs` (the prompt's own logprobs and that many
+        alternatives at each position); such a request is not resumed. `logprobs_mode` (vLLM's: `processed_logprobs`,
+        `raw_logprobs`, `processed_logits`, `raw_logits`; unset: the server's preset's): what logprobs report."""
         rid = request_id or os.urandom(12).hex()
         fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "streaming": streaming, "sampling": sampling,
                                   "request_id": rid, "eos_token_id": eos_token_id}
@@ -166,11 +170,14 @@ class Client:
         fields |= {k: v for k, v in (("stop", list(stop) if stop is not None else None), ("return_text", return_text),
                                      ("logprobs", logprobs), ("priority", priority),
                                      ("top_logprobs", top_logprobs), ("stale_policy", stale_policy),
+                                     ("logprobs_mode", logprobs_mode),
                                      ("n", n if n != 1 else 0)) if v}
         fields |= {"max_weight_lag": max_weight_lag} if max_weight_lag is not None else {}
+        fields |= {"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None else {}
         fields |= {"text": text} if text is not None else {"input_ids": None if input_ids is None else list(input_ids)}
         io = self.io
-        req = PendingRequest(rid, input_ids, dict(fields), resumable=self.auto_resume and n == 1)
+        req = PendingRequest(rid, input_ids, dict(fields),
+                             resumable=self.auto_resume and n == 1 and prompt_logprobs is None)
         samples = [PendingRequest(i, input_ids) for i in sample_ids(rid, n)[:-1]]  # n samples: the children
         if resume_tokens or resumes:
             fields |= {"resume_tokens": list(resume_tokens or []), "resumes": resumes,

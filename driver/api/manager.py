@@ -190,16 +190,20 @@ class ContinuousBatchingManager:
                     streaming: bool = False, record_timestamps: bool = False,
                     eos_token_id: int | list[int] | None = None, priority: int = 0, top_logprobs: int = 0,
                     max_weight_lag: int | None = None, stale_policy: str | None = None,
+                    prompt_logprobs: int | None = None, logprobs_mode: str | None = None,
                     **logit_processor_kwargs: Any) -> str | None:
         """Queue a request; its id on the driver, None on other ranks (a no-op there). `priority`: lower numbers are
         scheduled first (vLLM's meaning; FCFS within one; docs/architecture.md, "Fair scheduling"). `top_logprobs`
         (1..20): each output's `top_logprobs` holds every token's most probable (token, logprob) pairs.
-        `max_weight_lag`, `stale_policy`: its staleness bound (None: the config's; docs/weights.md, "Staleness")."""
+        `max_weight_lag`, `stale_policy`: its staleness bound (None: the config's; docs/weights.md, "Staleness").
+        `prompt_logprobs` (vLLM's; 0..20): each output's `prompt_logprobs` and `prompt_top_logprobs`.
+        `logprobs_mode` (vLLM's; None: the config's): what its logprobs report (driver/engine/logprobs_mode.py)."""
         if not self.is_driver:
             return None
         return self.submit(self.build_request(input_ids, request_id, max_new_tokens, streaming, record_timestamps,
                                               eos_token_id, priority=priority, top_logprobs=top_logprobs,
                                               max_weight_lag=max_weight_lag, stale_policy=stale_policy,
+                                              prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode,
                                               **logit_processor_kwargs))
 
     def build_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
@@ -208,6 +212,7 @@ class ContinuousBatchingManager:
                       resume_tokens: list[int] | None = None, resume_versions: list[tuple[int, int]] | None = None,
                       resumes: int = 0, priority: int = 0, top_logprobs: int = 0, max_weight_lag: int | None = None,
                       stale_policy: str | None = None, num_return_sequences: int | None = None,
+                      prompt_logprobs: int | None = None, logprobs_mode: str | None = None,
                       **logit_processor_kwargs: Any) -> Request:
         """A validated request, not yet queued (RequestRejected, with its code, if it cannot be served).
         `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire).
@@ -216,10 +221,15 @@ class ContinuousBatchingManager:
         prefill (request_group.py); each sample bounded by `max_weight_lag` / `stale_policy` (staleness.py)."""
         rid = f"req_{next(self._ids)}" if request_id is None else request_id
         n = samples_asked(self.generation_config, num_return_sequences, rid)
+        if n > 1 and prompt_logprobs is not None:
+            raise RequestRejected(f"request {rid}: prompt_logprobs with n={n} samples is not supported (the samples "
+                                  f"share one prefill: ask once with n=1)", Code.UNSUPPORTED, rid)
         return build_group(rid, n, lambda i: bound_staleness(build_request(
             self, input_ids, i, max_new_tokens, streaming, record_timestamps, eos_token_id, logit_processor_kwargs,
             strict_processors=strict_processors, resume_tokens=resume_tokens, resume_versions=resume_versions,
-            resumes=resumes, priority=priority, top_logprobs=top_logprobs), max_weight_lag, stale_policy, self.config))
+            resumes=resumes, priority=priority, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+            logprobs_mode=logprobs_mode),
+            max_weight_lag, stale_policy, self.config))
 
     def submit(self, req: Request, sink: Callable[[GenerationOutput], None] | None = None) -> str:
         """Queue a built request (driver only); `sink` receives its outputs on the loop thread (else the result

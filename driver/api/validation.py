@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from cluster.config import DEFAULT_MAX_NEW_TOKENS
+from cluster.config import DEFAULT_MAX_NEW_TOKENS, LOGPROBS_MODES
 from cluster.errors import Code, RequestRejected
 from cluster.protocol import (MAX_EOS_TOKEN_IDS, MAX_REQUEST_ID_CHARS, MAX_TOP_LOGPROBS, PRIORITY_MAX, PRIORITY_MIN,
                               SAMPLING_FIELDS)
@@ -140,6 +140,18 @@ def check_top_logprobs(top: Any, request_id: str) -> int:
     return k
 
 
+def check_prompt_logprobs(k: Any, request_id: str) -> int | None:
+    """vLLM's `prompt_logprobs`: None (not asked) or an integer in [0, MAX_TOP_LOGPROBS] (the most probable tokens
+    reported at each prompt position; 0: the prompt token's logprob alone)."""
+    if k is None:
+        return None
+    n = integer(k)
+    if n is None or not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise RequestRejected(f"request {request_id}: prompt_logprobs={shown(k)}; prompt_logprobs must be an "
+                              f"integer in [0, {MAX_TOP_LOGPROBS}]", Code.BAD_FIELD, request_id)
+    return n
+
+
 NO_EOS = -1  # transformers' placeholder for "no EOS token" (the benchmarks send it): accepted, matches nothing
 
 
@@ -211,14 +223,22 @@ def check_resume(tokens: Any, versions: Any, resumes: Any, request_id: str, voca
 def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens: int | None, streaming: bool,
                   record_timestamps: bool, eos_token_id: Any, kwargs: dict[str, Any],
                   strict_processors: bool = False, resume_tokens: Any = None, resume_versions: Any = None,
-                  resumes: Any = 0, priority: Any = 0, top_logprobs: Any = 0) -> Request:
+                  resumes: Any = 0, priority: Any = 0, top_logprobs: Any = 0, prompt_logprobs: Any = None,
+                  logprobs_mode: Any = None) -> Request:
     """A validated Request from add_request's arguments and the manager's generation config; with `resume_tokens`
     (or `resumes` > 0) a ResumedRequest, whose `max_new_tokens` counts the resumed tokens too. `top_logprobs` > 0:
-    each token's most probable alternatives too (with the logprobs)."""
+    each token's most probable alternatives too (with the logprobs). `prompt_logprobs` (vLLM's): the prompt's own
+    logprobs with that many alternatives (driver/engine/prompt_scores.py). `logprobs_mode` (vLLM's; None: the
+    config's): what its logprobs report (driver/engine/logprobs_mode.py)."""
     rc, gen = manager.effective_config, manager.generation_config
     request_id = check_request_id(request_id)
     priority = check_priority(priority, request_id)
     top = check_top_logprobs(top_logprobs, request_id)
+    scores = check_prompt_logprobs(prompt_logprobs, request_id)
+    mode = manager.config.logprobs_mode if logprobs_mode is None else logprobs_mode
+    if mode not in LOGPROBS_MODES:
+        raise RequestRejected(f"request {request_id}: logprobs_mode={shown(mode)}; it must be one of "
+                              f"{', '.join(LOGPROBS_MODES)}", Code.BAD_FIELD, request_id)
     vocab = manager.model.config.vocab_size
     prompt = check_prompt(input_ids, request_id, vocab, rc.max_model_len)
     if max_new_tokens is None:
@@ -262,10 +282,14 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
         eos = eos | grammar.eos
     common = dict(request_id=request_id, eos_token_ids=eos, sampling=sampling, streaming=streaming,
                   record_timestamps=record_timestamps, return_logprobs=manager.config.return_logprobs or top > 0,
-                  num_top_logprobs=top, priority=priority, grammar=grammar)
+                  num_top_logprobs=top, priority=priority, grammar=grammar, prompt_logprobs=scores,
+                  logprobs_mode=mode)
     tokens, versions, count = check_resume(resume_tokens, resume_versions, resumes, request_id, vocab, mnt, eos)
     if not count:
         return Request(prompt_ids=prompt, max_new_tokens=mnt, **common)
+    if scores is not None:
+        raise RequestRejected(f"request {request_id}: prompt_logprobs with resumed tokens is not supported (the "
+                              f"resumed prompt is not the client's)", Code.UNSUPPORTED, request_id)
     return ResumedRequest(prompt_ids=prompt + tokens, max_new_tokens=mnt - len(tokens), resumed_tokens=len(tokens),
                           resume_versions=versions, resumes=count, **common)
 

@@ -50,8 +50,9 @@ class BlockManager:
         return -(-num_tokens // self.page_size)
 
     def match_prefix(self, req: Request) -> None:
-        """Attach cached blocks holding a prefix of the request's tokens; at least one token stays to compute."""
-        if not self.allow_sharing or req.block_ids:
+        """Attach cached blocks holding a prefix of the request's tokens; at least one token stays to compute. A
+        request with prompt logprobs takes none: its every prompt position is computed (prompt_scores.py)."""
+        if not self.allow_sharing or req.block_ids or req.prompt_logprobs is not None:
             return
         page, h = self.page_size, b""
         self.prefix_query_blocks += (req.num_tokens - 1) // page

@@ -17,8 +17,9 @@ from cluster.config import ResolvedConfig
 from cluster.dist import Groups, send_plan
 from cluster.errors import Code
 from cluster.outputs import FINISH_REASONS, RequestStatus
-from cluster.plan import STATE_PERIOD_S, Command, S, StepPlan
+from cluster.plan import SAMPLE_LAST, SCORE_ALL, STATE_PERIOD_S, Command, S, StepPlan
 from driver.engine.block_manager import BlockManager, token_slice
+from driver.engine.prompt_scores import score_prompts, scored_rows
 from driver.engine.request import Request
 from driver.engine.sampler import Draw, Launched, Sampler
 from driver.engine.scheduler import Batch, Scheduler
@@ -117,12 +118,15 @@ class Engine:
         plan.data = data
         plan.swap_out, plan.swap_in = self.scheduler.host.take()
         plan.page_copies = self.scheduler.forks.take()
-        sampling = plan.sample.astype(bool)
+        sampling = (plan.sample & SAMPLE_LAST).astype(bool)
         sampled = batch.reqs if sampling.all() else [r for r, m in zip(batch.reqs, sampling.tolist()) if m]
         sampled_slots = slots[sampling]
-        plan.share_tokens = self.rc.overlap and bool(sampled)
+        # a step that scores prompt positions runs in series with its logits gathered (prompt_scores.py); its rows
+        # never burst (a scored row does not sample unless its query holds prompt positions: not a one-token decode)
+        scoring = (plan.sample & SCORE_ALL).astype(bool)
+        plan.share_tokens = self.rc.overlap and bool(sampled) and not scoring.any()
         plan.burst = burst  # > 1 only when every row samples (so share_tokens is set)
-        plan.argmax_on_shards = bool(sampled) and bool(rows.plain[sampled_slots].all())
+        plan.argmax_on_shards = bool(sampled) and bool(rows.plain[sampled_slots].all()) and not scoring.any()
         self.num_burst_forwards += burst - 1
         self._send(plan)
         logits = self.runner.launch(plan)
@@ -133,7 +137,12 @@ class Engine:
         if not plan.share_tokens:  # in series: every token so far is on the host after this step
             events += self.flush()
             self._register(batch.reqs, slots)
-            launched = self.sampler.launch(logits.value(), *self.sampler.rows(sampled))
+            out = logits.value()
+            if scoring.any():  # after the sampled rows' logits, every position of the scored rows
+                score_prompts(out[len(sampled):], [r for r, m in zip(batch.reqs, scoring.tolist()) if m],
+                              plan.kv_lens[scoring] - plan.q_lens[scoring], plan.kv_lens[scoring])
+                out = out[:len(sampled)]
+            launched = self.sampler.launch(out, *self.sampler.rows(sampled))
             events += self._collect(sampled, launched, self.weight_version)
             self.step_no += 1
             return events
@@ -324,9 +333,12 @@ class Engine:
                     chunk = chunk + [-1 - int(row_of[slots[i]])]
                 parts.append(np.asarray(chunk, np.int64))
         input_ids = np.concatenate(parts).astype(np.int32)
+        flags = (stop == known + pending) * SAMPLE_LAST
+        if rows.scores[slots].any():  # prompt logprobs: every position of these rows comes back (prompt_scores.py)
+            flags = flags + scored_rows(rows.scores[slots], start, p) * SCORE_ALL
         plan = StepPlan(command=Command.STEP, step=self.step_no, weight_version=self.weight_version,
                         input_ids=input_ids, q_lens=q.astype(np.int32), kv_lens=stop.astype(np.int32),
-                        sample=(stop == known + pending).astype(np.int32), block_tables=rows.table(slots))
+                        sample=flags.astype(np.int32), block_tables=rows.table(slots))
         return plan, slots
 
 

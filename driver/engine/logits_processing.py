@@ -29,6 +29,7 @@ class SampleRow:
     counts: tuple[tuple[int, int], ...] = ()  # (token, times generated) when a presence/frequency penalty is set
     top: int = 0  # how many of the most probable tokens to report with their logprobs
     allowed: torch.Tensor | None = None  # a structured output's bitmask of allowed tokens (structured.py)
+    logprobs_mode: str = "processed_logprobs"  # what its logprobs report (driver/engine/logprobs_mode.py)
 
     @property
     def samples(self) -> bool:

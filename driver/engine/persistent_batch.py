@@ -32,6 +32,7 @@ class PersistentBatch:
         self.plain = np.zeros(0, bool)  # greedy, nothing read from its history, no logprobs: argmax on the shards
         self.history = np.zeros(0, bool)  # its sampling reads its tokens so far (SamplingParams.needs_history)
         self.extras = np.zeros(0, bool)  # it keeps logprobs or timestamps
+        self.scores = np.zeros(0, bool)  # it asks for prompt logprobs (driver/engine/prompt_scores.py)
         self.version = np.zeros(0, np.int64)  # the weight version of its last token (-1: none yet)
         self.eos = np.full((0, 1), NO_TOKEN, np.int64)
         self.pages = np.zeros((0, 1), np.int32)  # block tables; past num_pages a row holds zeros
@@ -40,7 +41,7 @@ class PersistentBatch:
 
     def _grow(self, capacity: int) -> None:
         old = len(self.reqs)
-        for name in ("computed", "pending", "prompt_len", "limit", "plain", "history", "extras", "version",
+        for name in ("computed", "pending", "prompt_len", "limit", "plain", "history", "extras", "scores", "version",
                      "num_pages"):
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.zeros(capacity - old, a.dtype)]))
@@ -64,6 +65,7 @@ class PersistentBatch:
         self.plain[slot] = req.sampling.greedy and not req.return_logprobs
         self.history[slot] = req.sampling.needs_history
         self.extras[slot] = req.return_logprobs or req.record_timestamps
+        self.scores[slot] = req.prompt_logprobs is not None
         self.version[slot] = req.weight_versions[-1][1] if req.weight_versions else -1
         eos = sorted(req.eos_token_ids)
         if len(eos) > self.eos.shape[1]:

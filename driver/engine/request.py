@@ -90,6 +90,11 @@ class Request:
     record_timestamps: bool = False
     return_logprobs: bool = False
     num_top_logprobs: int = 0  # > 0: each token's most probable alternatives too (implies return_logprobs)
+    # prompt logprobs (driver/engine/prompt_scores.py): None: not asked; k >= 0: each prompt token's logprob and its
+    # position's k most probable tokens; prompt_scores holds them per prompt position (the first stays None)
+    prompt_logprobs: int | None = None
+    logprobs_mode: str = "processed_logprobs"  # what its logprobs report (driver/engine/logprobs_mode.py)
+    prompt_scores: list | None = field(default=None, repr=False)
     # fair scheduling (driver/engine/fair_queue.py): lower priority numbers go first; clients take turns
     priority: int = 0
     client: Hashable = LOCAL_CLIENT  # who sent it: the front door's ZeroMQ identity, else LOCAL_CLIENT
@@ -182,7 +187,15 @@ class Request:
             weight_versions=list(self.weight_versions), error_code=self.error_code, finish_reason=self.finish_reason,
             top_logprobs=list(self.top_logprobs) if self.num_top_logprobs else None,
             pauses=[(i + self.resumed_tokens, mode) for i, mode in self.pauses] or None,
-            stale_restarts=self.stale_restarts)
+            stale_restarts=self.stale_restarts, **self.prompt_score_lists())
+
+    def prompt_score_lists(self) -> dict[str, list | None]:
+        """GenerationOutput's prompt_logprobs and prompt_top_logprobs (per prompt position; the first None and ())."""
+        if self.prompt_logprobs is None:
+            return {}
+        scores = self.prompt_scores or [None] * len(self.prompt_ids)
+        return {"prompt_logprobs": [None if s is None else s.logprob for s in scores],
+                "prompt_top_logprobs": [() if s is None else s.top for s in scores]}
 
 
 @dataclass(eq=False)

@@ -18,7 +18,8 @@ from driver.engine.counter_noise import gumbel, request_key, signed64
 from cluster.device_lists import on_device
 from driver.engine.logits_processing import SampleRow, on_rows, process_logits
 from driver.engine.request import Request
-from driver.engine.top_logprobs import Top, top_of, top_pairs, top_to_host
+from driver.engine.logprobs_mode import reported
+from driver.engine.top_logprobs import Top, top_pairs, top_to_host
 from worker.shard_argmax import ShardArgmax
 
 
@@ -73,11 +74,11 @@ def pick(logits: torch.Tensor, rows: list[SampleRow], offset: int = 0, plain: bo
     invalid = ~best.isfinite()  # max propagates a NaN, so an unprocessed row's NaN shows here
     if processed is not logits:  # a filter may have masked a NaN away: a NaN anywhere makes the row's sum NaN
         invalid |= logits.sum(-1).isnan()
-    if any(r.logprobs for r in rows):
-        logprobs = processed.gather(1, tokens[:, None])[:, 0] - processed.logsumexp(-1)
+    if any(r.logprobs for r in rows):  # as each row's logprobs_mode asks, its top tokens too
+        logprobs, top = reported(logits, processed, rows, tokens)
     else:
-        logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
-    return Picks(tokens, logprobs, invalid, top_of(processed, [r.top for r in rows]))
+        logprobs, top = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device), None
+    return Picks(tokens, logprobs, invalid, top)
 
 
 def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
@@ -90,12 +91,12 @@ def sample_row(req: Request, seed: int | None, ahead: int = 0) -> SampleRow:
     if not p.needs_history:
         if req.sample_cache is None:
             req.sample_cache = SampleRow(req.request_id, p, req.sample_key, 0, (), req.return_logprobs,
-                                         top=req.num_top_logprobs)
+                                         top=req.num_top_logprobs, logprobs_mode=req.logprobs_mode)
         return req.sample_cache
     return SampleRow(req.request_id, p, req.sample_key, req.token_index + ahead,
                      tuple(set(req.tokens)) if p.repetition_penalty != 1.0 else (), req.return_logprobs,
                      constraints(req), generated_counts(req), req.num_top_logprobs,
-                     None if req.grammar is None else req.grammar.allowed(all_generated(req)))
+                     None if req.grammar is None else req.grammar.allowed(all_generated(req)), req.logprobs_mode)
 
 
 def all_generated(req: Request) -> list[int]:

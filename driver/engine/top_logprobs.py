@@ -17,14 +17,15 @@ class Top(NamedTuple):
     ids: torch.Tensor
 
 
-def top_of(processed: torch.Tensor, wanted: list[int]) -> Top | None:
-    """The top-k (k = max(wanted)) of every row's log-softmax, or None when no row asks: logit less logsumexp, as
-    the chosen token's logprob is computed, so the chosen token's two figures are equal."""
+def top_of(processed: torch.Tensor, wanted: list[int], norm: torch.Tensor | None = None) -> Top | None:
+    """The top-k (k = max(wanted)) of every row's log-softmax, or None when no row asks: logit less `norm` (each
+    row's [N, 1]; None: its logsumexp), as the chosen token's logprob is computed, so the chosen token's two figures
+    are equal (driver/engine/logprobs_mode.py: a logits mode's norm is 0)."""
     k = max(wanted, default=0)
     if k <= 0:
         return None
     values, ids = torch.topk(processed, min(k, processed.shape[-1]), dim=-1)
-    return Top(values - processed.logsumexp(-1, keepdim=True), ids)
+    return Top(values - (processed.logsumexp(-1, keepdim=True) if norm is None else norm), ids)
 
 
 def top_to_host(top: Top | None) -> Top | None:

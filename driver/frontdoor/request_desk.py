@@ -83,7 +83,8 @@ class RequestDesk:
                                              resume_versions=s.resume_versions, resumes=s.resumes,
                                              priority=s.priority, top_logprobs=s.top_logprobs,
                                              max_weight_lag=s.max_weight_lag, stale_policy=s.stale_policy,
-                                             num_return_sequences=s.n, **s.sampling)
+                                             num_return_sequences=s.n, prompt_logprobs=s.prompt_logprobs,
+                                             logprobs_mode=s.logprobs_mode, **s.sampling)
             if s.stop:  # per-token outputs, so a stop string ends it at once (ticket.streaming: does the client
                 for r in (req, *req.children):  # get them); text already sent is never taken back: no stale restart
                     r.streaming = True

@@ -20,6 +20,7 @@ from launch.gateway.errors import MODEL_NOT_FOUND, HttpError
 from cluster.metrics_export import render
 from launch.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from launch.gateway.openai_serving import Model, OpenAIServing, until_done_or_gone
+from launch.gateway.sglang_routes import sglang_router
 from driver.frontdoor.text_output import load_tokenizer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -126,4 +127,5 @@ def make_app(client: AsyncClient, model: Model, admin_token: str | None) -> Fast
         return await answer(request, body, chat=True)
 
     app.include_router(admin_router(client, admin_token))
+    app.include_router(sglang_router(client, model, admin_token))  # SGLang's native routes (docs/http.md)
     return app

@@ -56,6 +56,10 @@ class _Common(BaseModel):
     # Lockstep's: the weight versions a request may span, and what an update beyond does (docs/weights.md, "Staleness")
     max_weight_lag: int | None = Field(None, ge=0)
     stale_policy: Literal["end", "restart"] | None = None
+    # vLLM's: what logprobs report (vLLM's engine setting, per request here; unset: the preset's, docs/http.md), and
+    # each choice's prompt_token_ids and token_ids
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"] | None = None
+    return_token_ids: bool = False
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's extensions: a JSON schema, a regex, a Lark grammar
     guided_regex: str | None = None
@@ -126,13 +130,13 @@ class _Common(BaseModel):
                   "presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
                   "logit_bias": [[int(t), b] for t, b in self.logit_bias.items()] if self.logit_bias else None,
                   "structured_output": self.structured_output(), "max_weight_lag": self.max_weight_lag,
-                  "stale_policy": self.stale_policy}
+                  "stale_policy": self.stale_policy, "logprobs_mode": self.logprobs_mode}
         return {k: v for k, v in params.items() if v is not None}
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)  # 0: score the prompt only (one prefill)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the chosen token's, and this many top ones
     echo: bool = False
     suffix: str | None = None
@@ -151,16 +155,23 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
-            raise HttpError(Code.UNSUPPORTED, "echo with logprobs is not supported (the prompt's logprobs are not "
-                                              "computed)", "echo")
+        if self.stream and (self.scores_prompt() or self.max_tokens == 0):
+            raise HttpError(Code.UNSUPPORTED, "echo with logprobs, and max_tokens 0, are answered whole: not with "
+                                              "stream", "stream")
         if self.suffix:
             raise HttpError(Code.UNSUPPORTED, "suffix is not supported", "suffix")
         if self.best_of not in (None, self.n):
             raise HttpError(Code.UNSUPPORTED, "best_of other than n is not supported", "best_of")
 
+    def scores_prompt(self) -> bool:
+        """`echo` with `logprobs`: the prompt's tokens come back with their logprobs (vLLM's prompt_logprobs)."""
+        return self.echo and self.logprobs is not None
+
     def params(self, text: bool) -> dict[str, Any]:
-        return self.submit_params(self.max_tokens, self.logprobs is not None, self.logprobs or 0, text)
+        """max_tokens 0 (score only) runs the prompt's one prefill, whose one sampled token is not reported."""
+        limit = 1 if self.max_tokens == 0 else self.max_tokens
+        params = self.submit_params(limit, self.logprobs is not None, self.logprobs or 0, text)
+        return params | ({"prompt_logprobs": self.logprobs} if self.scores_prompt() else {})
 
 
 class ChatMessage(BaseModel):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from cluster.client import AsyncClient
 from cluster.errors import ClientError, Code
+from launch.gateway.echo_logprobs import finite, joined, prompt_logprobs
 from launch.gateway.errors import MODEL_NOT_FOUND, HttpError
 from launch.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from cluster.outputs import GenerationOutput
@@ -77,14 +77,6 @@ class Tokens:
     ids: list[int]
     logprobs: list[float]
     top: list | None = None
-
-
-MIN_LOGPROB = -9999.0  # what a -inf logprob (a token its filters dropped) is reported as: JSON has no infinity
-
-
-def finite(logprob: float) -> float | None:
-    """A logprob JSON can carry: -inf as MIN_LOGPROB, NaN (a token delivered before a resume) as null."""
-    return None if math.isnan(logprob) else max(logprob, MIN_LOGPROB)
 
 
 def finish_reason(out: GenerationOutput, max_new_tokens: int | None) -> str:
@@ -265,14 +257,25 @@ class OpenAIServing:
         """The whole answer of a non-streaming call."""
         await self._run(choices, params)
         limit = params.get("max_new_tokens")
+        score_only = not chat and body.max_tokens == 0  # one prefill: its one sampled token is not reported
         out_choices = []
         for c in choices:
             out = c.last
-            lp = self._logprobs(body, chat, c, Tokens(out.generated_tokens, out.logprobs, out.top_logprobs))
+            if score_only:
+                c.text, c.tokens = "", 0
+            lp = self._logprobs(body, chat, c, Tokens([], []) if score_only else
+                                Tokens(out.generated_tokens, out.logprobs, out.top_logprobs))
+            if not chat and body.scores_prompt():
+                lp = joined(prompt_logprobs(out, self.model.token_text), lp)
             d: dict[str, Any] = {"index": c.index, "logprobs": lp, "finish_reason": finish_reason(c.last, limit)}
             d |= {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.echo + c.text}
+            if body.return_token_ids:  # vLLM's: the prompt's and the completion's token ids
+                d |= {"prompt_token_ids": list(out.prompt_ids), "token_ids": out.generated_tokens[:c.tokens]}
             out_choices.append(d)
-        return self._head(choices, chat, False) | {"choices": out_choices, "usage": self._usage(choices)}
+        answer = self._head(choices, chat, False) | {"choices": out_choices, "usage": self._usage(choices)}
+        if chat and body.return_token_ids:  # vLLM's chat answer carries them at the top too
+            answer["prompt_token_ids"] = out_choices[0]["prompt_token_ids"]
+        return answer
 
     async def stream_events(self, body: Any, chat: bool, choices: list[Choice], params: dict[str, Any]
                             ) -> AsyncIterator[str]:
@@ -289,6 +292,7 @@ class OpenAIServing:
                                                "logprobs": None, "finish_reason": None}]} | extra)
         try:
             echoed: set[int] = set()
+            ids_sent: set[int] = set()
             async for c, out in outputs:
                 delta, new = c.advance(out)
                 reason = finish_reason(out, limit) if out.is_finished() else None
@@ -300,6 +304,9 @@ class OpenAIServing:
                     delta = c.echo + delta
                 d: dict[str, Any] = {"index": c.index, "logprobs": lp, "finish_reason": reason}
                 d |= {"delta": {"content": delta} if delta or not reason else {}} if chat else {"text": delta}
+                if body.return_token_ids:  # the prompt's ids in a choice's first chunk, then each chunk's new ids
+                    d |= {"token_ids": new.ids} | ({} if c.index in ids_sent else {"prompt_token_ids": out.prompt_ids})
+                    ids_sent.add(c.index)
                 yield sse(head | {"choices": [d]} | extra)
             if usage_on:
                 yield sse(head | {"choices": [], "usage": self._usage(choices)})
