@@ -13,9 +13,7 @@ the references and comparisons run here."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
-import subprocess
 import sys
 import tempfile
 import types
@@ -28,8 +26,8 @@ import torch
 from cluster.config import ContinuousBatchingConfig, resolve_config
 from cluster.plan import StepPlan
 from worker.flash import varlen_metadata
+from tests.triton_interpreter import run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 PAGE = 16
 LENS = [1, 7, 16, 17, 40]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -172,14 +170,9 @@ def run_jobs(folder: str) -> None:
 @pytest.fixture(scope="module")
 def results() -> dict[str, object]:
     """Every job's output, from one interpreter process (a few seconds)."""
-    assert importlib.util.find_spec("triton") is not None, "triton is in the test extra: pip install -e '.[test]'"
     with tempfile.TemporaryDirectory() as folder:
         torch.save(jobs(), Path(folder) / "jobs.pt")
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, "-m", "tests.test_triton_attention", folder], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        return torch.load(Path(folder) / "out.pt", weights_only=False)
+        return run_interpreted("tests.test_triton_attention", Path(folder))  # type: ignore[return-value]
 
 
 @pytest.mark.slow

@@ -11,9 +11,7 @@ torch.save), the references here."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -24,8 +22,8 @@ import torch
 
 from worker.experts import ExpertPlacement, Experts, sort_by_expert
 from worker.layers import Shard
+from tests.triton_interpreter import run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
@@ -102,13 +100,8 @@ def run_jobs(folder: str) -> None:
 @pytest.fixture(scope="module")
 def results() -> dict[str, torch.Tensor]:
     """Every case's kernel output, from one interpreter process."""
-    assert importlib.util.find_spec("triton") is not None, "triton is in the test extra: pip install -e '.[test]'"
     with tempfile.TemporaryDirectory() as folder:
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, "-m", "tests.test_triton_experts", folder], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        return torch.load(Path(folder) / "out.pt", weights_only=False)
+        return run_interpreted("tests.test_triton_experts", Path(folder))  # type: ignore[return-value]
 
 
 @pytest.mark.slow
