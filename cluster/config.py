@@ -372,19 +372,6 @@ def load_preset(path: str | os.PathLike) -> ContinuousBatchingConfig:
 PUSH_TIMEOUT_S = 30.0  # a push member silent this long: every rank gives up (keep it below cpu_group_timeout)
 
 
-# ---------------------------------------------------------------- the HTTP gateway's settings ([serve] table)
-HTTP_ADMIN_TOKEN_ENV = "LOCKSTEP_HTTP_ADMIN_TOKEN"
-HTTP_SERVE_KEYS = ("http_admin_token",)  # [serve] keys the HTTP gateway reads (the ZeroMQ front door does not)
-
-
-def http_admin_token(serve_table: dict[str, Any] | None) -> str | None:
-    """The HTTP admin routes' bearer token: env LOCKSTEP_HTTP_ADMIN_TOKEN, else [serve] `http_admin_token`, or None."""
-    token = os.environ.get(HTTP_ADMIN_TOKEN_ENV) or (serve_table or {}).get("http_admin_token")
-    if token is not None and not isinstance(token, str):
-        raise ValueError("[serve] http_admin_token must be a string")
-    return token or None
-
-
 # ---------------------------------------------------------------- a MoE model's experts ([model] experts)
 EXPERT_PLACEMENTS = ("tensor_parallel", "expert_parallel")
 

@@ -1,20 +1,20 @@
 """The gateway's admin routes for training loops: `/pause`, `/resume`, `/update_weights`, `/weight_version`,
 `/release_memory`, `/resume_memory`.
 
-Each needs `Authorization: Bearer <token>` with the admin token (cluster/config.py `http_admin_token`): none set,
-403 to everyone; a missing or wrong one, 401. They are the driver's admin operations, sent by the gateway's own
+Each needs `Authorization: Bearer <token>` with the admin token (cluster/http_config.py `http_admin_token`), or a
+caller in a trusted network (`http_admin_trust`; launch/gateway/admin_auth.py): no token set, 403 to the others; a
+missing or wrong one, 401. They are the driver's admin operations, sent by the gateway's own
 client (which the driver must take as an admin); the pause is that client's, so any token holder may resume it."""
 
 from __future__ import annotations
 
-import hmac
 from typing import Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from cluster.client import AsyncClient
-from launch.gateway.errors import ADMIN_TOKEN_UNSET, UNAUTHORIZED, HttpError
+from launch.gateway.admin_auth import AdminAuth
 
 
 class UpdateWeightsBody(BaseModel):
@@ -46,53 +46,43 @@ class PauseBody(BaseModel):
     mode: Literal["keep", "abort", "wait", "retract"] = "keep"  # cluster.pause.PAUSE_MODES (docs/weights.md)
 
 
-def check_token(request: Request, token: str | None) -> None:
-    """HttpError unless the request carries the admin bearer token."""
-    if token is None:
-        raise HttpError(ADMIN_TOKEN_UNSET, "admin routes are off: no [serve] http_admin_token (or "
-                                           "LOCKSTEP_HTTP_ADMIN_TOKEN) is configured")
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise HttpError(UNAUTHORIZED, "admin routes need 'Authorization: Bearer <token>' with the admin token")
-
-
-def admin_router(client: AsyncClient, token: str | None) -> APIRouter:
+def admin_router(client: AsyncClient, auth: AdminAuth) -> APIRouter:
     """The admin routes; a refusal from the driver (a ClientError) is answered by the app's handler."""
     router = APIRouter()
 
     @router.post("/pause")
     async def pause(request: Request, body: PauseBody | None = None) -> dict:
         """Answered once the pause is in force (a mode "wait": once every running request finished)."""
-        check_token(request, token)
+        auth.check(request)
         mode = (body or PauseBody()).mode
         await client.pause(mode)
         return {"paused": True, "mode": mode}
 
     @router.post("/resume")
     async def resume(request: Request) -> dict:
-        check_token(request, token)
+        auth.check(request)
         await client.resume()
         return {"paused": False}
 
     @router.post("/update_weights")
     async def update_weights(request: Request, body: UpdateWeightsBody) -> dict:
-        check_token(request, token)
+        auth.check(request)
         return await client.update_weights(body.path, body.kv_policy, body.partial)
 
     @router.post("/release_memory")
     async def release_memory(request: Request, body: ReleaseMemoryBody | None = None) -> dict:
-        check_token(request, token)
+        auth.check(request)
         body = body or ReleaseMemoryBody()
         return await client.release_memory(body.tags, body.keep_weights_on_host)
 
     @router.post("/resume_memory")
     async def resume_memory(request: Request, body: ResumeMemoryBody | None = None) -> dict:
-        check_token(request, token)
+        auth.check(request)
         return await client.resume_memory((body or ResumeMemoryBody()).tags)
 
     @router.get("/weight_version")
     async def weight_version(request: Request) -> dict:
-        check_token(request, token)
+        auth.check(request)
         weights = (await client.health()).get("weights", {})
         return {"weight_version": weights.get("version", 0), "weights": weights}
 

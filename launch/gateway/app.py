@@ -15,12 +15,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.client import AsyncClient
 from cluster.errors import ClientError, Code
+from launch.gateway.admin_auth import AdminAuth
 from launch.gateway.admin_routes import admin_router
 from launch.gateway.errors import MODEL_NOT_FOUND, HttpError
 from cluster.metrics_export import render
 from launch.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from launch.gateway.openai_serving import Model, OpenAIServing, until_done_or_gone
 from launch.gateway.sglang_routes import sglang_router
+from launch.gateway.trl_routes import trl_router
 from driver.frontdoor.text_output import load_tokenizer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -29,11 +31,13 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 @dataclass
 class GatewaySettings:
     """`model_dir`: the checkpoint (its name and tokenizer; None: the server's `health` names it). `model_name`: the
-    name clients send (default: the directory's). `admin_token`: None refuses the admin routes."""
+    name clients send (default: the directory's). `admin_token`: None refuses the admin routes to callers outside
+    `admin_trust` (CIDR strings: cluster/http_config.py http_admin_trust; empty: none)."""
 
     model_dir: str | None = None
     model_name: str | None = None
     admin_token: str | None = None
+    admin_trust: tuple[str, ...] = ()
 
 
 async def resolve_model(client: AsyncClient, settings: GatewaySettings) -> Model:
@@ -43,8 +47,9 @@ async def resolve_model(client: AsyncClient, settings: GatewaySettings) -> Model
     return Model(name, os.path.abspath(path) if path else None, load_tokenizer(path))
 
 
-def make_app(client: AsyncClient, model: Model, admin_token: str | None) -> FastAPI:
-    """The gateway's app over one AsyncClient (shared by every HTTP request)."""
+def make_app(client: AsyncClient, model: Model, admin: AdminAuth) -> FastAPI:
+    """The gateway's app over one AsyncClient (shared by every HTTP request); `admin`: who may call the admin
+    routes."""
     app = FastAPI(title="Lockstep", docs_url=None, redoc_url=None)
     serving = OpenAIServing(client, model)
 
@@ -126,6 +131,7 @@ def make_app(client: AsyncClient, model: Model, admin_token: str | None) -> Fast
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await answer(request, body, chat=True)
 
-    app.include_router(admin_router(client, admin_token))
-    app.include_router(sglang_router(client, model, admin_token))  # SGLang's native routes (docs/http.md)
+    app.include_router(admin_router(client, admin))
+    app.include_router(sglang_router(client, model, admin))  # SGLang's native routes (docs/http.md)
+    app.include_router(trl_router(client, model, admin))  # TRL's vllm-serve routes (docs/rl-frameworks.md)
     return app

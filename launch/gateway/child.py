@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from cluster.config import HTTP_ADMIN_TOKEN_ENV
+from cluster.http_config import HTTP_ADMIN_TOKEN_ENV
 
 log = logging.getLogger("lockstep")
 
@@ -29,12 +29,17 @@ MAX_PAUSE_S = 30.0
 class GatewayProcess:
     """The gateway of `lockstep serve --http`, as a supervised child process (rank 0 only)."""
 
-    def __init__(self, address: str, listen: str, model_dir: str | None, admin_token: str | None):
+    def __init__(self, address: str, listen: str, model_dir: str | None, admin_token: str | None,
+                 admin_trust: tuple[str, ...] = ()):
+        """`admin_trust`: the networks whose callers reach the admin routes without the token (cluster/http_config.py
+        http_admin_trust; they go on the command line: they are no secret)."""
         self.listen = listen
         self.command = [sys.executable, "-m", "launch.cli", "http", "--address", address, "--listen", listen,
                         "--exit-with-parent", str(os.getpid())]
         if model_dir:
             self.command += ["--model", str(model_dir)]
+        if admin_trust:
+            self.command += ["--admin-trust", ",".join(admin_trust)]
         self.env = {k: v for k, v in os.environ.items() if k != HTTP_ADMIN_TOKEN_ENV}
         self.env |= {HTTP_ADMIN_TOKEN_ENV: admin_token} if admin_token else {}
         pythonpath = [str(REPO), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]

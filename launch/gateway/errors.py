@@ -11,6 +11,8 @@ from cluster.errors import Code, LockstepError
 MODEL_NOT_FOUND = "model_not_found"
 UNAUTHORIZED = "unauthorized"  # an admin route without the right bearer token
 ADMIN_TOKEN_UNSET = "admin_token_unset"  # an admin route on a gateway that has no token configured
+# a route that only works with vLLM's own NCCL communicator (TRL's weight sync: launch/gateway/trl_routes.py)
+VLLM_COMMUNICATOR_UNSUPPORTED = "vllm_communicator_unsupported"
 
 STATUS: dict[str, int] = {
     Code.BAD_FRAME: 400, Code.BAD_VERSION: 400, Code.UNKNOWN_KIND: 400, Code.BAD_FIELD: 400,
@@ -25,6 +27,7 @@ STATUS: dict[str, int] = {
     Code.QUEUE_FULL: 429, Code.CLIENT_LIMIT: 429,
     Code.SAMPLING_FAILED: 500, Code.INTERNAL: 500, Code.CLIENT_FAILED: 500,
     Code.STOPPED: 503, Code.SERVER_GONE: 503, Code.RANK_FAILED: 503, Code.DRIVER_FAILED: 503,
+    VLLM_COMMUNICATOR_UNSUPPORTED: 501,
     Code.PUSH_FAILED: 502, Code.PUSH_TIMEOUT: 504,
     Code.WEIGHTS_DIVERGED: 503, Code.SLOW_CLIENT: 503, Code.CLIENT_CLOSED: 503, Code.MEMORY_RESTORE_FAILED: 503,
 }

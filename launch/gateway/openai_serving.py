@@ -88,6 +88,15 @@ def finish_reason(out: GenerationOutput, max_new_tokens: int | None) -> str:
     return "length" if max_new_tokens is not None and len(out.generated_tokens) >= max_new_tokens else "stop"
 
 
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], **template: Any) -> list[int]:
+    """A conversation rendered by the tokenizer's chat template (`template`: add_generation_prompt, tools, the
+    template's own keywords) as token ids, no special tokens added (the template writes them), as vLLM does."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise HttpError(Code.NO_TOKENIZER, "this checkpoint has no tokenizer with a chat template", "messages")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **template)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -140,12 +149,8 @@ class OpenAIServing:
         return tok.decode(source["input_ids"], skip_special_tokens=True) if tok is not None else ""
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        tok = self.model.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise HttpError(Code.NO_TOKENIZER, "this checkpoint has no tokenizer with a chat template", "messages")
-        text = tok.apply_chat_template([m.for_template() for m in body.messages], tokenize=False,
-                                       add_generation_prompt=body.add_generation_prompt)
-        return tok(text, add_special_tokens=False)["input_ids"]
+        return chat_ids(self.model.tokenizer, [m.for_template() for m in body.messages],
+                        add_generation_prompt=body.add_generation_prompt)
 
     # ------------------------------------------------------------------ running choices
     def _cancel(self, choices: list[Choice]) -> None:

@@ -11,7 +11,8 @@ import os
 import socket
 import threading
 
-from cluster.config import http_admin_token, read_preset
+from cluster.config import read_preset
+from cluster.http_config import admin_trust_networks, http_admin_token, http_admin_trust
 from cluster.protocol import DEFAULT_ADDRESS
 
 log = logging.getLogger("lockstep")
@@ -57,13 +58,19 @@ class Gateway:
         import uvicorn
 
         from cluster.client import AsyncClient
+        from launch.gateway.admin_auth import AdminAuth, bind_warning
         from launch.gateway.app import make_app, resolve_model
 
         client = AsyncClient(self.address)
         try:
-            app = make_app(client, await resolve_model(client, self.settings), self.settings.admin_token)
+            admin = AdminAuth.of(self.settings.admin_token, self.settings.admin_trust)
+            if warning := bind_warning(self.host, admin.trusted):
+                log.warning("%s", warning)
+            app = make_app(client, await resolve_model(client, self.settings), admin)
+            # proxy_headers off: the admin trust reads the TCP peer, never a header (launch/gateway/admin_auth.py)
             self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
-                                                        lifespan="off", timeout_graceful_shutdown=2))
+                                                        lifespan="off", timeout_graceful_shutdown=2,
+                                                        proxy_headers=False))
             try:
                 sock = bind_listen(self.host, self.port)
             except OSError as e:
@@ -106,10 +113,14 @@ class Gateway:
             self.server.should_exit = True
 
 
-def settings_for(model_dir: str | None, model_name: str | None, preset: dict):
+def settings_for(model_dir: str | None, model_name: str | None, preset: dict, admin_trust: str | None = None):
+    """The gateway's settings from a preset's [serve] table; `admin_trust` (--admin-trust) wins over its
+    http_admin_trust."""
     from launch.gateway.app import GatewaySettings
 
-    return GatewaySettings(model_dir, model_name, http_admin_token(preset.get("serve")))
+    serve = preset.get("serve")
+    trust = admin_trust_networks(admin_trust) if admin_trust is not None else http_admin_trust(serve)
+    return GatewaySettings(model_dir, model_name, http_admin_token(serve), trust)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,6 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="the checkpoint directory (name and tokenizer); default: the server's")
     p.add_argument("--model-name", help="the model name clients send (default: the checkpoint directory's name)")
     p.add_argument("--config", help="a TOML preset; its [serve] http_admin_token protects the admin routes")
+    p.add_argument("--admin-trust", metavar="NETS",
+                   help="callers from these networks reach the admin routes without the token: \"loopback\" or "
+                        "CIDRs, comma-separated (default: the preset's [serve] http_admin_trust; docs/http.md)")
     p.add_argument("--exit-with-parent", type=int, metavar="PID",
                    help="stop when this process's parent is no longer PID (how `lockstep serve --http` runs it)")
 
@@ -132,8 +146,12 @@ def start_beside(address: str, args: argparse.Namespace) -> Gateway | None:
 def run(args: argparse.Namespace) -> int:
     """`lockstep http`: the gateway as its own process, until interrupted."""
     logging.basicConfig(level=logging.INFO)
-    gateway = Gateway(args.address, args.listen, settings_for(args.model, args.model_name, read_preset(args.config)),
-                      parent_pid=args.exit_with_parent)
+    try:
+        settings = settings_for(args.model, args.model_name, read_preset(args.config), args.admin_trust)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    gateway = Gateway(args.address, args.listen, settings, parent_pid=args.exit_with_parent)
     try:
         asyncio.run(gateway.serve())
     except KeyboardInterrupt:

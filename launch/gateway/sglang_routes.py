@@ -5,8 +5,8 @@ in_place is Lockstep's keep), `/continue_generation`, `/flush_cache` (200 once n
 `/update_weights_from_disk` (the caller's `weight_version` label, reported by `/get_weight_version` and each
 answer's meta_info), `/server_info`, `/model_info` (and their `/get_*` names), `/health_generate`.
 
-The routes that change the server's state need the admin token, as the gateway's own admin routes
-(launch/gateway/admin_routes.py); `/generate`, the info routes and `/health_generate` do not. Weight labels live in
+The routes that change the server's state are admin routes, as the gateway's own (the token or a trusted network:
+launch/gateway/admin_auth.py); `/generate`, the info routes and `/health_generate` do not. Weight labels live in
 this gateway (a restarted gateway reports the numeric versions). Torch-free."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 from cluster.client import AsyncClient
 from cluster.errors import ClientError, Code
 from cluster.outputs import GenerationOutput
-from launch.gateway.admin_routes import check_token
+from launch.gateway.admin_auth import AdminAuth
 from launch.gateway.errors import HttpError
 from launch.gateway.openai_serving import Model, sse
 from launch.gateway.sglang_shape import GenerateBody, answer, memory_tags, submit_params
@@ -87,7 +87,7 @@ def context_length(model: Model) -> int | None:
         return None
 
 
-def sglang_router(client: AsyncClient, model: Model, token: str | None) -> APIRouter:
+def sglang_router(client: AsyncClient, model: Model, auth: AdminAuth) -> APIRouter:
     router, state = APIRouter(), SGLangState()
     tok = model.tokenizer
     eos = getattr(tok, "eos_token_id", None) if tok is not None else None
@@ -130,13 +130,13 @@ def sglang_router(client: AsyncClient, model: Model, token: str | None) -> APIRo
 
     @router.post("/pause_generation")
     async def pause_generation(request: Request, body: PauseGenerationBody | None = None) -> dict:
-        check_token(request, token)
+        auth.check(request)
         await client.pause(SGLANG_PAUSE_MODES[(body or PauseGenerationBody()).mode])
         return {"status": "ok", "message": "Generation paused successfully."}
 
     @router.post("/continue_generation")
     async def continue_generation(request: Request) -> dict:
-        check_token(request, token)
+        auth.check(request)
         await client.resume()
         return {"status": "ok", "message": "Generation continued successfully."}
 
@@ -144,7 +144,7 @@ def sglang_router(client: AsyncClient, model: Model, token: str | None) -> APIRo
     async def flush_cache(request: Request) -> JSONResponse:
         """200 once no request runs or waits (SGLang's 400 otherwise, which slime retries); the prefix cache needs no
         flush of its own: an update drops it (docs/weights.md)."""
-        check_token(request, token)
+        auth.check(request)
         stats = await client.stats()
         idle = not stats.get("running") and not stats.get("waiting") and not state.in_flight
         return JSONResponse({"success": idle, "message": "Cache flushed." if idle else
@@ -153,24 +153,24 @@ def sglang_router(client: AsyncClient, model: Model, token: str | None) -> APIRo
     @router.post("/abort_request")
     async def abort_request(request: Request, body: AbortBody) -> dict:
         """Ends the named request (or, `abort_all`, every /generate request in flight) with finish_reason abort."""
-        check_token(request, token)
+        auth.check(request)
         rids = list(state.in_flight) if body.abort_all else [body.rid] if body.rid else []
         await asyncio.gather(*(client.cancel(r) for r in rids))
         return {"status": "ok", "aborted": rids}
 
     @router.post("/release_memory_occupation")
     async def release_memory(request: Request, body: MemoryBody | None = None) -> dict:
-        check_token(request, token)
+        auth.check(request)
         return {"success": True} | await client.release_memory(memory_tags((body or MemoryBody()).tags))
 
     @router.post("/resume_memory_occupation")
     async def resume_memory(request: Request, body: MemoryBody | None = None) -> dict:
-        check_token(request, token)
+        auth.check(request)
         return {"success": True} | await client.resume_memory(memory_tags((body or MemoryBody()).tags))
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request, body: UpdateFromDiskBody) -> JSONResponse:
-        check_token(request, token)
+        auth.check(request)
         if body.abort_all_requests:
             await asyncio.gather(*(client.cancel(r) for r in list(state.in_flight)))
         try:

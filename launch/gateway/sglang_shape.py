@@ -13,6 +13,7 @@ from cluster.errors import Code
 from cluster.outputs import GenerationOutput
 from launch.gateway.echo_logprobs import finite
 from launch.gateway.errors import HttpError
+from launch.gateway.stop_tokens import eos_ids
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
 
@@ -82,12 +83,7 @@ def submit_params(body: GenerateBody, eos_token_id: int | list[int] | None, text
     if s.stream_interval not in (None, 1) and body.stream:
         raise HttpError(Code.UNSUPPORTED, "stream_interval other than 1 is not supported", "stream_interval")
     stops = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
-    eos: int | list[int] | None = None
-    if s.ignore_eos:
-        eos = -1
-    elif s.stop_token_ids:
-        base = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-        eos = sorted(set(base) | set(s.stop_token_ids))
+    eos = eos_ids(eos_token_id, s.stop_token_ids, s.ignore_eos)
     greedy = s.temperature == 0.0
     params = {"max_new_tokens": s.max_new_tokens, "do_sample": not greedy, "temperature": None if greedy else
               s.temperature, "top_p": s.top_p if s.top_p < 1.0 else None, "top_k": s.top_k if s.top_k > 0 else None,
