@@ -42,6 +42,10 @@ class Code:
     SHAPE_MISMATCH = "shape_mismatch"  # a tensor's shape (or dtype kind) is not the model's
     PUSH_TIMEOUT = "push_timeout"  # a member of a push went silent for push_timeout_s (`phase` says where)
     PUSH_FAILED = "push_failed"  # a member of a push failed or went away (`phase` says where)
+    # a weight-sync group the trainer owns (docs/weights.md, "A weight-sync group the trainer owns")
+    UNKNOWN_GROUP = "unknown_group"  # a call names a group this engine has not joined
+    GROUP_EXISTS = "group_exists"  # init of a group name this engine has joined already
+    GROUP_JOIN_FAILED = "group_join_failed"  # a rank could not join the trainer's group (or make its backend)
     SERVER_GONE = "server_gone"  # client side: the server stopped answering
     CLIENT_FAILED = "client_failed"  # client side: the client's own I/O thread failed
     CLIENT_CLOSED = "client_closed"  # client side: the client was closed while the call was outstanding
@@ -119,13 +123,23 @@ class WeightUpdateError(ClientError):
         self.phase: str | None = self.result.get("phase")
 
 
-class MemoryCallRefused(ClientError):
-    """A `release_memory` / `resume_memory` that was refused (or could not restore) on every rank alike; `code` says
-    why (not_paused, weights_not_restored, memory_restore_failed, bad_field), `rank` the first rank that refused."""
+class CallRefused(ClientError):
+    """An admin call every rank refused alike (nothing changed): `code` says why, `rank` the first rank that
+    refused, `result` the whole answer."""
 
     def __init__(self, code: str, message: str, rank: int | None = None, result: dict | None = None):
         super().__init__(code, message)
         self.rank, self.result = rank, result or {}
+
+
+class MemoryCallRefused(CallRefused):
+    """A `release_memory` / `resume_memory` that was refused (or could not restore) on every rank alike; `code` says
+    why (not_paused, weights_not_restored, memory_restore_failed, bad_field), `rank` the first rank that refused."""
+
+
+class WeightsGroupError(CallRefused):
+    """A `weights_group` call (init, destroy) refused on every rank alike: `code` says why (unknown_group,
+    group_exists, group_join_failed, bad_field), `rank` the first rank that refused; nothing is left joined."""
 
 
 class RequestLost(ClientError):

@@ -22,9 +22,10 @@ DEFAULT_MAX_FRAME_BYTES = 4 << 20
 SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PING, BYE = (
     "submit", "cancel", "pause", "resume", "update_weights", "stats", "health", "ping", "bye")
 RELEASE_MEMORY, RESUME_MEMORY = "release_memory", "resume_memory"  # docs/protocol.md, "Releasing memory"
+WEIGHTS_GROUP = "weights_group"  # a weight-sync group the trainer owns (cluster/group_wire.py)
 CLIENT_KINDS = (SUBMIT, CANCEL, PAUSE, RESUME, UPDATE_WEIGHTS, STATS, HEALTH, PING, BYE, RELEASE_MEMORY,
-                RESUME_MEMORY)
-ADMIN_KINDS = (PAUSE, RESUME, UPDATE_WEIGHTS, RELEASE_MEMORY, RESUME_MEMORY)  # admin clients only ("Admin")
+                RESUME_MEMORY, WEIGHTS_GROUP)
+ADMIN_KINDS = (PAUSE, RESUME, UPDATE_WEIGHTS, RELEASE_MEMORY, RESUME_MEMORY, WEIGHTS_GROUP)  # admin only ("Admin")
 MEMORY_TAGS = ("kv_cache", "weights")  # what release_memory / resume_memory may name
 # server -> client
 ACCEPTED, REJECTED, TOKENS, FINAL, REPLY, ERROR, PONG = (

@@ -20,7 +20,7 @@ from cluster.errors import Code
 from cluster.protocol import MEMORY_TAGS
 from worker.packed_linear import forget_packed
 from worker.runner import ModelRunner
-from worker.weights import refusals
+from worker.votes import refusals
 
 TAGS = MEMORY_TAGS  # the wire's names for what a call may release
 KV_CACHE, WEIGHTS = TAGS

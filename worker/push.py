@@ -74,22 +74,34 @@ def open_store(addr: str, world: int, timeout_s: float, master: bool = False) ->
 NCCL_WATCHDOG_SLACK_S = 30.0  # NCCL's own watchdog (which may end the process) fires this long after our waits
 
 
-@contextmanager
-def update_group(store: Any, rank: int, world: int, backend: str, device: torch.device,
-                 timeout_s: float) -> Iterator[Any]:
-    """The push's process group of the serving ranks (0..tp-1) and the trainer (rank tp), outside the default
-    group, shut down when the block ends (also after an error). Every member enters it once per push. `device`:
-    the backend's device here (for NCCL made this thread's CUDA device: a rank's update may run in its loop).
-    Every wait on it is bounded by `timeout_s` (`broadcast`, `agree_flag`); after a failed one an NCCL group is
-    aborted rather than shut down (its communicator may hang), before NCCL's watchdog would act on its own."""
-    prefixed = dist.PrefixStore("push/group", store)
+def open_backend(store: Any, rank: int, world: int, backend: str, device: torch.device, timeout_s: float) -> Any:
+    """A process group of `backend` ("gloo" or "nccl") over `store`, outside the default group and registered
+    nowhere (threads of one process may each hold one). Every member makes it once, with its rank: the rendezvous
+    waits for all of them. `device`: the backend's device here (for NCCL made this thread's CUDA device: a rank's
+    update may run in its loop); every wait on it is bounded by `timeout_s` (`broadcast`, `agree_flag`)."""
     if backend == "nccl":  # as torch's own new_group builds one
         use_device(device)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s + NCCL_WATCHDOG_SLACK_S)
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
+    return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+
+
+def close_backend(pg: Any, backend: str, failed: bool) -> None:
+    """Shut a group down; after a failed wait an NCCL group is aborted instead (its communicator may hang), before
+    NCCL's watchdog would act on its own."""
+    if failed and backend == "nccl" and hasattr(pg, "abort"):
+        pg.abort()
     else:
-        pg = dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout_s))
+        pg.shutdown()
+
+
+@contextmanager
+def update_group(store: Any, rank: int, world: int, backend: str, device: torch.device,
+                 timeout_s: float) -> Iterator[Any]:
+    """The push's process group of the serving ranks (0..tp-1) and the trainer (rank tp) (`open_backend`), shut
+    down when the block ends (also after an error). Every member enters it once per push."""
+    pg = open_backend(dist.PrefixStore("push/group", store), rank, world, backend, device, timeout_s)
     failed = False
     try:
         yield pg
@@ -97,10 +109,7 @@ def update_group(store: Any, rank: int, world: int, backend: str, device: torch.
         failed = True
         raise
     finally:
-        if failed and backend == "nccl" and hasattr(pg, "abort"):
-            pg.abort()
-        else:
-            pg.shutdown()
+        close_backend(pg, backend, failed)
         del pg
 
 

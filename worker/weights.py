@@ -7,7 +7,6 @@ weights, and the error names the rank and the problem."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,12 +15,14 @@ import torch
 import torch.distributed as dist
 
 from cluster import faults
-from cluster.dist import DRIVER, Groups, agree_all_ok, agree_messages
-from cluster.errors import Code, LockstepError, WeightRefused
+from cluster.dist import DRIVER, Groups
+from cluster.errors import Code, LockstepError
 from worker.handles import stage_handles
 from worker.loader import Staged, apply, stage_checkpoint, stage_named
 from worker.models.decoder import CausalLM
 from worker.push import stage_pushed
+from worker.trainer_groups import TrainerGroups
+from worker.votes import refusals, refused_result, vote_of
 
 
 class WeightsDiverged(LockstepError, RuntimeError):
@@ -39,7 +40,7 @@ class WeightsDiverged(LockstepError, RuntimeError):
 class UpdateCall:
     """What every rank must do, as plain data (it travels in a CALL plan as msgpack)."""
 
-    source: str  # "checkpoint" | "push" | "tensors" | "handles"
+    source: str  # "checkpoint" | "push" | "tensors" | "handles" | "group"
     path: str = ""
     kv_policy: str = "keep"
     store: str = ""  # push: host:port of the trainer's TCPStore
@@ -48,45 +49,13 @@ class UpdateCall:
     partial: bool = False  # a subset of the model's tensors (each name the model's); the others stay as they are
     handles: list[dict[str, Any]] = field(default_factory=list)  # handles: one per bucket (worker/handles.py)
     callers: bool = True  # every rank's user thread waits for this update (False: the front door's, driver only)
+    group_name: str = ""  # group: the trainer's group a bucket comes over (worker/trainer_groups.py)
+    load_format: str | None = None  # group: None (a broadcast a tensor) or "flattened_bucket"
+    end: bool = False  # group: this bucket ends the update (what is staged applies, a subset as a partial update)
+    apply: bool = True  # group: this bucket's update applies now (the driver decides: complete, or `end`)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-VOTE_TEXT_CHARS = 600  # a vote's text is cut to this, so its JSON fits agree_messages' bytes
-
-
-def vote_of(e: BaseException) -> str:
-    """An exception as this rank's vote against: JSON of {text, code, tensor, phase} (plain data, never empty)."""
-    fields = {"text": described(e)[:VOTE_TEXT_CHARS], "code": Code.WEIGHT_UPDATE_FAILED, "tensor": None, "phase": None}
-    if isinstance(e, WeightRefused):
-        fields |= {"code": e.code, "tensor": e.tensor and e.tensor[:200], "phase": e.phase}
-    return json.dumps(fields)
-
-
-def read_vote(text: str) -> dict[str, Any]:
-    try:
-        vote = json.loads(text)
-    except ValueError:  # cut short: keep what it says
-        vote = None
-    return vote if isinstance(vote, dict) else {"text": text, "code": Code.WEIGHT_UPDATE_FAILED}
-
-
-def refusals(ok: bool, vote: str, groups: Groups) -> list[tuple[int, dict[str, Any]]]:
-    """(rank, vote) of every rank that votes against: an explicit flag per rank, plus its vote (`vote_of`). Every
-    rank of the control group calls it (two collectives). A rank that votes against with no text still votes
-    against."""
-    flags = agree_all_ok(ok, groups)
-    texts = agree_messages("" if ok else (vote or vote_of(ValueError())), groups)
-    return [(rank, read_vote(text)) for rank, (flag, text) in enumerate(zip(flags, texts)) if not flag]
-
-
-def refused_result(refused: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-    """The result of a refused update: every refusing rank's text, and the first one's rank, code, tensor, phase."""
-    first, vote = refused[0]
-    return {"ok": False, "error": "; ".join(f"rank {r}: {v.get('text', '')}" for r, v in refused), "rank": first,
-            "reason_code": vote.get("code") or Code.WEIGHT_UPDATE_FAILED, "tensor": vote.get("tensor"),
-            "phase": vote.get("phase")}
 
 
 def driver_value(value: int, groups: Groups) -> int:
@@ -98,16 +67,10 @@ def driver_value(value: int, groups: Groups) -> int:
     return int(t.item())
 
 
-def described(e: BaseException) -> str:
-    """An exception as vote text; never empty, even when its message is."""
-    text = str(e)
-    if isinstance(e, ValueError) and text:
-        return text
-    return f"{type(e).__name__}: {text}" if text else f"{type(e).__name__} (no message)"
-
-
-def stage(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, torch.Tensor] | None) -> Staged:
-    """This rank's new shard, read and checked, model untouched. Every serving rank calls it (push: collectives)."""
+def stage(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, torch.Tensor] | None,
+          trainer: TrainerGroups | None = None) -> Staged:
+    """This rank's new shard, read and checked, model untouched. Every serving rank calls it (push, group:
+    collectives). `trainer`: this rank's trainer-owned groups (group: the update staged so far, with this bucket)."""
     if call.source == "checkpoint":
         return stage_checkpoint(model, call.path, call.partial)
     if call.source == "push":
@@ -118,22 +81,27 @@ def stage(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, to
         return stage_named(model, local.items(), "tensors", call.partial)
     if call.source == "handles":
         return stage_handles(model, call.buckets, call.handles, call.partial)
+    if call.source == "group" and trainer is not None:
+        return trainer.stage_bucket(model, groups, call.group_name, call.buckets[0], call.load_format)
     raise ValueError(f"unknown weight source {call.source!r}")
 
 
 def run_update(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[str, torch.Tensor] | None = None,
-               version: int = 0, expected: int | None = None, attempt: int = 0) -> dict[str, Any]:
+               version: int = 0, expected: int | None = None, attempt: int = 0,
+               trainer: TrainerGroups | None = None) -> dict[str, Any]:
     """Stage on this rank, vote, copy everywhere or nowhere, then vote again that every rank copied. Every rank
     calls it at the same step boundary (the loops after a CALL plan, or every caller inside a pause). `version`:
     the weight version this rank holds; `expected`: the CALL plan's (None in a pause: the driver's is fetched).
     A refused update returns {"ok": False, "error", "rank" (the first refusing)} and changes nothing; a rank
-    failing while copying makes every rank raise WeightsDiverged. `attempt`: this rank's count (fault rules)."""
+    failing while copying makes every rank raise WeightsDiverged. `attempt`: this rank's count (fault rules). A
+    trainer group's bucket whose update does not end with it (`call.apply` false) stops after the vote: {"ok": True,
+    "applied": False, "staged"} (the tensors staged so far stay with `trainer` for the bucket that ends it)."""
     start = time.perf_counter()
     if expected is None:
         expected = driver_value(version, groups)
     ok, vote, staged = True, "", []
     try:
-        staged = stage(model, groups, call, local)
+        staged = stage(model, groups, call, local, trainer)
         faults.hit("stage_weights", rank=groups.rank, attempt=attempt)
         try:
             faults.hit("stage_weights_silent", rank=groups.rank, attempt=attempt)
@@ -146,6 +114,8 @@ def run_update(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[st
     refused = refusals(ok, vote, groups)
     if refused:
         return refused_result(refused) | {"seconds": time.perf_counter() - start}
+    if not call.apply:
+        return {"ok": True, "applied": False, "staged": len(staged), "seconds": time.perf_counter() - start}
     ok, vote = True, ""
     try:
         half = len(staged) // 2
@@ -158,4 +128,4 @@ def run_update(model: CausalLM, groups: Groups, call: UpdateCall, local: dict[st
     if failed:
         raise WeightsDiverged("weights now differ across ranks (a rank failed while copying): "
                               + "; ".join(f"rank {r}: {v.get('text', '')}" for r, v in failed), [r for r, _ in failed])
-    return {"ok": True, "tensors": len(staged), "seconds": time.perf_counter() - start}
+    return {"ok": True, "applied": True, "tensors": len(staged), "seconds": time.perf_counter() - start}

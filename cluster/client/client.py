@@ -19,28 +19,11 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from cluster import protocol as P
 from cluster.client.io_thread import RESUMABLE, IOThread, PendingRequest, settle, then
 from cluster.client.resume import Resumer
+from cluster.client.results import memory_call_result, weight_update_result
+from cluster.client.weights_group import AsyncWeightsGroupCalls, WeightsGroupCalls
 from cluster.errors import ClientError, RequestLost, ServerGone, WeightUpdateError  # noqa: F401  (re-exported)
-from cluster.errors import MemoryCallRefused
 from cluster.outputs import GenerationOutput
 from cluster.samples import sample_ids
-
-
-def weight_update_result(data: dict) -> dict:
-    """The result of a weight update, or WeightUpdateError (`error`, and `rank` when known) when refused."""
-    if data.get("ok") is True:
-        return data
-    rank = data.get("rank")
-    rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
-    raise WeightUpdateError(str(data.get("error") or "the cluster refused the update"), rank, data)
-
-
-def memory_call_result(data: dict) -> dict:
-    """The result of release_memory / resume_memory, or MemoryCallRefused (its `code`, `rank`) when refused."""
-    if data.get("ok") is True:
-        return data
-    rank = data.get("rank")
-    rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
-    raise MemoryCallRefused(str(data.get("code") or P.Code.INTERNAL), str(data.get("error")), rank, data)
 
 
 def one_sample(params: dict) -> None:
@@ -77,7 +60,7 @@ async def merged(reqs: list[PendingRequest], timeout: float | None) -> AsyncIter
             t.cancel()
 
 
-class Client:
+class Client(WeightsGroupCalls):
     """Blocking client of the cluster at `address`. `timeout` bounds every wait; `resume`: resubmit the requests the
     server loses, up to `max_resumes` times each, waiting at most `resume_timeout_s` for a healthy server (else
     RequestLost); `on_lost(req, cause)` takes them instead of this client's Resumer (the router's failover)."""
@@ -318,7 +301,7 @@ class Client:
         return self._wait(self.data_future(P.HEALTH), timeout)
 
 
-class AsyncClient:
+class AsyncClient(AsyncWeightsGroupCalls):
     """The same calls as `Client`, as coroutines; `stream` is an async iterator."""
 
     def __init__(self, address: str = P.DEFAULT_ADDRESS, **kwargs: Any):

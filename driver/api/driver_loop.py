@@ -150,13 +150,17 @@ class DriverLoop:
                 self.engine.scheduler.add(arg)
         elif kind == "update":
             call, local, fut = arg
-            self._send(Command.CALL, call=call.to_dict())
+            self._send(Command.CALL, call=self.m.updates.planned(call).to_dict())
             self.m.updates.run_on_driver(call, local, fut)
             self.last_plan = time.monotonic()
             self._emit_all(self.m.updates.take_ended())
         elif kind == "memory":
             call, fut = arg
             self.m.memory.run_on_driver(call, fut, lambda: self._send(Command.CALL, memory=call.to_dict()))
+            self.last_plan = time.monotonic()
+        elif kind == "group":  # a trainer-owned weight-sync group: join or leave (group_calls.py)
+            call, fut = arg
+            self.m.group_calls.run_on_driver(call, fut, lambda: self._send(Command.CALL, group=call.to_dict()))
             self.last_plan = time.monotonic()
         elif kind == "hold":  # the serving pause: (mode, done) to pause, None to resume
             if self.hold_asked is not None and self.hold_asked[1] is not None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from typing import Any
+from typing import Any, Callable
 
-from cluster.errors import ManagerStopped
+from cluster.errors import Code, ManagerStopped
 
 POLL_S = 0.25  # how often a waiting caller looks whether the loop still runs
 
@@ -27,6 +27,26 @@ class LoopCalls:
             self.pending.add(fut)
         self.m.inbox.put((kind, (*payload, fut)))
         return fut
+
+    def queue_answered(self, kind: str, call: Any, done: Callable[[dict], None]) -> None:
+        """The front door's path (driver only): queue `call`, then `done(result dict)` from the loop thread; an
+        exception is answered as {"ok": False, "code", "error"}."""
+        def finished(f: Future) -> None:
+            e = f.exception()
+            done(f.result() if e is None else {"ok": False, "code": getattr(e, "code", Code.INTERNAL),
+                                               "error": str(e)})
+
+        self.queue(kind, call).add_done_callback(finished)
+
+    def answer(self, fut: Future, run: Callable[[], dict]) -> None:
+        """Settle `fut` with `run()` (the loop thread's share of a call); an exception (a collective that failed)
+        goes to the caller and is raised again, which ends the loop."""
+        try:
+            result = run()
+        except BaseException as e:
+            self.settle(fut, error=e)
+            raise
+        self.settle(fut, result)
 
     def wait(self, fut: Future, timeout: float | None) -> dict[str, Any]:
         """The loop's answer; ManagerStopped if the loop ends without answering, TimeoutError after `timeout`."""

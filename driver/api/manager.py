@@ -26,6 +26,7 @@ from cluster.liveness import Liveness
 from cluster.outputs import GenerationOutput, RequestStatus
 from cluster.pause import PauseGate, check_pause_mode
 from driver.api.driver_loop import DriverLoop, is_collective_error
+from driver.api.group_calls import GroupCalls
 from driver.api.memory_calls import MemoryCalls
 from driver.api.result_router import ResultRouter
 from driver.engine.engine import Engine
@@ -41,6 +42,8 @@ from worker.memory import use_device
 from worker.moe_block import routed_tokens
 from worker.memory_release import MemoryCall
 from worker.packed_linear import weights_changed
+from worker.trainer_group import GroupCall
+from worker.trainer_groups import TrainerGroups
 from worker.weights import UpdateCall
 
 log = logging.getLogger("lockstep")
@@ -74,6 +77,8 @@ class ContinuousBatchingManager:
         self.wants_results = False  # a worker whose caller reads results asks the driver for them
         self.updates = WeightUpdates(self)
         self.memory = MemoryCalls(self)  # release_memory / resume_memory (memory_calls.py)
+        self.trainer_groups = TrainerGroups()  # this rank's weight-sync groups the trainer owns (group_calls.py)
+        self.group_calls = GroupCalls(self)
         self.loop_beat = time.monotonic()  # when the loop last came round (the front door's deadline reads it)
         self._ids = iter(range(1 << 62))
         self._lock = threading.Lock()
@@ -350,6 +355,8 @@ class ContinuousBatchingManager:
                 self.closed = True
             self.updates.loop_ended()
             self.memory.calls.loop_ended()
+            self.group_calls.calls.loop_ended()
+            self.trainer_groups.close_all()  # no loop drives a bucket or a destroy any more
 
 
 def run_worker_side(m: ContinuousBatchingManager) -> None:
@@ -365,6 +372,8 @@ def run_worker_side(m: ContinuousBatchingManager) -> None:
                 m.updates.worker_call(UpdateCall(**data["call"]), plan.weight_version)
             if "memory" in data:
                 m.memory.worker_call(MemoryCall(**data["memory"]))
+            if "group" in data:
+                m.group_calls.worker_call(GroupCall(**data["group"]))
     except BaseException as e:  # never silently: the driver must be able to name this rank
         m.loop_error = e
         m.failure = f"rank {m.groups.rank}: worker loop failed: {type(e).__name__}: {str(e)[:300]}"

@@ -56,12 +56,7 @@ class MemoryCalls:
 
     def call_async(self, call: MemoryCall, done: Callable[[dict], None]) -> None:
         """The front door's path (driver only): `done(result dict)` from the loop thread, refusals included."""
-        def finished(f: Future) -> None:
-            e = f.exception()
-            done(f.result() if e is None else {"ok": False, "code": getattr(e, "code", Code.INTERNAL),
-                                               "error": str(e)})
-
-        self.calls.queue("memory", call).add_done_callback(finished)
+        self.calls.queue_answered("memory", call, done)
 
     def run(self, call: MemoryCall) -> dict[str, Any]:
         """This rank's share, and on the driver the engine's bookkeeping. Every rank calls it at the same boundary."""
@@ -83,12 +78,7 @@ class MemoryCalls:
                                         "holds the serving pause"})
             return
         send()
-        try:
-            result = self.run(call)
-        except BaseException as e:
-            self.calls.settle(fut, error=e)
-            raise
-        self.calls.settle(fut, result)
+        self.calls.answer(fut, lambda: self.run(call))
 
     def worker_call(self, call: MemoryCall) -> None:
         """A worker's share of a call the driver sent in a CALL plan (the worker loop thread). Its result is the

@@ -67,17 +67,22 @@ class WeightUpdates:
         return result
 
     def _run(self, call: UpdateCall, local: dict | None, expected: int | None) -> dict[str, Any]:
-        """This rank's share: run_update with this rank's version, then bump it if every rank applied."""
+        """This rank's share: run_update with this rank's version, then bump it if every rank applied (a trainer
+        group's bucket that does not end its update applies nothing: worker/trainer_groups.py)."""
         self.attempts += 1
         self.m.memory.rank.before_update()  # released weights get their storage back (memory_calls.py)
+        trainer = self.m.trainer_groups
         try:
             result = run_update(self.m.model.model, self.m.groups, call, local, version=self.version,
-                                expected=expected, attempt=self.attempts)
+                                expected=expected, attempt=self.attempts, trainer=trainer)
         except WeightsDiverged as e:
             self.diverged = e
             raise
-        self.m.memory.rank.after_update(result["ok"], call.partial)
-        if result["ok"]:
+        if call.source == "group":
+            trainer.settle(call.group_name, result)
+        applied = result["ok"] and result["applied"]
+        self.m.memory.rank.after_update(applied, call.partial)
+        if applied:
             self.version += 1
             # every tensor a captured CUDA graph reads must still be where it was captured, or the graphs would
             # replay on stale storage and serve garbage: a move ends this rank's loop
@@ -133,10 +138,19 @@ class WeightUpdates:
             raise
         self.calls.settle(fut, result=self.after_update(result, call))
 
+    def planned(self, call: UpdateCall) -> UpdateCall:
+        """The driver's word on a trainer group's bucket, before its CALL plan goes out (the loop thread): it
+        applies the update when the staged tensors and this bucket's complete the model, or when it says `end`
+        (then a subset is a partial update). Every rank's share follows the plan."""
+        if call.source == "group":
+            complete = self.m.trainer_groups.completes(self.m.model.model, call.buckets[0])
+            call.apply, call.partial = complete or call.end, not complete
+        return call
+
     def after_update(self, result: dict[str, Any], call: UpdateCall) -> dict[str, Any]:
         """Driver bookkeeping once every rank agreed: version, stale prefix pages, in-flight KV."""
         e = self.m.engine
-        if result["ok"]:
+        if result["ok"] and result["applied"]:
             e.weight_version += 1
             e.blocks.forget_cached_prefixes()
             self.ended += enforce_weight_lag(e, call.kv_policy)  # before the KV policy: a restart frees its KV

@@ -18,6 +18,7 @@ import zmq
 from cluster import protocol as P
 from cluster.config import PUSH_TIMEOUT_S
 from cluster.errors import Code
+from cluster.group_wire import check_group_bucket, check_group_call
 from cluster.handle_wire import check_handles
 from cluster.wake_pipe import WakePipe
 from driver.frontdoor.admin import AdminPolicy, CurveKeys, PauseOwner
@@ -201,6 +202,8 @@ class Frontend:
             self._update_weights(ident, msg, mid)
         elif kind in (P.RELEASE_MEMORY, P.RESUME_MEMORY):
             self._memory_call(ident, msg, mid, kind)
+        elif kind == P.WEIGHTS_GROUP:
+            self._group_call(ident, msg, mid)
         elif kind == P.BYE:
             self._drop_client(ident, "disconnect_cancels")
         elif kind == P.PING:  # refreshes last_seen (above); the pong tells the client the server lives
@@ -223,12 +226,18 @@ class Frontend:
         elif source == "handles":  # every rank maps the trainer's segments: checked here, admins only
             buckets, handles = check_handles(msg.get("buckets"), msg.get("handles"), mid)
             call = UpdateCall(source, kv_policy=kv_policy, buckets=buckets, handles=handles, partial=partial)
+        elif source == "group":  # a bucket over a trainer-owned group (cluster/group_wire.py); the driver's loop
+            name, bucket, load_format, end = check_group_bucket(msg)  # decides whether the update ends with it
+            call = UpdateCall(source, kv_policy=kv_policy, buckets=[bucket], group_name=name, load_format=load_format,
+                              end=end, timeout_s=self.config.push_timeout_s)
         else:
             raise P.ProtocolError(Code.BAD_FIELD, f"unknown weight source {source!r}", mid)
 
         def done(result: dict) -> None:  # the loop thread: record what is served now, then answer
             if result.get("ok"):  # a partial update is restored by no checkpoint alone: recorded as not restorable
-                self.weights.note_update("partial" if partial else source, call.path or None, result["version"])
+                if result.get("applied", True):  # (a trainer group's bucket that did not end its update: nothing)
+                    self.weights.note_update("partial" if call.partial else source, call.path or None,
+                                             result["version"])
             else:  # kept for `stats`: a trainer that died mid-push hears no answer, an operator still can
                 self.last_refused = {k: result.get(k) for k in ("error", "rank", "reason_code", "tensor", "phase")}
             self._reply_later(ident, mid, result)
@@ -244,6 +253,14 @@ class Frontend:
                           P.field(msg, "keep_weights_on_host", bool, True))
 
         self.manager.memory.call_async(call, lambda result: self._reply_later(ident, mid, result))
+
+    def _group_call(self, ident: bytes, msg: dict, mid: Any) -> None:
+        """Join or leave a trainer's weight-sync group on every rank through the loop (driver/api/group_calls.py);
+        every rank dials the trainer's address: checked here, admins only (checked above)."""
+        from worker.trainer_group import GroupCall
+
+        call = GroupCall(**check_group_call(msg, self.manager.groups.world_size), timeout_s=self.config.push_timeout_s)
+        self.manager.group_calls.call_async(call, lambda result: self._reply_later(ident, mid, result))
 
     def _reply_later(self, ident: bytes, mid: Any, data: dict) -> None:
         """A reply from another thread (the loop's), sent from the front door's thread."""

@@ -3,7 +3,8 @@
 in_place is Lockstep's keep), `/continue_generation`, `/flush_cache` (200 once no request runs or waits),
 `/abort_request` (`rid` or `abort_all`), `/release_memory_occupation`, `/resume_memory_occupation`,
 `/update_weights_from_disk` (the caller's `weight_version` label, reported by `/get_weight_version` and each
-answer's meta_info), `/server_info`, `/model_info` (and their `/get_*` names), `/health_generate`.
+answer's meta_info), `/server_info`, `/model_info` (and their `/get_*` names), `/health_generate`; the weight-sync
+group's routes come from launch/gateway/sglang_weight_sync.py.
 
 The routes that change the server's state are admin routes, as the gateway's own (the token or a trusted network:
 launch/gateway/admin_auth.py); `/generate`, the info routes and `/health_generate` do not. Weight labels live in
@@ -30,6 +31,7 @@ from launch.gateway.admin_auth import AdminAuth
 from launch.gateway.errors import HttpError
 from launch.gateway.openai_serving import Model, sse
 from launch.gateway.sglang_shape import GenerateBody, answer, memory_tags, submit_params
+from launch.gateway.sglang_weight_sync import weight_sync_router
 
 SGLANG_PAUSE_MODES = {"abort": "abort", "retract": "retract", "in_place": "keep"}  # SGLang's -> Lockstep's
 
@@ -89,6 +91,7 @@ def context_length(model: Model) -> int | None:
 
 def sglang_router(client: AsyncClient, model: Model, auth: AdminAuth) -> APIRouter:
     router, state = APIRouter(), SGLangState()
+    router.include_router(weight_sync_router(client, auth, state.labels, lambda: list(state.in_flight)))
     tok = model.tokenizer
     eos = getattr(tok, "eos_token_id", None) if tok is not None else None
 

@@ -190,7 +190,7 @@ class Router:
             self._send(ident, P.REPLY, mid=mid, data=self.stats.health())
         elif kind == P.STATS:
             self._in_thread(ident, mid, self.stats.stats)
-        elif kind in (P.PAUSE, P.RESUME, P.RELEASE_MEMORY, P.RESUME_MEMORY):
+        elif kind in (P.PAUSE, P.RESUME, P.RELEASE_MEMORY, P.RESUME_MEMORY, P.WEIGHTS_GROUP):
             raise P.ProtocolError(Code.UNSUPPORTED, f"{kind} is not offered by the router: send it to a replica "
                                                     "at its own address", mid)
         elif kind == P.UPDATE_WEIGHTS:
