@@ -28,7 +28,7 @@ _MODELS: dict[tuple, Path] = {}
 # other (a job of one failed to find an actor of its own cluster). Groups go out longest first (seconds on a clean
 # run here), the rest in file order, so the three workers finish together. Refresh from `--durations` when they drift.
 RAY_MODULES = ("test_replicas", "test_ray", "test_recovery_ray")
-HTTP_MODULES = ("test_http", "test_http_openai", "test_http_samples")  # one group: one server (`http_server`)
+HTTP_MODULES = ("test_http", "test_http_openai", "test_http_samples", "test_lm_eval")  # one group: one server (`http_server`)
 LONGEST_FIRST = (*RAY_MODULES, "test_parity", "test_moe_parity", "test_recovery_chaos", "test_flood_latency", "test_gpu_compat", "test_compile",
                  "test_chaos_loop", "test_overlap", "test_http", "test_weight_push", "test_serving_security",
                  "test_chaos_client", "test_chaos_frontend", "test_cli", "test_transformers_script", "test_serving")
@@ -50,7 +50,7 @@ HTTP_ADMIN_TOKEN = "test-admin-token"
 @pytest.fixture(scope="session")
 def http_server(make_checkpoint):
     """One TP=2 `lockstep serve --http` on the llama seed-3 checkpoint (admin token HTTP_ADMIN_TOKEN), started once
-    for tests/test_http.py and tests/test_http_openai.py (one xdist group); `.http` is its base URL."""
+    for the HTTP_MODULES (one xdist group); `.http` is its base URL."""
     from tests.serving import fast_config, serve
 
     port = free_port()
