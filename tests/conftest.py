@@ -29,7 +29,7 @@ _MODELS: dict[tuple, Path] = {}
 # run here), the rest in file order, so the three workers finish together. Refresh from `--durations` when they drift.
 RAY_MODULES = ("test_replicas", "test_ray", "test_recovery_ray")
 # one group: one server (`http_server`)
-HTTP_MODULES = ("test_http", "test_http_openai", "test_http_samples", "test_http_trl")
+HTTP_MODULES = ("test_http", "test_http_openai", "test_http_samples", "test_http_trl", "test_lm_eval")
 LONGEST_FIRST = (*RAY_MODULES, "test_parity", "test_moe_parity", "test_recovery_chaos", "test_flood_latency", "test_gpu_compat", "test_compile",
                  "test_chaos_loop", "test_overlap", "test_http", "test_weight_push", "test_serving_security",
                  "test_chaos_client", "test_chaos_frontend", "test_cli", "test_transformers_script", "test_serving")

@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -40,6 +41,26 @@ class Model:
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
+
+    @cached_property
+    def bos_text(self) -> str | None:
+        """The BOS token's text when encoding a text prompt prepends it (transformers' default for Llama-style
+        tokenizers, and the front door encodes with it), else None."""
+        tok = self.tokenizer
+        bos = getattr(tok, "bos_token", None)
+        if tok is None or not bos or tok("x")["input_ids"][:1] != [tok.bos_token_id]:
+            return None
+        return bos
+
+    def prompt_source(self, prompt: str | list[int]) -> dict[str, Any]:
+        """A completions prompt as its submit carries it: token ids as given; text without a leading BOS text when
+        encoding prepends BOS anyway, so the prompt gets one BOS, not two. lm-evaluation-harness's text requests are
+        its token requests decoded (BOS included), and its hf backend encodes such a string without adding another
+        (vLLM's completions keep both)."""
+        if not isinstance(prompt, str):
+            return {"input_ids": prompt}
+        bos = self.bos_text
+        return {"text": prompt[len(bos):] if bos and prompt.startswith(bos) else prompt}
 
 
 @dataclass
@@ -128,10 +149,10 @@ class OpenAIServing:
             raise HttpError(MODEL_NOT_FOUND, f"the model {body.model!r} does not exist; this server serves "
                                              f"{self.model.name!r}", "model")
         params = body.params(self.model.tokenizer is not None)
-        sources = ([{"input_ids": self.chat_prompt(body)}] if chat
-                   else [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in body.prompts()])
+        prompts = [] if chat else body.prompts()
+        sources = ([{"input_ids": self.chat_prompt(body)}] if chat else [self.model.prompt_source(p) for p in prompts])
         base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        echo = [self.prompt_text(src) if not chat and body.echo else "" for src in sources]
+        echo = [""] if chat else [self.prompt_text(p) if body.echo else "" for p in prompts]
         choices: list[Choice] = []
         for p, src in enumerate(sources):
             rid = f"{base}-{p}"
@@ -141,12 +162,12 @@ class OpenAIServing:
             choices += group
         return choices, params
 
-    def prompt_text(self, source: dict[str, Any]) -> str:
+    def prompt_text(self, prompt: str | list[int]) -> str:
         """A prompt's text (`echo`): as sent, or its token ids decoded (empty without a tokenizer)."""
-        if "text" in source:
-            return source["text"]
+        if isinstance(prompt, str):
+            return prompt
         tok = self.model.tokenizer
-        return tok.decode(source["input_ids"], skip_special_tokens=True) if tok is not None else ""
+        return tok.decode(prompt, skip_special_tokens=True) if tok is not None else ""
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         return chat_ids(self.model.tokenizer, [m.for_template() for m in body.messages],
