@@ -1,5 +1,6 @@
 """The HTTP gateway's settings in a preset's [serve] table (the ZeroMQ front door reads none of them): the admin
-routes' bearer token and the networks trusted to call them without one (docs/http.md, "Admin routes")."""
+routes' bearer token and the networks trusted to call them without one (docs/http.md, "Admin routes"), and what
+SGLang's `/server_info` reports as `enable_memory_saver` (docs/http.md, "SGLang's native routes")."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import os
 from typing import Any
 
 HTTP_ADMIN_TOKEN_ENV = "LOCKSTEP_HTTP_ADMIN_TOKEN"
-HTTP_SERVE_KEYS = ("http_admin_token", "http_admin_trust")  # [serve] keys the HTTP gateway reads
+# [serve] keys the HTTP gateway reads
+HTTP_SERVE_KEYS = ("http_admin_token", "http_admin_trust", "sglang_enable_memory_saver")
 LOOPBACK = "loopback"  # http_admin_trust's name for 127.0.0.0/8 and ::1
 LOOPBACK_NETWORKS = ("127.0.0.0/8", "::1/128")
 
@@ -49,3 +51,13 @@ def http_admin_trust(serve_table: dict[str, Any] | None) -> tuple[str, ...]:
     """[serve] `http_admin_trust`: the networks whose callers reach the HTTP admin routes without the bearer token
     (admin_trust_networks); unset, none (off)."""
     return admin_trust_networks((serve_table or {}).get("http_admin_trust"))
+
+
+def sglang_enable_memory_saver(serve_table: dict[str, Any] | None) -> bool:
+    """[serve] `sglang_enable_memory_saver`: what SGLang's `/server_info` reports as `enable_memory_saver` (SGLang's
+    server argument, false by default, as here). slime checks it against its `--offload-rollout`; Lockstep releases
+    memory either way, so it only states what the operator told the trainer. ValueError unless a bool."""
+    value = (serve_table or {}).get("sglang_enable_memory_saver", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"[serve] sglang_enable_memory_saver = {value!r}: expected true or false")
+    return value

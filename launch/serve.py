@@ -19,10 +19,11 @@ RANK_FAILED_EXIT = 3
 
 
 def frontend_config(preset: dict, address: str | None):
-    from cluster.http_config import HTTP_SERVE_KEYS, http_admin_trust
+    from cluster.http_config import HTTP_SERVE_KEYS, http_admin_trust, sglang_enable_memory_saver
     from driver.frontdoor.frontend import FrontendConfig
 
     http_admin_trust(preset.get("serve"))  # a bad entry stops the start here, before any rank loads
+    sglang_enable_memory_saver(preset.get("serve"))
     table = {k: v for k, v in preset.get("serve", {}).items() if k not in HTTP_SERVE_KEYS}
     if unknown := set(table) - set(FrontendConfig.__dataclass_fields__):
         raise ValueError(f"[serve] table: unknown key(s) {sorted(unknown)} "
@@ -82,12 +83,12 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
 
         frontend = Frontend(manager, fe_cfg, load_tokenizer(model_dir), record, model_path=model_dir).start()
         if http:
-            from cluster.http_config import http_admin_token, http_admin_trust
+            from cluster.http_config import http_admin_token, http_admin_trust, sglang_enable_memory_saver
             from launch.gateway.child import GatewayProcess
 
-            gateway = GatewayProcess(dialable(frontend.address), http, model_dir,
-                                     http_admin_token(preset.get("serve")),
-                                     http_admin_trust(preset.get("serve"))).start()
+            serve = preset.get("serve")
+            gateway = GatewayProcess(dialable(frontend.address), http, model_dir, http_admin_token(serve),
+                                     http_admin_trust(serve), sglang_enable_memory_saver(serve)).start()
         print(f"ready {frontend.address}", flush=True)
         if on_ready is not None:
             on_ready(frontend.address)

@@ -4,7 +4,9 @@
 Each needs `Authorization: Bearer <token>` with the admin token (cluster/http_config.py `http_admin_token`), or a
 caller in a trusted network (`http_admin_trust`; launch/gateway/admin_auth.py): no token set, 403 to the others; a
 missing or wrong one, 401. They are the driver's admin operations, sent by the gateway's own
-client (which the driver must take as an admin); the pause is that client's, so any token holder may resume it."""
+client (which the driver must take as an admin); the pause is that client's, so any token holder may resume it.
+`/release_memory` needs a held pause (`not_paused` otherwise); `/resume_memory` lets go a pause the gateway took for
+SGLang's release (launch/gateway/memory_pause.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from cluster.client import AsyncClient
 from launch.gateway.admin_auth import AdminAuth
+from launch.gateway.memory_pause import MemoryPause
 
 
 class UpdateWeightsBody(BaseModel):
@@ -46,7 +49,7 @@ class PauseBody(BaseModel):
     mode: Literal["keep", "abort", "wait", "retract"] = "keep"  # cluster.pause.PAUSE_MODES (docs/weights.md)
 
 
-def admin_router(client: AsyncClient, auth: AdminAuth) -> APIRouter:
+def admin_router(client: AsyncClient, auth: AdminAuth, pauses: MemoryPause) -> APIRouter:
     """The admin routes; a refusal from the driver (a ClientError) is answered by the app's handler."""
     router = APIRouter()
 
@@ -55,13 +58,13 @@ def admin_router(client: AsyncClient, auth: AdminAuth) -> APIRouter:
         """Answered once the pause is in force (a mode "wait": once every running request finished)."""
         auth.check(request)
         mode = (body or PauseBody()).mode
-        await client.pause(mode)
+        await pauses.pause(mode)
         return {"paused": True, "mode": mode}
 
     @router.post("/resume")
     async def resume(request: Request) -> dict:
         auth.check(request)
-        await client.resume()
+        await pauses.resume()
         return {"paused": False}
 
     @router.post("/update_weights")
@@ -78,7 +81,7 @@ def admin_router(client: AsyncClient, auth: AdminAuth) -> APIRouter:
     @router.post("/resume_memory")
     async def resume_memory(request: Request, body: ResumeMemoryBody | None = None) -> dict:
         auth.check(request)
-        return await client.resume_memory((body or ResumeMemoryBody()).tags)
+        return await pauses.resume_memory((body or ResumeMemoryBody()).tags)
 
     @router.get("/weight_version")
     async def weight_version(request: Request) -> dict:

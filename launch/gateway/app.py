@@ -18,6 +18,7 @@ from cluster.errors import ClientError, Code
 from launch.gateway.admin_auth import AdminAuth
 from launch.gateway.admin_routes import admin_router
 from launch.gateway.errors import MODEL_NOT_FOUND, HttpError
+from launch.gateway.memory_pause import MemoryPause
 from cluster.metrics_export import render
 from launch.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from launch.gateway.openai_serving import Model, OpenAIServing, until_done_or_gone
@@ -32,12 +33,14 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class GatewaySettings:
     """`model_dir`: the checkpoint (its name and tokenizer; None: the server's `health` names it). `model_name`: the
     name clients send (default: the directory's). `admin_token`: None refuses the admin routes to callers outside
-    `admin_trust` (CIDR strings: cluster/http_config.py http_admin_trust; empty: none)."""
+    `admin_trust` (CIDR strings: cluster/http_config.py http_admin_trust; empty: none). `sglang_enable_memory_saver`:
+    SGLang's `/server_info` field (cluster/http_config.py sglang_enable_memory_saver)."""
 
     model_dir: str | None = None
     model_name: str | None = None
     admin_token: str | None = None
     admin_trust: tuple[str, ...] = ()
+    sglang_enable_memory_saver: bool = False
 
 
 async def resolve_model(client: AsyncClient, settings: GatewaySettings) -> Model:
@@ -47,9 +50,9 @@ async def resolve_model(client: AsyncClient, settings: GatewaySettings) -> Model
     return Model(name, os.path.abspath(path) if path else None, load_tokenizer(path))
 
 
-def make_app(client: AsyncClient, model: Model, admin: AdminAuth) -> FastAPI:
+def make_app(client: AsyncClient, model: Model, admin: AdminAuth, memory_saver: bool = False) -> FastAPI:
     """The gateway's app over one AsyncClient (shared by every HTTP request); `admin`: who may call the admin
-    routes."""
+    routes; `memory_saver`: GatewaySettings.sglang_enable_memory_saver."""
     app = FastAPI(title="Lockstep", docs_url=None, redoc_url=None)
     serving = OpenAIServing(client, model)
 
@@ -131,7 +134,8 @@ def make_app(client: AsyncClient, model: Model, admin: AdminAuth) -> FastAPI:
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await answer(request, body, chat=True)
 
-    app.include_router(admin_router(client, admin))
-    app.include_router(sglang_router(client, model, admin))  # SGLang's native routes (docs/http.md)
+    pauses = MemoryPause(client)  # the pauses of both: SGLang's release takes one when none is held
+    app.include_router(admin_router(client, admin, pauses))
+    app.include_router(sglang_router(client, model, admin, pauses, memory_saver))  # SGLang's routes (docs/http.md)
     app.include_router(trl_router(client, model, admin))  # TRL's vllm-serve routes (docs/rl-frameworks.md)
     return app

@@ -30,9 +30,10 @@ class GatewayProcess:
     """The gateway of `lockstep serve --http`, as a supervised child process (rank 0 only)."""
 
     def __init__(self, address: str, listen: str, model_dir: str | None, admin_token: str | None,
-                 admin_trust: tuple[str, ...] = ()):
+                 admin_trust: tuple[str, ...] = (), memory_saver: bool = False):
         """`admin_trust`: the networks whose callers reach the admin routes without the token (cluster/http_config.py
-        http_admin_trust; they go on the command line: they are no secret)."""
+        http_admin_trust; they go on the command line: they are no secret); `memory_saver`: SGLang's
+        `enable_memory_saver` (cluster/http_config.py sglang_enable_memory_saver)."""
         self.listen = listen
         self.command = [sys.executable, "-m", "launch.cli", "http", "--address", address, "--listen", listen,
                         "--exit-with-parent", str(os.getpid())]
@@ -40,6 +41,8 @@ class GatewayProcess:
             self.command += ["--model", str(model_dir)]
         if admin_trust:
             self.command += ["--admin-trust", ",".join(admin_trust)]
+        if memory_saver:
+            self.command.append("--sglang-enable-memory-saver")
         self.env = {k: v for k, v in os.environ.items() if k != HTTP_ADMIN_TOKEN_ENV}
         self.env |= {HTTP_ADMIN_TOKEN_ENV: admin_token} if admin_token else {}
         pythonpath = [str(REPO), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]

@@ -12,7 +12,7 @@ import socket
 import threading
 
 from cluster.config import read_preset
-from cluster.http_config import admin_trust_networks, http_admin_token, http_admin_trust
+from cluster.http_config import admin_trust_networks, http_admin_token, http_admin_trust, sglang_enable_memory_saver
 from cluster.protocol import DEFAULT_ADDRESS
 
 log = logging.getLogger("lockstep")
@@ -66,7 +66,8 @@ class Gateway:
             admin = AdminAuth.of(self.settings.admin_token, self.settings.admin_trust)
             if warning := bind_warning(self.host, admin.trusted):
                 log.warning("%s", warning)
-            app = make_app(client, await resolve_model(client, self.settings), admin)
+            app = make_app(client, await resolve_model(client, self.settings), admin,
+                           self.settings.sglang_enable_memory_saver)
             # proxy_headers off: the admin trust reads the TCP peer, never a header (launch/gateway/admin_auth.py)
             self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
                                                         lifespan="off", timeout_graceful_shutdown=2,
@@ -113,14 +114,17 @@ class Gateway:
             self.server.should_exit = True
 
 
-def settings_for(model_dir: str | None, model_name: str | None, preset: dict, admin_trust: str | None = None):
+def settings_for(model_dir: str | None, model_name: str | None, preset: dict, admin_trust: str | None = None,
+                 memory_saver: bool = False):
     """The gateway's settings from a preset's [serve] table; `admin_trust` (--admin-trust) wins over its
-    http_admin_trust."""
+    http_admin_trust; `memory_saver` (--sglang-enable-memory-saver) or its sglang_enable_memory_saver sets SGLang's
+    `enable_memory_saver`."""
     from launch.gateway.app import GatewaySettings
 
     serve = preset.get("serve")
     trust = admin_trust_networks(admin_trust) if admin_trust is not None else http_admin_trust(serve)
-    return GatewaySettings(model_dir, model_name, http_admin_token(serve), trust)
+    return GatewaySettings(model_dir, model_name, http_admin_token(serve), trust,
+                           memory_saver or sglang_enable_memory_saver(serve))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -132,6 +136,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-trust", metavar="NETS",
                    help="callers from these networks reach the admin routes without the token: \"loopback\" or "
                         "CIDRs, comma-separated (default: the preset's [serve] http_admin_trust; docs/http.md)")
+    p.add_argument("--sglang-enable-memory-saver", action="store_true",
+                   help="SGLang's /server_info reports enable_memory_saver true, as slime's --offload-rollout wants "
+                        "(default: the preset's [serve] sglang_enable_memory_saver; docs/http.md)")
     p.add_argument("--exit-with-parent", type=int, metavar="PID",
                    help="stop when this process's parent is no longer PID (how `lockstep serve --http` runs it)")
 
@@ -147,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     """`lockstep http`: the gateway as its own process, until interrupted."""
     logging.basicConfig(level=logging.INFO)
     try:
-        settings = settings_for(args.model, args.model_name, read_preset(args.config), args.admin_trust)
+        settings = settings_for(args.model, args.model_name, read_preset(args.config), args.admin_trust,
+                                args.sglang_enable_memory_saver)
     except ValueError as e:
         log.error("%s", e)
         return 2

@@ -1,10 +1,11 @@
 """SGLang's native routes on the gateway, mapped to what Lockstep has (docs/http.md, "SGLang's native routes"):
 `/generate` (launch/gateway/sglang_shape.py shapes it), `/pause_generation` (SGLang's default mode abort; its
 in_place is Lockstep's keep), `/continue_generation`, `/flush_cache` (200 once no request runs or waits),
-`/abort_request` (`rid` or `abort_all`), `/release_memory_occupation`, `/resume_memory_occupation`,
+`/abort_request` (`rid` or `abort_all`), `/release_memory_occupation`, `/resume_memory_occupation` (with no pause
+held, inside one the gateway takes: launch/gateway/memory_pause.py),
 `/update_weights_from_disk` (the caller's `weight_version` label, reported by `/get_weight_version` and each
-answer's meta_info), `/server_info`, `/model_info` (and their `/get_*` names), `/health_generate`; the weight-sync
-group's routes come from launch/gateway/sglang_weight_sync.py.
+answer's meta_info), `/server_info` (`enable_memory_saver` as the preset says), `/model_info` (and their `/get_*`
+names), `/health_generate`; the weight-sync group's routes come from launch/gateway/sglang_weight_sync.py.
 
 The routes that change the server's state are admin routes, as the gateway's own (the token or a trusted network:
 launch/gateway/admin_auth.py); `/generate`, the info routes and `/health_generate` do not. Weight labels live in
@@ -29,6 +30,7 @@ from cluster.errors import ClientError, Code
 from cluster.outputs import GenerationOutput
 from launch.gateway.admin_auth import AdminAuth
 from launch.gateway.errors import HttpError
+from launch.gateway.memory_pause import MemoryPause
 from launch.gateway.openai_serving import Model, sse
 from launch.gateway.sglang_shape import GenerateBody, answer, memory_tags, submit_params
 from launch.gateway.sglang_weight_sync import weight_sync_router
@@ -89,7 +91,10 @@ def context_length(model: Model) -> int | None:
         return None
 
 
-def sglang_router(client: AsyncClient, model: Model, auth: AdminAuth) -> APIRouter:
+def sglang_router(client: AsyncClient, model: Model, auth: AdminAuth, pauses: MemoryPause,
+                  memory_saver: bool = False) -> APIRouter:
+    """`pauses`: the gateway's pauses and memory calls (shared with its own admin routes); `memory_saver`: what
+    `/server_info` reports as `enable_memory_saver` (cluster/http_config.py sglang_enable_memory_saver)."""
     router, state = APIRouter(), SGLangState()
     router.include_router(weight_sync_router(client, auth, state.labels, lambda: list(state.in_flight)))
     tok = model.tokenizer
@@ -134,13 +139,13 @@ def sglang_router(client: AsyncClient, model: Model, auth: AdminAuth) -> APIRout
     @router.post("/pause_generation")
     async def pause_generation(request: Request, body: PauseGenerationBody | None = None) -> dict:
         auth.check(request)
-        await client.pause(SGLANG_PAUSE_MODES[(body or PauseGenerationBody()).mode])
+        await pauses.pause(SGLANG_PAUSE_MODES[(body or PauseGenerationBody()).mode])
         return {"status": "ok", "message": "Generation paused successfully."}
 
     @router.post("/continue_generation")
     async def continue_generation(request: Request) -> dict:
         auth.check(request)
-        await client.resume()
+        await pauses.resume()
         return {"status": "ok", "message": "Generation continued successfully."}
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
@@ -163,13 +168,14 @@ def sglang_router(client: AsyncClient, model: Model, auth: AdminAuth) -> APIRout
 
     @router.post("/release_memory_occupation")
     async def release_memory(request: Request, body: MemoryBody | None = None) -> dict:
+        """As SGLang, with no pause held too (launch/gateway/memory_pause.py)."""
         auth.check(request)
-        return {"success": True} | await client.release_memory(memory_tags((body or MemoryBody()).tags))
+        return {"success": True} | await pauses.release_memory(memory_tags((body or MemoryBody()).tags))
 
     @router.post("/resume_memory_occupation")
     async def resume_memory(request: Request, body: MemoryBody | None = None) -> dict:
         auth.check(request)
-        return {"success": True} | await client.resume_memory(memory_tags((body or MemoryBody()).tags))
+        return {"success": True} | await pauses.resume_memory(memory_tags((body or MemoryBody()).tags))
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request, body: UpdateFromDiskBody) -> JSONResponse:
@@ -201,7 +207,7 @@ def sglang_router(client: AsyncClient, model: Model, auth: AdminAuth) -> APIRout
         health, stats = await client.health(), await client.stats()
         return await model_info() | {"tp_size": health.get("world_size"), "dp_size": 1,
                                      "context_length": context_length(model), "num_kv_pages": stats.get("num_blocks"),
-                                     "version": "lockstep",
+                                     "version": "lockstep", "enable_memory_saver": memory_saver,
                                      "internal_states": [{"running": stats.get("running"),
                                                           "waiting": stats.get("waiting")}]}
 
