@@ -20,11 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="a TOML preset from configs/")
     args = p.parse_args(argv)
 
-    import cluster
-    from cluster.config import load_preset
     from driver.frontdoor.text_output import load_tokenizer
+    from launch.load import load_with_preset
 
-    model = cluster.load(args.model)
+    model, cb = load_with_preset(args.model, args.config)
     tokenizer = load_tokenizer(args.model)
     rng = random.Random(args.seed)
     if tokenizer is not None:
@@ -32,7 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         vocab = model.config.vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 64))] for _ in range(args.num_prompts)]
-    cb = load_preset(args.config) if args.config else None
     start = time.perf_counter()
     out = model.generate_batch(prompts, continuous_batching_config=cb, max_new_tokens=args.new_tokens,
                                progress_bar=True)

@@ -19,10 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="a TOML preset from configs/")
     args = p.parse_args(argv)
 
-    import cluster
-    from cluster.config import load_preset
+    from launch.load import load_with_preset
 
-    model = cluster.load(args.model)
+    model, cb = load_with_preset(args.model, args.config)
     rows = [json.loads(line) for line in open(args.input) if line.strip()]
     prompts = []
     for i, row in enumerate(rows):
@@ -35,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"line {i + 1}: needs input_ids or text", file=sys.stderr)
             return 2
-    out = model.generate_batch(prompts, continuous_batching_config=load_preset(args.config) if args.config else None,
+    out = model.generate_batch(prompts, continuous_batching_config=cb,
                                max_new_tokens=args.max_new_tokens, progress_bar=True)
     if model.groups.is_driver:
         with open(args.output, "w") as f:

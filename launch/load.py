@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.config import ContinuousBatchingConfig, expert_parallel, read_preset
 from cluster.dist import init_groups
 from cluster.host_all_reduce import HostAllReduce
 from driver.api.model import ClusterModel
@@ -49,3 +50,12 @@ def load(model_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
     log.info("rank %d/%d loaded %s (%s) on %s", groups.rank, groups.world_size, model_dir, config.model_type,
              groups.device)
     return ClusterModel(model, config, generation_config, groups, dtype, model_dir)
+
+
+def load_with_preset(model_dir: str | os.PathLike, preset: str | os.PathLike | None,
+                     ) -> tuple[ClusterModel, ContinuousBatchingConfig | None]:
+    """`load` as a TOML preset says (its [model] `experts` placement) and the preset's [continuous_batching] config
+    (None without a preset): `lockstep run` and `lockstep generate` (`lockstep serve` reads the same tables)."""
+    table = read_preset(preset)
+    model = load(model_dir, expert_parallel=expert_parallel(table.get("model")))
+    return model, ContinuousBatchingConfig.from_any(table.get("continuous_batching", {})) if preset else None

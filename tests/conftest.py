@@ -80,6 +80,22 @@ def make_checkpoint(model_root):
     return get
 
 
+@pytest.fixture(scope="session")
+def moe_update_sources(make_checkpoint, tmp_path_factory):
+    """moe_update_sources(arch) -> the directory of tests/moe_updates.py's sources for that MoE family (made once):
+    from its test checkpoint (tests/test_moe.py MOE_CHECKPOINTS) to seed 1's, and part of the way back."""
+    from tests.moe_updates import write_sources
+    from tests.test_moe import MOE_CHECKPOINTS
+
+    def get(arch: str) -> Path:
+        overrides = MOE_CHECKPOINTS[arch]
+        return write_sources(make_checkpoint(arch, **overrides), make_checkpoint(arch, seed=1, **overrides),
+                             make_checkpoint(arch, seed=1, layout="fused", **overrides),
+                             tmp_path_factory.getbasetemp() / f"moe-updates-{arch}")
+
+    return get
+
+
 _REFERENCE: dict[tuple, list[list[int]]] = {}
 # transformers' reference outputs on disk, keyed by everything they depend on: the checkpoint's bytes (config,
 # generation config, weights), the prompts, the token count, and the transformers and torch versions. A key that

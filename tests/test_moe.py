@@ -67,17 +67,19 @@ def test_routing_varies(arch, make_checkpoint):
     assert all(len(u) > num_experts(config) // 2 for u in used), [sorted(u) for u in used]
 
 
-# the fast tier runs one scenario a family (prefix sharing: the shortest); the whole matrix is slow, as the dense one is
-TP1_RUNS = [pytest.param(arch, scenario, marks=() if scenario == "sharing" else pytest.mark.slow)
-            for arch in MOE_ARCHS for scenario in TP1_SCENARIOS]
+# the fast tier runs one scenario a family (prefix sharing: the shortest); the whole matrix is slow, as the dense one
+# is; and preemption with a host pool (`cpu_offload_space`: the preempted pages go to the host and come back) on one
+# family, four prompts of 128 to 255 tokens, which with their tokens overflow the scenario's 32 pages
+TP1_RUNS = [pytest.param(arch, scenario, slice(None), marks=() if scenario == "sharing" else pytest.mark.slow)
+            for arch in MOE_ARCHS for scenario in TP1_SCENARIOS] + [("glm4_moe", "offload", slice(8, 12))]
 
 
-@pytest.mark.parametrize("arch,scenario", TP1_RUNS)
-def test_tp1_matches_transformers(arch, scenario, make_checkpoint):
+@pytest.mark.parametrize("arch,scenario,which", TP1_RUNS)
+def test_tp1_matches_transformers(arch, scenario, which, make_checkpoint):
     model_dir = make_checkpoint(arch, **MOE_CHECKPOINTS[arch])
     model = cluster.load(model_dir)
     fields, kind = SCENARIOS[scenario]
-    prompts = prompts_for(kind, model.config.vocab_size)
+    prompts = prompts_for(kind, model.config.vocab_size)[which]
     out = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS,
                                continuous_batching_config=cluster.ContinuousBatchingConfig(**fields))
     check_scenario(scenario, [o.generated_tokens for o in out.values()], [o.status for o in out.values()],
@@ -174,3 +176,16 @@ def test_the_preset_chooses_the_placement():
     assert expert_parallel({"experts": "expert_parallel"})
     with pytest.raises(ValueError, match="expected one of"):
         expert_parallel({"experts": "ep"})
+
+
+def test_run_and_generate_load_with_the_presets_placement(make_checkpoint, tmp_path):
+    """`lockstep run` and `lockstep generate` (launch/load.py `load_with_preset`) place the experts as the preset's
+    [model] table says, and take its [continuous_batching] table, as `lockstep serve` does."""
+    from launch.load import load_with_preset
+
+    preset = tmp_path / "ep.toml"
+    preset.write_text('[model]\nexperts = "expert_parallel"\n\n[continuous_batching]\npage_size = 32\n')
+    model, cb = load_with_preset(make_checkpoint("qwen3_moe"), preset)
+    assert model.model.expert_parallel and cb.page_size == 32
+    model, cb = load_with_preset(make_checkpoint("qwen3_moe"), None)
+    assert not model.model.expert_parallel and cb is None

@@ -1,6 +1,9 @@
 """Mixture-of-experts families at TP=2 (real processes): token-identical to transformers' generate under chunked
 prefill, prefix sharing and preemption, with tensor-parallel experts (every rank a slice of every expert) and with
-expert parallelism (every rank E / 2 whole experts), serial and overlapped; both ranks agree."""
+expert parallelism (every rank E / 2 whole experts), serial and overlapped; both ranks agree. In the same launch,
+weight updates of expert tensors (tests/moe_updates.py: a full update in transformers' fused layout, then partial
+ones by checkpoint, handle and push, naming experts as published and as fused) serve exactly transformers' tokens on
+the updated weights, and both ranks count the same routing (stats' `experts_routed`)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import pytest
 import cluster
 from tests.conftest import hf_greedy, read_json, run_ranks
 from tests.test_moe import MOE_ARCHS, MOE_CHECKPOINTS, TP1_SCENARIOS
+from tests.test_moe_updates import check_sequence
 from tests.test_parity import check_scenario
 from tests.workloads import SCENARIOS, prompts_for
 
@@ -20,11 +24,11 @@ CASES = [(arch, placement) for arch in MOE_ARCHS for placement in PLACEMENTS]
 
 
 @pytest.fixture(scope="module")
-def moe_tp2_outputs(make_checkpoint, tmp_path_factory):
+def moe_tp2_outputs(make_checkpoint, moe_update_sources, tmp_path_factory):
     """Every case in one torchrun launch (tests/scripts/parity_rank.py); each test reads its own files."""
     prefix = tmp_path_factory.mktemp("moe_parity") / "out"
     specs = [f"{arch}-{placement}={make_checkpoint(arch, **MOE_CHECKPOINTS[arch])}={','.join(MODES)}={','.join(TP1_SCENARIOS)}"
-             + ("=ep" if placement == "ep" else "") for arch, placement in CASES]
+             f"=updates:{moe_update_sources(arch)}" + (",ep" if placement == "ep" else "") for arch, placement in CASES]
     proc = run_ranks("parity_rank.py", [str(prefix), *specs], timeout=900)
     return prefix, proc
 
@@ -49,3 +53,15 @@ def test_tp2_matches_transformers(arch, placement, moe_tp2_outputs, make_checkpo
 @pytest.mark.slow
 def test_tp2_launch_exits_cleanly(moe_tp2_outputs):
     assert moe_tp2_outputs[1].returncode == 0, moe_tp2_outputs[1].stdout[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,placement", CASES)
+def test_tp2_updates_of_expert_tensors_serve_the_updated_weights(arch, placement, moe_tp2_outputs,
+                                                                 moe_update_sources):
+    prefix, proc = moe_tp2_outputs
+    records = [f"{prefix}.{arch}-{placement}.updates.rank{r}.json" for r in (0, 1)]
+    assert all(os.path.exists(r) for r in records), proc.stdout[-4000:]
+    rank0, rank1 = map(read_json, records)
+    check_sequence(rank0, moe_update_sources(arch))
+    assert rank0["routed"] == rank1["routed"] and all(sum(layer) for layer in rank0["routed"].values())

@@ -104,10 +104,12 @@ def test_pause_modes_and_staleness_tp2(make_checkpoint, tmp_path):
 
 
 def test_pause_modes_and_staleness_in_process_tp1(make_checkpoint, tmp_path):
-    """The same scenario in this process at TP=1 (the fast tier's test of the pause modes' logic)."""
+    """The same scenario in this process at TP=1 (the fast tier's test of the pause modes' logic), on a MoE
+    checkpoint (Qwen3-MoE, routing that varies; the TP=2 test above runs Llama): no part of the modes is the
+    model's, and this run is also the check that they hold on MoE models, updates of expert tensors included."""
     from tests.scripts.pause_modes_rank import run
 
-    rec = run(str(make_checkpoint("llama")), str(make_checkpoint("llama", seed=1)), str(tmp_path))
+    rec = run(str(make_checkpoint("qwen3_moe")), str(make_checkpoint("qwen3_moe", seed=1)), str(tmp_path))
     for mode in MODES:
         check_mode(mode, rec[mode], rec["dirs"])
     check_staleness(rec["stale"], rec["dirs"])

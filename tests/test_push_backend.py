@@ -53,22 +53,23 @@ def ckpt(make_checkpoint):
     return dir_a, load_file(os.path.join(dir_b, "model.safetensors")), dir_b
 
 
-def shard_models(model_dir) -> list[CausalLM]:
+def shard_models(model_dir, expert_parallel: bool = False) -> list[CausalLM]:
     config = AutoConfig.from_pretrained(model_dir)
-    models = [build_model(config, Shard(rank=r, size=TP), torch.float32, torch.device("cpu")) for r in range(TP)]
+    models = [build_model(config, Shard(rank=r, size=TP), torch.float32, torch.device("cpu"), expert_parallel)
+              for r in range(TP)]
     for m in models:
         load_weights(m, model_dir)
     return models
 
 
-def run_push(models, tensors, bucket_bytes, rank_devices=("cpu", "cpu"), trainer_device="cpu"):
+def run_push(models, tensors, bucket_bytes, rank_devices=("cpu", "cpu"), trainer_device="cpu", partial=False):
     """One push with every member in a thread of this process: (per-rank staged list or exception, the
     trainer's send_buckets result). Every thread must end within JOIN_S (a hang fails the test)."""
     addr = f"127.0.0.1:{free_port()}"
     store = push.open_store(addr, TP + 1, 30, master=True)
     store.set(push.TRAINER_DEVICE_KEY, trainer_device)
     groups = buckets_of(tensors, bucket_bytes)
-    call = UpdateCall("push", store=addr, buckets=bucket_meta(tensors, groups), timeout_s=30)
+    call = UpdateCall("push", store=addr, buckets=bucket_meta(tensors, groups), timeout_s=30, partial=partial)
     out: dict = {}
 
     def rank(r):

@@ -67,6 +67,22 @@ def test_resume_after_k_tokens_is_the_uninterrupted_run(manager, params, k):
         assert other.generated_tokens != whole.generated_tokens
 
 
+def test_a_moe_model_resumes_exactly(make_checkpoint):
+    """The same on a MoE model (Qwen3-MoE, routing that varies: tests/test_moe.py): the prefill of the prompt and the
+    resumed tokens routes them to the experts their decode steps chose, so the rest is the uninterrupted run's, greedy
+    and seeded. What a restart adds (the group reloads the served checkpoint with the preset's expert placement, the
+    clients resubmit) is not the model's: tests/test_recovery_chaos.py runs it on Llama."""
+    import cluster
+
+    model = cluster.load(make_checkpoint("qwen3_moe"))
+    cfg = cluster.ContinuousBatchingConfig(page_size=16, per_request_processors=True)
+    with model.continuous_batching_context_manager(continuous_batching_config=cfg) as m:
+        for params, k in (({}, 9), (SAMPLED, 4)):
+            whole = run(m, f"moe-{k}", **params)
+            resumed = run(m, f"moe-{k}", resume_tokens=whole.generated_tokens[:k], resumes=1, **params)
+            assert resumed.generated_tokens == whole.generated_tokens and resumed.resumes == 1, (params, k)
+
+
 def test_resumed_tokens_keep_their_weight_versions(manager):
     whole = run(manager, "versions")
     out = run(manager, "versions", resume_tokens=whole.generated_tokens[:5], resume_versions=[(0, 3), (2, 4)],

@@ -65,11 +65,12 @@ def test_greedy_samples_match_transformers_continuous_batching(record):
 
 
 def test_greedy_samples_in_process_tp1(make_checkpoint):
-    """The fork's logic in this process at TP=1 (the fast tier's test): serial and overlapped with bursts."""
+    """The fork's logic in this process at TP=1 (the fast tier's test): serial and overlapped with bursts, on a MoE
+    checkpoint (GLM-4.5's router, shared experts; the TP=2 tests run Llama), so it also checks n samples on MoE."""
     import cluster
     from tests.scripts.samples_rank import batch
 
-    model_dir = make_checkpoint("llama")
+    model_dir = make_checkpoint("glm4_moe")
     model = cluster.load(model_dir)  # transformers' own ids and order: the TP=2 test above
     check_greedy(batch(model, greedy_config()), model_dir, None, "greedy")
     check_greedy(batch(model, greedy_config(), use_async_batching=True, decode_burst=4), model_dir, None, "overlap")

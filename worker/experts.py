@@ -146,10 +146,10 @@ class Experts(nn.Module):
         p, h = self.placement, self.hidden
         rows = slice(p.inter_start, p.inter_start + p.inter_rows)
         held = slice(p.first, p.first + p.count)
-        if part == "gate_up":
+        if part == "gate_up":  # gate rows then up rows: both sides as [count, 2, rows, H], views (no copy staged)
             expect_shape(src, (p.num_experts, 2 * p.inter, h))
-            both = (src[held, rows], src[held, p.inter + p.inter_start:p.inter + p.inter_start + p.inter_rows])
-            return self.gate_up.data, torch.cat(both, dim=1)
+            dst = self.gate_up.data.view(p.count, 2, p.inter_rows, h)
+            return dst, src[held].reshape(p.count, 2, p.inter, h)[:, :, rows]
         if part == "down":
             expect_shape(src, (p.num_experts, h, p.inter))
             return self.down.data, src[held, :, rows]
