@@ -27,7 +27,7 @@ client_timeout_s = {client_timeout_s}
 
 @contextmanager
 def serve(model_dir: Path, tp: int = 2, config: str | None = None, extra: list[str] | None = None,
-          tmp_path: Path | None = None, ready_timeout: float = 120) -> Iterator[LocalServer]:
+          tmp_path: Path | None = None, ready_timeout: float = 300) -> Iterator[LocalServer]:
     """`lockstep serve` in its own process group (one thread a rank); yields once it prints `ready`."""
     with local_server(model_dir, tp, config, extra, env={"OMP_NUM_THREADS": "1"},
                       ready_timeout=ready_timeout) as server:

@@ -1,6 +1,7 @@
 """Mixture-of-experts families at TP=2 (real processes): token-identical to transformers' generate under chunked
 prefill, prefix sharing and preemption, with tensor-parallel experts (every rank a slice of every expert) and with
-expert parallelism (every rank E / 2 whole experts), serial and overlapped; both ranks agree. In the same launch,
+expert parallelism (every rank E / 2 whole experts), overlapped (the scheduling modes are the dense parity's:
+tests/test_parity.py); both ranks agree. In the same launch,
 weight updates of expert tensors (tests/moe_updates.py: a full update in transformers' fused layout, then partial
 ones by checkpoint, handle and push, naming experts as published and as fused) serve exactly transformers' tokens on
 the updated weights, and both ranks count the same routing (stats' `experts_routed`)."""
@@ -19,7 +20,7 @@ from tests.test_parity import check_scenario
 from tests.workloads import SCENARIOS, prompts_for
 
 PLACEMENTS = ("tp", "ep")
-MODES = ("serial", "overlap")
+MODES = ("overlap",)  # the default; serial and multi-step decode run the same code for every family (test_parity)
 CASES = [(arch, placement) for arch in MOE_ARCHS for placement in PLACEMENTS]
 
 

@@ -122,7 +122,7 @@ def test_ranks_as_ray_actors(ray_session, make_checkpoint):
     model = make_checkpoint("llama")
     want = hf_greedy(model, prompts(), NEW)
     handle = start_ray_cluster(model, tp=2, config=PRESET, address=f"tcp://127.0.0.1:{free_port()}",
-                               ready_timeout=120)
+                               ready_timeout=300)
     try:
         assert len(handle.actors) == 2 and not any(map(process_gone, handle.pids))
         with handle.client(timeout=120) as c:
@@ -147,7 +147,7 @@ def test_ranks_as_ray_actors(ray_session, make_checkpoint):
 def test_rank_failure_before_ready_is_reported(ray_session, tmp_path):
     """A rank that cannot load raises in start_ray_cluster with its traceback, and nothing stays behind."""
     with pytest.raises(RuntimeError, match="no config.json"):
-        start_ray_cluster(tmp_path / "missing", tp=2, ready_timeout=60)
+        start_ray_cluster(tmp_path / "missing", tp=2, ready_timeout=300)
     wait_until(cpus_free, 30, "both CPUs back in Ray after the failed launch")
 
 

@@ -35,7 +35,7 @@ def supervised(make_checkpoint):
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
     # a port of ZeroMQ's choosing: the restarted group must bind the one the first group got
     handle = start_ray_cluster(make_checkpoint("llama"), tp=2, config=PRESET, address="tcp://127.0.0.1:*",
-                               ready_timeout=120)
+                               ready_timeout=300)
     stop, restarted = threading.Event(), []
     watcher = threading.Thread(target=handle.supervise, args=(stop, 3), kwargs={"on_restart": restarted.append},
                                name="supervise", daemon=True)

@@ -60,7 +60,7 @@ def ray_head():
 @pytest.fixture(scope="module")
 def fleet(ray_head, make_checkpoint):
     handle = start_replicas(make_checkpoint("llama"), tp=1, replicas=2, config=PRESET, address="tcp://127.0.0.1:*",
-                            ready_timeout=120, service_name=SERVICE)
+                            ready_timeout=300, service_name=SERVICE)
     try:
         yield handle
     finally:
@@ -292,7 +292,7 @@ def test_one_tp2_replica_next_to_one_tp1(ray_head, fleet, make_checkpoint):
     """Last: the 2 x TP=1 fleet makes room for a TP=2 replica and a TP=1 one behind one router."""
     fleet.shutdown()
     mixed = start_replicas(make_checkpoint("llama"), tp=[2, 1], config=PRESET, address="tcp://127.0.0.1:*",
-                           ready_timeout=120)
+                           ready_timeout=300)
     try:
         results = run_load(mixed.address, n=REQUESTS, tag="m")
         with mixed.client() as c:

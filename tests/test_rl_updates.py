@@ -91,8 +91,10 @@ def served(make_checkpoint, tmp_path_factory):
         yield Served(s, c, dir_a, dir_b, work)
 
 
-def our_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("lockstep-w-")}
+def segments_left(names: list[str]) -> set[str]:
+    """Which of these shared-memory segments still exist (only the ones this test made: other workers of the suite
+    make their own at the same time)."""
+    return {n for n in names if os.path.exists(f"/dev/shm/{n}")}
 
 
 @pytest.mark.slow
@@ -102,17 +104,20 @@ def test_updates_by_handle_full_and_partial(served):
 
     s = served
     s.serves(s.now)
-    before = our_segments()
+    made: list[str] = []
     with SharedBuckets(s.b, bucket_bytes=1 << 20) as shared:
+        made += [h["name"] for h in shared.handles]
         assert len(shared.handles) > 4 and all(h["kind"] == "shm" for h in shared.handles)
         s.moved(update_weights_by_handle(s.c, shared), "b", s.b)
     subset = {n: s.a[n] for n in MLP_1}
     with SharedBuckets(subset) as shared:
+        made += [h["name"] for h in shared.handles]
         s.moved(update_weights_by_handle(s.c, shared, partial=True), "b+a_mlp1", subset)
     with SharedBuckets({"model.layers.99.mlp.up_proj.weight": s.a[MLP_1[1]]}) as shared:  # past the last layer
+        made += [h["name"] for h in shared.handles]
         s.refused(lambda: update_weights_by_handle(s.c, shared, partial=True), Code.UNKNOWN_TENSOR,
                   "model.layers.99.mlp.up_proj.weight")
-    assert our_segments() == before  # every segment this trainer made is gone
+    assert len(made) > 4 and not segments_left(made)  # every segment this trainer made is gone
 
 
 @pytest.mark.slow
