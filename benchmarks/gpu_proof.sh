@@ -35,7 +35,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-$(command -v python || command -v python3)}"
 LIMIT_S=420  # the sum of the step limits below
-SCALE=1  # the CPU dry run checks the plumbing, not the GPU's budget: its steps get 3x the time (a loaded CI machine)
+SCALE=1  # the CPU dry run checks the plumbing, not the GPU's budget: each step gets 3x its time (a loaded CI machine)
 
 now() { date +%s.%N; }
 # step NAME TIMEOUT_S CMD...: run CMD with a bounded time, log to OUT/NAME.log, record it in steps.tsv
@@ -107,4 +107,4 @@ else
   skip weight-push-tp2 "$why"
 fi
 
-"$PY" benchmarks/gpu_summary.py "$OUT" --limit-s "$(( LIMIT_S * SCALE ))" $([ "$DRY" -eq 1 ] && echo --dry-run)
+"$PY" benchmarks/gpu_summary.py "$OUT" --limit-s "$LIMIT_S" $([ "$DRY" -eq 1 ] && echo --dry-run)
