@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cluster.errors import UnsupportedModel
 from worker.checkpoint_names import NameRule, NameTable
 from worker.layers import ColumnParallelLinear, RowParallelLinear, Shard
 
@@ -14,7 +15,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, bias: bool, shard: Shard, dtype: torch.dtype, reduce: bool = True):
         super().__init__()
         if inter % shard.size:
-            raise ValueError(f"intermediate size {inter} does not split over tp={shard.size} ranks")
+            raise UnsupportedModel(f"intermediate size {inter} does not split over tp={shard.size} ranks")
         self.rows = rows = inter // shard.size
         self.gate_up_proj = ColumnParallelLinear(hidden, {
             "gate": (rows, shard.rank * rows, inter), "up": (rows, shard.rank * rows, inter)}, bias=bias, dtype=dtype)

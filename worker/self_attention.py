@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cluster.errors import UnsupportedModel
 from worker.attention import AttnMeta, StepMasks, paged_attention, write_kv
 from worker.checkpoint_names import NameRule, NameTable
 from worker.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, Shard
@@ -26,11 +27,11 @@ class KVHeads:
     def __init__(self, config: Any, shard: Shard):
         hq, hkv, tp = config.num_attention_heads, config.num_key_value_heads, shard.size
         if hq % tp:
-            raise ValueError(f"num_attention_heads={hq} does not split over tp={tp} ranks")
+            raise UnsupportedModel(f"num_attention_heads={hq} does not split over tp={tp} ranks")
         if hkv >= tp and hkv % tp:
-            raise ValueError(f"num_key_value_heads={hkv} does not split over tp={tp} ranks")
+            raise UnsupportedModel(f"num_key_value_heads={hkv} does not split over tp={tp} ranks")
         if hkv < tp and tp % hkv:
-            raise ValueError(f"tp={tp} is not a multiple of num_key_value_heads={hkv}")
+            raise UnsupportedModel(f"tp={tp} is not a multiple of num_key_value_heads={hkv}")
         self.q_local, self.kv_local = hq // tp, max(1, hkv // tp)
         self.q_start = shard.rank * self.q_local
         self.kv_start = shard.rank * self.kv_local if hkv >= tp else shard.rank * hkv // tp

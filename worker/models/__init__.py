@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from cluster.errors import UnsupportedModel
 from worker.layers import Shard
 from worker.models.decoder import CausalLM
 from worker.models.glm4_moe import Glm4Moe
@@ -23,7 +24,7 @@ def family_of(config: Any) -> type[CausalLM]:
     """The family class serving `config.model_type`, or ValueError naming the supported ones."""
     family = FAMILIES.get(getattr(config, "model_type", None))
     if family is None:
-        raise ValueError(f"model_type {config.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+        raise UnsupportedModel(f"model_type {config.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
     return family
 
 

@@ -10,10 +10,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from cluster.errors import UnsupportedModel
 from worker.attention import AttnMeta, StepMasks, step_masks
 from worker.checkpoint_names import NameRule, NameTable, Target
 from worker.layers import ParallelLMHead, RMSNorm, Shard, VocabParallelEmbedding
-from worker.rope import RotaryTable, StepRotary
+from worker.rope import LayerRotary, StepRotary
 from worker.self_attention import head_dim_of
 
 BASE_NAMES = NameTable((
@@ -65,7 +66,7 @@ class CausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, shard, dtype)
             if self.tied:
                 self.lm_head.weight = self.embed_tokens.weight
-            self.rope = RotaryTable(config, head_dim_of(config), config.max_position_embeddings, device)
+            self.rope = LayerRotary(config, head_dim_of(config), config.max_position_embeddings, device)
         self._expected: frozenset[str] | None = None
 
     # -- what a family says ------------------------------------------------------------------------------------
@@ -74,7 +75,7 @@ class CausalLM(nn.Module):
     def check(cls, config: Any) -> None:
         """Refuse a config this family cannot serve exactly (by name)."""
         if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+            raise UnsupportedModel(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
 
     def layer_windows(self, config: Any) -> list[int | None]:
         """Sliding-window size of each layer (None: full attention)."""
@@ -98,10 +99,10 @@ class CausalLM(nn.Module):
         The per-step metadata (rope cos/sin at the step's positions, the decode masks, which tokens are real) is
         computed once here."""
         h = self.embed_tokens(input_ids)
-        rope = self.rope.at(meta.positions, h.dtype)
+        ropes = self.rope.at(meta.positions, h.dtype)  # each layer's (a table per rope setting, gathered once)
         masks = step_masks(meta, self.windows, h.dtype)
         real = meta.slot_mapping < meta.scratch_slot
-        for layer, kc, vc in zip(self.layers, k_caches, v_caches):
+        for layer, rope, kc, vc in zip(self.layers, ropes, k_caches, v_caches):
             h = layer(h, meta, rope, masks, real, kc, vc)
         return self.lm_head(self.norm(h.index_select(0, meta.logits_idx)))
 
