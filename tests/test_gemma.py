@@ -37,6 +37,32 @@ def test_gemma3_matches_transformers(make_checkpoint):
     assert stats["prefix_hit_blocks"] > 0 and stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
 
 
+def test_final_logit_softcapping_as_transformers(make_checkpoint, tmp_path):
+    """A config's final_logit_softcapping caps the logits (tanh) before sampling and logprobs: the logprobs of the
+    tokens and their alternatives equal transformers' (a cap of 1 changes them a great deal; the greedy tokens
+    it cannot change)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "capped"
+    shutil.copytree(make_checkpoint("gemma3", **GEMMA3), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"final_logit_softcapping": 1.0}))
+    prompt = mixed_prompts(config["vocab_size"])[7]
+    with cluster.load(model_dir).continuous_batching_context_manager() as m:
+        out = m.get_result(m.add_request(prompt, max_new_tokens=4, top_logprobs=3, eos_token_id=-1), timeout=60)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.generated_tokens])).logits[0, len(prompt) - 1:-1].double()
+    assert logits.abs().max() <= 1.0
+    values, top = torch.topk(logits.log_softmax(-1), 3)
+    for i, alts in enumerate(out.top_logprobs):
+        assert [t for t, _ in alts] == top[i].tolist()
+        assert [lp for _, lp in alts] == pytest.approx(values[i].tolist(), abs=2e-5)
+
+
 def test_gemma_norm_is_transformers_own():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
