@@ -17,6 +17,7 @@ from worker.layers import GemmaRMSNorm
 GEMMA3 = {"sliding_window": 48}  # shorter than most of the parity prompts: the window is exercised
 
 
+@pytest.mark.slow  # 12 to 40 s on the shared 2 cores (the checkpoint made, six layers, a first batch)
 def test_gemma3_matches_transformers(make_checkpoint):
     """One batch that chunks its prefills (prompts longer than max_batch_tokens), shares prefixes (two families of
     two) and preempts (a cache of 24 pages): every prompt longer than the window, generated past it."""
@@ -40,7 +41,7 @@ def test_gemma3_matches_transformers(make_checkpoint):
 def test_final_logit_softcapping_as_transformers(make_checkpoint, tmp_path):
     """A config's final_logit_softcapping caps the logits (tanh) before sampling and logprobs: the logprobs of the
     tokens and their alternatives equal transformers' (a cap of 1 changes them a great deal; the greedy tokens
-    it cannot change)."""
+    it cannot change). The fast tier's Gemma 3 end to end: a prompt past the window, four tokens."""
     import json
     import shutil
 

@@ -172,6 +172,7 @@ def test_longer_prompts_than_longrope_serves_exactly_are_refused():
     assert e.value.code == Code.PROMPT_TOO_LONG
 
 
+@pytest.mark.slow  # 11 to 24 s on the shared 2 cores (a checkpoint made)
 def test_llama_with_longrope_matches_transformers(tmp_path):
     """A served model whose decode crosses longrope's original length (short factors below it, long from it) and
     whose attention factor is not 1: token-identical to transformers' generate."""
