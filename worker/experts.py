@@ -48,7 +48,8 @@ class ExpertPlacement:
     @classmethod
     def expert_parallel(cls, num_experts: int, inter: int, shard: Shard) -> ExpertPlacement:
         if num_experts % shard.size:
-            raise UnsupportedModel(f"{num_experts} experts do not split over tp={shard.size} ranks (expert parallelism)")
+            raise UnsupportedModel(f"{num_experts} experts do not split over tp={shard.size} ranks "
+                                   f"(expert parallelism)")
         count = num_experts // shard.size
         return cls(num_experts, inter, shard.rank * count, count, 0, inter)
 

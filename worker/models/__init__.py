@@ -17,8 +17,8 @@ from worker.models.mixtral import Mixtral
 from worker.models.qwen3 import Qwen3
 from worker.models.qwen3_moe import Qwen3Moe
 
-FAMILIES: dict[str, type[CausalLM]] = {t: family for family in (Llama, Mistral, Qwen2, Qwen3, Qwen3Moe, Mixtral, Glm4Moe,
-                                                                 Gemma3)
+FAMILIES: dict[str, type[CausalLM]] = {t: family for family in (Llama, Mistral, Qwen2, Qwen3, Qwen3Moe, Mixtral,
+                                                                 Glm4Moe, Gemma3)
                                        for t in family.model_types}
 
 
