@@ -70,6 +70,13 @@ class RequestRejected(LockstepError, ValueError):
     code = Code.BAD_FIELD
 
 
+class UnsupportedModel(LockstepError, ValueError):
+    """A checkpoint's config asks for something Lockstep does not serve exactly (an architecture, a rope type, an
+    activation, a size that does not split over the ranks); the message names it. Raised at load."""
+
+    code = Code.UNSUPPORTED
+
+
 class QueueFull(LockstepError, RuntimeError):
     code = Code.QUEUE_FULL
 

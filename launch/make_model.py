@@ -33,6 +33,12 @@ ARCHS = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1, n_group=2,
         topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True,
         partial_rotary_factor=0.5)),
+    # Gemma 3: six layers, five sliding to one full (the window: transformers' default unless --set), tied
+    # embeddings; softmax scale query_pre_attn_scalar ** -0.5 = 0.5, not head_dim ** -0.5: with q and k normed,
+    # transformers' default (256) leaves a tiny random model's attention near uniform and its outputs mostly
+    # the last token again
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_hidden_layers=6, tie_word_embeddings=True,
+                                                            query_pre_attn_scalar=4)),
 }
 # arch -> size -> the arch's own config fields at that size (over ARCHS'): qwen3_moe/small is the MoE benchmark
 # model, 8 experts top-2 of 256 rows on 7 of 8 layers, about 100M parameters (experts a third of them)
@@ -40,6 +46,8 @@ ARCH_SIZES = {"qwen3_moe": {"small": dict(moe_intermediate_size=256)}}
 # MoE routers' weights are multiplied by this after transformers' initialisation: its default (std 0.02) gives
 # near-uniform router probabilities, where every token's top-k is decided by rounding; scaled, tokens differ
 ROUTER_SCALE = 10.0
+# the spread of the random w of a (1 + w) norm (transformers' Gemma initialises w to zeros)
+NORM_SPREAD = 0.5
 LAYOUTS = ("published", "fused")  # experts one tensor each, as published / as transformers holds them in memory
 BOS, EOS = 1, 2
 
@@ -74,6 +82,8 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tin
         for name, param in model.named_parameters():
             if name.endswith(".gate.weight"):  # a MoE router (dense MLPs' are gate_proj)
                 param.mul_(ROUTER_SCALE)
+            elif name.endswith("norm.weight") and not param.any():  # a (1 + w) norm (Gemma) starts at w = 0:
+                param.normal_(0.0, NORM_SPREAD)  # random, so that each norm's weights count
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros by default: make it count in the choice
                 buffer.copy_(torch.rand(buffer.shape) * 0.2)

@@ -55,9 +55,10 @@ def test_tp1_matches_transformers(arch, mode, make_checkpoint):
                        model.last_stats, hf_greedy(model_dir, prompts), mode)
 
 
-TP2_CASES = {a: (a, {}) for a in ARCHS} | {"llama-kv1": ("llama", {"num_key_value_heads": 1})}
+TP2_CASES = {a: (a, {}) for a in ARCHS} | {"llama-kv1": ("llama", {"num_key_value_heads": 1}),
+                                           "gemma3": ("gemma3", {"sliding_window": 48})}
 # as at TP=1: every case overlapped, one architecture in every mode (the plan, its broadcast and multi-step decode's
-# token broadcast are the same code for every architecture)
+# token broadcast are the same code for every architecture; tests/test_gemma.py runs Gemma 3 at TP=1)
 TP2_RUNS = [(case, mode) for case in TP2_CASES for mode in MODES if mode == "overlap" or case == MODE_ARCH]
 
 

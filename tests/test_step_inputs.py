@@ -154,9 +154,9 @@ def test_rope_and_masks_are_computed_once_a_step(make_checkpoint, monkeypatch):
     runner.execute(plan)
     assert model.config.num_hidden_layers > 1 and calls == {"at": 1, "masks": 1}
 
-    rope = runner.model.rope
+    rope = runner.model.rope.tables[0]  # the table holds half the rotary width: the other half repeats it
     positions = torch.tensor([0, 3, 17, 100])
-    x = torch.randn(4, 5, rope.cos.shape[1])
-    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    x = torch.randn(4, 5, 2 * rope.cos.shape[1])
+    cos, sin = (torch.cat([t[positions], t[positions]], dim=-1).unsqueeze(1) for t in (rope.cos, rope.sin))
     torch.testing.assert_close(rope.at(positions, x.dtype).apply(x), x * cos + rotate_half(x) * sin,
                                rtol=0, atol=0)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cluster.errors import UnsupportedModel
 from worker.layers import Shard, expect_shape
 
 
@@ -40,14 +41,15 @@ class ExpertPlacement:
     @classmethod
     def tensor_parallel(cls, num_experts: int, inter: int, shard: Shard) -> ExpertPlacement:
         if inter % shard.size:
-            raise ValueError(f"moe intermediate size {inter} does not split over tp={shard.size} ranks")
+            raise UnsupportedModel(f"moe intermediate size {inter} does not split over tp={shard.size} ranks")
         rows = inter // shard.size
         return cls(num_experts, inter, 0, num_experts, shard.rank * rows, rows)
 
     @classmethod
     def expert_parallel(cls, num_experts: int, inter: int, shard: Shard) -> ExpertPlacement:
         if num_experts % shard.size:
-            raise ValueError(f"{num_experts} experts do not split over tp={shard.size} ranks (expert parallelism)")
+            raise UnsupportedModel(f"{num_experts} experts do not split over tp={shard.size} ranks "
+                                   f"(expert parallelism)")
         count = num_experts // shard.size
         return cls(num_experts, inter, shard.rank * count, count, 0, inter)
 

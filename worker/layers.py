@@ -1,4 +1,5 @@
-"""Tensor-parallel building blocks: sharded linears, vocab-parallel embedding and LM head, RMSNorm.
+"""Tensor-parallel building blocks: sharded linears, vocab-parallel embedding and LM head, RMSNorm (and Gemma's
+(1 + w) form).
 
 Each parameterised layer knows which part of a checkpoint tensor is its shard (`shard_of`), reading only
 the rows or columns this rank owns through a safetensors slice, and refusing a tensor of the wrong shape.
@@ -241,3 +242,12 @@ class RMSNorm(nn.Module):
 
     def view(self, part: str, kind: str) -> torch.Tensor:
         return self.weight.data
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint holds w around zero and the scale is (1 + w), applied in float32 before the
+    cast back (transformers' Gemma3RMSNorm; Llama's casts first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)

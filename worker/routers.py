@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.errors import UnsupportedModel
 from worker.layers import expect_shape
 
 
@@ -64,7 +65,7 @@ class GroupLimitedSigmoid(ReplicatedRouter):
                  scale: float, dtype: torch.dtype):
         super().__init__(num_experts, hidden, top_k, torch.float32)  # float32 in transformers, whatever the model's
         if num_experts % groups:
-            raise ValueError(f"{num_experts} experts do not split into n_group={groups} groups")
+            raise UnsupportedModel(f"{num_experts} experts do not split into n_group={groups} groups")
         self.groups, self.top_groups, self.renormalise, self.scale = groups, top_groups, renormalise, scale
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
                                                     requires_grad=False)

@@ -1,6 +1,7 @@
 """The sharded self-attention block every family composes: fused q/k/v projection (this rank's heads), optional
-per-head q/k RMSNorm, rotary (full or partial), the paged attention of worker/attention.py, and the output
-projection's all-reduce. A family says which of the options it has (`AttentionOptions`)."""
+per-head q/k RMSNorm (Llama's or Gemma's form), rotary (full or partial), the paged attention of
+worker/attention.py at the family's softmax scale, and the output projection's all-reduce. A family says which of
+the options it has (`AttentionOptions`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cluster.errors import UnsupportedModel
 from worker.attention import AttnMeta, StepMasks, paged_attention, write_kv
 from worker.checkpoint_names import NameRule, NameTable
 from worker.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, Shard
@@ -26,11 +28,11 @@ class KVHeads:
     def __init__(self, config: Any, shard: Shard):
         hq, hkv, tp = config.num_attention_heads, config.num_key_value_heads, shard.size
         if hq % tp:
-            raise ValueError(f"num_attention_heads={hq} does not split over tp={tp} ranks")
+            raise UnsupportedModel(f"num_attention_heads={hq} does not split over tp={tp} ranks")
         if hkv >= tp and hkv % tp:
-            raise ValueError(f"num_key_value_heads={hkv} does not split over tp={tp} ranks")
+            raise UnsupportedModel(f"num_key_value_heads={hkv} does not split over tp={tp} ranks")
         if hkv < tp and tp % hkv:
-            raise ValueError(f"tp={tp} is not a multiple of num_key_value_heads={hkv}")
+            raise UnsupportedModel(f"tp={tp} is not a multiple of num_key_value_heads={hkv}")
         self.q_local, self.kv_local = hq // tp, max(1, hkv // tp)
         self.q_start = shard.rank * self.q_local
         self.kv_start = shard.rank * self.kv_local if hkv >= tp else shard.rank * hkv // tp
@@ -40,7 +42,9 @@ class KVHeads:
 class AttentionOptions:
     qkv_bias: bool = False  # biases on q, k and v
     o_bias: bool = False  # a bias on the output projection
-    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, GLM-4 MoE's use_qk_norm)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, GLM-4 MoE's use_qk_norm, Gemma 3)
+    norm: type[RMSNorm] = RMSNorm  # the q/k norm's form (Gemma: GemmaRMSNorm, (1 + w))
+    scale: float | None = None  # the softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
 
 
 class SelfAttention(nn.Module):
@@ -49,7 +53,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         d = head_dim_of(config)
         heads = KVHeads(config, shard)
-        self.d, self.hq, self.hkv, self.window, self.scale = d, heads.q_local, heads.kv_local, window, d ** -0.5
+        self.d, self.hq, self.hkv, self.window = d, heads.q_local, heads.kv_local, window
+        self.scale = d ** -0.5 if options.scale is None else options.scale
         kv = (heads.kv_local * d, heads.kv_start * d, config.num_key_value_heads * d)  # rows here, first, in all
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, {
             "q": (heads.q_local * d, heads.q_start * d, config.num_attention_heads * d), "k": kv, "v": kv},
@@ -58,8 +63,8 @@ class SelfAttention(nn.Module):
                                         dtype)
         self.qk_norm = options.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+            self.q_norm = options.norm(d, config.rms_norm_eps, dtype)
+            self.k_norm = options.norm(d, config.rms_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, rope: StepRotary, masks: StepMasks, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from cluster.protocol import (MAX_EOS_TOKEN_IDS, MAX_REQUEST_ID_CHARS, MAX_TOP_L
 from driver.api.option_checks import OPTION_CHECKS, check_forced_not_suppressed, check_option, integer, real, shown
 from driver.api.request_group import samples_asked
 from driver.engine.request import Request, ResumedRequest, SamplingParams
+from worker.rope import exact_prompt_limit
 
 SAMPLING_KWARGS = tuple(SAMPLING_FIELDS)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -25,8 +26,10 @@ UNSUPPORTED_PROCESSORS = ("force_words_ids", "constraints", "typical_p", "epsilo
                           "remove_invalid_values", "watermarking_config", "num_beams")
 
 
-def check_prompt(input_ids: Any, request_id: str, vocab_size: int, max_model_len: int) -> list[int]:
-    """The prompt as a list of ints, or ValueError naming the request and the problem."""
+def check_prompt(input_ids: Any, request_id: str, vocab_size: int, max_model_len: int,
+                 exact_limit: int | None = None) -> list[int]:
+    """The prompt as a list of ints, or ValueError naming the request and the problem. `exact_limit`: the longest
+    prompt the model serves token-identically to transformers (worker/rope.py `exact_prompt_limit`), if any."""
     if hasattr(input_ids, "tolist"):
         input_ids = input_ids.tolist()
     if not isinstance(input_ids, (list, tuple)):
@@ -45,6 +48,11 @@ def check_prompt(input_ids: Any, request_id: str, vocab_size: int, max_model_len
         raise RequestRejected(f"request {request_id}: the prompt has {len(input_ids)} tokens; the model's context "
                               f"is {max_model_len}, which leaves no room for a new token", Code.PROMPT_TOO_LONG,
                               request_id)
+    if exact_limit is not None and len(input_ids) > exact_limit:
+        raise RequestRejected(f"request {request_id}: the prompt has {len(input_ids)} tokens; this model's longrope "
+                              f"rotary equals transformers' only for prompts of up to {exact_limit} tokens "
+                              f"(original_max_position_embeddings: a longer prompt is rotated with the long factors "
+                              f"throughout; docs/models.md, \"RoPE\")", Code.PROMPT_TOO_LONG, request_id)
     return list(input_ids)
 
 
@@ -240,7 +248,7 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
         raise RequestRejected(f"request {request_id}: logprobs_mode={shown(mode)}; it must be one of "
                               f"{', '.join(LOGPROBS_MODES)}", Code.BAD_FIELD, request_id)
     vocab = manager.model.config.vocab_size
-    prompt = check_prompt(input_ids, request_id, vocab, rc.max_model_len)
+    prompt = check_prompt(input_ids, request_id, vocab, rc.max_model_len, exact_prompt_limit(manager.model.config))
     if max_new_tokens is None:
         max_new_tokens = getattr(gen, "max_new_tokens", None)
     mnt = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens

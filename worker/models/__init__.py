@@ -7,15 +7,18 @@ from typing import Any
 
 import torch
 
+from cluster.errors import UnsupportedModel
 from worker.layers import Shard
 from worker.models.decoder import CausalLM
+from worker.models.gemma3 import Gemma3
 from worker.models.glm4_moe import Glm4Moe
 from worker.models.llama import Llama, Mistral, Qwen2
 from worker.models.mixtral import Mixtral
 from worker.models.qwen3 import Qwen3
 from worker.models.qwen3_moe import Qwen3Moe
 
-FAMILIES: dict[str, type[CausalLM]] = {t: family for family in (Llama, Mistral, Qwen2, Qwen3, Qwen3Moe, Mixtral, Glm4Moe)
+FAMILIES: dict[str, type[CausalLM]] = {t: family for family in (Llama, Mistral, Qwen2, Qwen3, Qwen3Moe, Mixtral,
+                                                                 Glm4Moe, Gemma3)
                                        for t in family.model_types}
 
 
@@ -23,7 +26,7 @@ def family_of(config: Any) -> type[CausalLM]:
     """The family class serving `config.model_type`, or ValueError naming the supported ones."""
     family = FAMILIES.get(getattr(config, "model_type", None))
     if family is None:
-        raise ValueError(f"model_type {config.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+        raise UnsupportedModel(f"model_type {config.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
     return family
 
 

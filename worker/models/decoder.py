@@ -1,7 +1,9 @@
 """What every family shares: the pre-norm decoder layer and the sharded causal LM around it (embedding, layers,
-final norm, vocab-parallel head, rotary table), and the mapping between checkpoint names and layers through the
+final norm, vocab-parallel head, rotary tables), and the mapping between checkpoint names and layers through the
 family's `NameTable`. A family (worker/models/<family>.py) subclasses `CausalLM`, names its model types and
-table, and says how each layer is made (`make_attention`, `make_mlp`, `layer_windows`)."""
+table, and says how each layer is made (`make_attention`, `make_mlp`, `make_layer`, `layer_windows`), its norm's
+form (`norm_class`), and whether embeddings are scaled (`embedding_scale`); `final_logit_softcapping`, where a
+config sets it, caps the logits as transformers does."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from cluster.errors import UnsupportedModel
 from worker.attention import AttnMeta, StepMasks, step_masks
 from worker.checkpoint_names import NameRule, NameTable, Target
 from worker.layers import ParallelLMHead, RMSNorm, Shard, VocabParallelEmbedding
-from worker.rope import RotaryTable, StepRotary
+from worker.rope import LayerRotary, StepRotary
 from worker.self_attention import head_dim_of
 
 BASE_NAMES = NameTable((
@@ -29,11 +32,12 @@ class DecoderLayer(nn.Module):
     """h + attn(norm(h)), then h + mlp(norm(h)); `mlp` is any block of one all-reduce (dense or experts), called
     with the hidden states and the step's real-token mask [T] (False on padding rows)."""
 
-    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module, dtype: torch.dtype):
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module, dtype: torch.dtype,
+                 norm: type[RMSNorm] = RMSNorm):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = mlp
 
     def forward(self, h: torch.Tensor, meta: AttnMeta, rope: StepRotary, masks: StepMasks, real: torch.Tensor,
@@ -47,6 +51,7 @@ class CausalLM(nn.Module):
 
     model_types: ClassVar[tuple[str, ...]] = ()  # transformers' `model_type`s this family serves
     names: ClassVar[NameTable] = BASE_NAMES  # checkpoint name <-> layer
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm  # the layers' and the final norm's form
 
     def __init__(self, config: Any, shard: Shard, dtype: torch.dtype, device: torch.device,
                  expert_parallel: bool = False):
@@ -58,14 +63,16 @@ class CausalLM(nn.Module):
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         with torch.device(device):  # every parameter and buffer is made on `device`, whatever the caller's default
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard, dtype)
-            self.layers = nn.ModuleList(
-                DecoderLayer(config, self.make_attention(config, shard, i, w, dtype),
-                             self.make_mlp(config, shard, i, dtype), dtype) for i, w in enumerate(self.windows))
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            scale = self.embedding_scale(config)  # as transformers holds it: a float32 tensor cast to the dtype
+            self.register_buffer("embed_scale", None if scale is None else torch.tensor(scale).to(dtype),
+                                 persistent=False)
+            self.layers = nn.ModuleList(self.make_layer(config, shard, i, w, dtype) for i, w in enumerate(self.windows))
+            self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, shard, dtype)
             if self.tied:
                 self.lm_head.weight = self.embed_tokens.weight
-            self.rope = RotaryTable(config, head_dim_of(config), config.max_position_embeddings, device)
+            self.rope = LayerRotary(config, head_dim_of(config), config.max_position_embeddings, device)
+        self.softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self._expected: frozenset[str] | None = None
 
     # -- what a family says ------------------------------------------------------------------------------------
@@ -74,7 +81,7 @@ class CausalLM(nn.Module):
     def check(cls, config: Any) -> None:
         """Refuse a config this family cannot serve exactly (by name)."""
         if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+            raise UnsupportedModel(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
 
     def layer_windows(self, config: Any) -> list[int | None]:
         """Sliding-window size of each layer (None: full attention)."""
@@ -82,6 +89,16 @@ class CausalLM(nn.Module):
         if types := getattr(config, "layer_types", None):
             return [window if t == "sliding_attention" else None for t in types]
         return [window if getattr(config, "use_sliding_window", False) else None] * config.num_hidden_layers
+
+    @classmethod
+    def embedding_scale(cls, config: Any) -> float | None:
+        """What the embeddings are multiplied by (Gemma: sqrt(hidden_size)); None: nothing."""
+        return None
+
+    def make_layer(self, config: Any, shard: Shard, layer: int, window: int | None, dtype: torch.dtype) -> nn.Module:
+        """Layer `layer`: called as DecoderLayer is (hidden states, meta, its rope, masks, real mask, its caches)."""
+        return DecoderLayer(config, self.make_attention(config, shard, layer, window, dtype),
+                            self.make_mlp(config, shard, layer, dtype), dtype, self.norm_class)
 
     def make_attention(self, config: Any, shard: Shard, layer: int, window: int | None,
                        dtype: torch.dtype) -> nn.Module:
@@ -98,12 +115,17 @@ class CausalLM(nn.Module):
         The per-step metadata (rope cos/sin at the step's positions, the decode masks, which tokens are real) is
         computed once here."""
         h = self.embed_tokens(input_ids)
-        rope = self.rope.at(meta.positions, h.dtype)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        ropes = self.rope.at(meta.positions, h.dtype)  # each layer's (a table per rope setting, gathered once)
         masks = step_masks(meta, self.windows, h.dtype)
         real = meta.slot_mapping < meta.scratch_slot
-        for layer, kc, vc in zip(self.layers, k_caches, v_caches):
+        for layer, rope, kc, vc in zip(self.layers, ropes, k_caches, v_caches):
             h = layer(h, meta, rope, masks, real, kc, vc)
-        return self.lm_head(self.norm(h.index_select(0, meta.logits_idx)))
+        logits = self.lm_head(self.norm(h.index_select(0, meta.logits_idx)))
+        if self.softcap is not None:  # transformers' order: divide, tanh, multiply
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     # -- checkpoint names --------------------------------------------------------------------------------------
 
