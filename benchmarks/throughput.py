@@ -18,6 +18,10 @@ on every rank (on the CPU, launch runs the forward before it returns; on CUDA it
 scheduling, sampling or plan broadcast); "replay" runs the kept plans through execute() again back to back on
 every rank. Thread settings are only printed (torchrun sets OMP_NUM_THREADS=1). See docs/benchmarks.md.
 
+--model-impl both runs, in each pair, the checkpoint's native family and then the same checkpoint through the
+generic path (transformers' modelling code on Lockstep's layers and pages, worker/generic/), prints their ratio and
+checks that their tokens are equal; --model-impl generic runs the generic path alone.
+
 On a GPU: --device cuda (the default where CUDA is available), --dtype bfloat16|float32 (both engines get it),
 --cuda-graph on|off|auto (both engines' use_cuda_graph). --json PATH writes the results for scripts
 (benchmarks/gpu_proof.sh reads it). transformers' config is built through benchmarks/hf_compat.py, so
@@ -109,11 +113,13 @@ def timed_call(model, prompts, args, cb_config, first_forward: list) -> tuple[di
     return out, wall, setup
 
 
-def run_lockstep(args, prompts, warm) -> dict:
+def run_lockstep(args, prompts, warm, impl: str = "auto") -> dict:
+    """`impl`: cluster.load's model_impl; "generic" runs the checkpoint through transformers' modelling code on
+    Lockstep's layers and pages (worker/generic/), reported as engine lockstep-generic."""
     import cluster
     from worker.runner import ModelRunner
 
-    model = cluster.load(args.model, dtype=args.dtype, device=args.device)
+    model = cluster.load(args.model, dtype=args.dtype, device=args.device, model_impl=impl)
     rec = {"on": False, "plans": [], "times": [], "runner": None}
     first_forward: list[float] = []
     original = ModelRunner.launch
@@ -152,7 +158,7 @@ def run_lockstep(args, prompts, warm) -> dict:
     replay = time.perf_counter() - t0
     barrier()
     rc = runner.rc
-    result = dict(engine="lockstep", counts=[len(o.generated_tokens) for o in out.values()], wall=wall, setup=setup,
+    result = dict(engine="lockstep-generic" if impl == "generic" else "lockstep", counts=[len(o.generated_tokens) for o in out.values()], wall=wall, setup=setup,
                   tokens=[list(o.generated_tokens) for o in out.values()], notes=list(rc.notes),
                   threads=torch.get_num_threads(), steps=len(plans), exec_s=sum(rec["times"]), replay_s=replay,
                   query_tokens=sum(int(p.q_lens.sum()) for p in plans),
@@ -203,19 +209,20 @@ def run_transformers(args, prompts, warm) -> dict:
     return result
 
 
-def ratios(pairs: list[list[dict]]) -> list[float]:
-    """Each pair's lockstep/transformers throughput ratio (pairs without transformers are left out)."""
+def ratios(pairs: list[list[dict]], engine: str = "lockstep", against: str = "transformers") -> list[float]:
+    """Each pair's `engine`/`against` throughput ratio (pairs without both are left out)."""
     found = []
     for pair in pairs:
         by = {r["engine"]: r for r in pair}
-        if "lockstep" in by and "transformers" in by:
-            found.append(sum(by["lockstep"]["counts"]) / by["lockstep"]["wall"]
-                         / (sum(by["transformers"]["counts"]) / by["transformers"]["wall"]))
+        if engine in by and against in by:
+            found.append(sum(by[engine]["counts"]) / by[engine]["wall"]
+                         / (sum(by[against]["counts"]) / by[against]["wall"]))
     return found
 
 
 def report(args, pairs: list[list[dict]]) -> bool:
-    """Print the table and notes on rank 0; True when every request produced exactly --new-tokens tokens."""
+    """Print the table and notes on rank 0; True when every request produced exactly --new-tokens tokens (and the
+    generic path the native one's tokens, where a pair ran both)."""
     say(f"\nworkload: {args.num_prompts} prompts, lengths U[{args.min_len}, {args.max_len}] (seed {args.seed}), "
         f"{args.new_tokens} new tokens each, greedy, EOS disabled; both configs get "
         f"max_batch_tokens={args.max_batch_tokens} num_blocks={args.num_blocks} page_size={args.page_size} "
@@ -223,13 +230,13 @@ def report(args, pairs: list[list[dict]]) -> bool:
     say(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}, cpus={os.cpu_count()}, load average "
         f"(1 min) {args.load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end; {len(pairs)} pair(s), "
         f"run alternately\n")
-    say(f"{'pair':>4} {'engine':<13} {'TP':>2} {'requests':>8} {'gen tokens':>10} {'wall s':>8} {'setup s':>8} "
+    say(f"{'pair':>4} {'engine':<16} {'TP':>2} {'requests':>8} {'gen tokens':>10} {'wall s':>8} {'setup s':>8} "
         f"{'tok/s':>8} {'threads':>7}")
     for i, pair in enumerate(pairs):
         for r in pair:
             tokens = sum(r["counts"])
             r["tps"] = tokens / r["wall"]
-            say(f"{i + 1:>4} {r['engine']:<13} {WORLD:>2} {len(r['counts']):>8} {tokens:>10} {r['wall']:>8.2f} "
+            say(f"{i + 1:>4} {r['engine']:<16} {WORLD:>2} {len(r['counts']):>8} {tokens:>10} {r['wall']:>8.2f} "
                 f"{r['setup']:>8.2f} {r['tps']:>8.1f} {r['threads']:>7}")
     say("")
     all_exact = True
@@ -241,14 +248,22 @@ def report(args, pairs: list[list[dict]]) -> bool:
             if i == 0 or not exact:
                 say(f"{r['engine']}: tokens per request min {min(c)} max {max(c)} over {len(c)} requests "
                     f"({'all exactly' if exact else 'NOT all'} {args.new_tokens}); {r['config']}")
-    found = ratios(pairs)
-    if found:
-        say("ratio lockstep/transformers by pair: " + ", ".join(f"{x:.2f}x" for x in found))
-        say(f"median ratio over {len(found)} pair(s): {statistics.median(found):.2f}x")
+    for i, pair in enumerate(pairs):  # the generic path runs the same checkpoint: the same greedy tokens
+        by = {r["engine"]: r for r in pair}
+        if "lockstep" in by and "lockstep-generic" in by:
+            same = by["lockstep"]["tokens"] == by["lockstep-generic"]["tokens"]
+            all_exact &= same
+            say(f"pair {i + 1}: lockstep-generic's tokens {'equal' if same else 'DIFFER FROM'} lockstep's")
+    for name, found in (("lockstep/transformers", ratios(pairs)),
+                        ("lockstep-generic/lockstep", ratios(pairs, "lockstep-generic", "lockstep"))):
+        if found:
+            say(f"ratio {name} by pair: " + ", ".join(f"{x:.2f}x" for x in found))
+            say(f"median ratio over {len(found)} pair(s): {statistics.median(found):.2f}x")
     for i, pair in enumerate(pairs):
-        for r in (x for x in pair if x["engine"] == "lockstep"):
+        for r in (x for x in pair if x["engine"].startswith("lockstep")):
             tokens = sum(r["counts"])
-            say(f"pair {i + 1}: lockstep forward-only ({r['steps']} execute() calls, {r['query_tokens']} query tokens):")
+            say(f"pair {i + 1}: {r['engine']} forward-only ({r['steps']} execute() calls, {r['query_tokens']} query "
+                f"tokens):")
             say(f"  execute() in the run, rank 0: {r['exec_s']:.2f} s = {100 * r['exec_s'] / r['wall']:.0f}% of "
                 f"wall -> {tokens / r['exec_s']:.1f} tok/s if nothing else took time")
             say(f"  replay of the same plans    : {r['replay_s']:.2f} s -> {tokens / r['replay_s']:.1f} tok/s "
@@ -294,6 +309,9 @@ def main() -> int:
     p.add_argument("--cpu-offload", type=float, default=None, metavar="GIB",
                    help="instead of the comparison: Lockstep with cpu_offload_space 0 and GIB under --num-blocks "
                         "(benchmarks/offload_report.py)")
+    p.add_argument("--model-impl", default="auto", choices=["auto", "native", "generic", "both"],
+                   help="Lockstep's model_impl (cluster.load); both: each pair runs the native family, then the same "
+                        "checkpoint through the generic path (transformers' modelling code, worker/generic/)")
     p.add_argument("--compile-level", type=int, default=0, choices=[0, 1, 2, 3],
                    help="Lockstep's default_compile_level (its warm-up call compiles; transformers runs eagerly)")
     args = p.parse_args()
@@ -324,7 +342,8 @@ def main() -> int:
         return run_offload_report(args, prompts, warm, say, barrier, gen_config)
     pairs = []
     for _ in range(args.pairs):  # each engine's models are freed before the other's run
-        pair = [run_lockstep(args, prompts, warm)]
+        impls = ("native", "generic") if args.model_impl == "both" else (args.model_impl,)
+        pair = [run_lockstep(args, prompts, warm, impl) for impl in impls]
         if not args.skip_transformers:
             pair.append(run_transformers(args, prompts, warm))
         pairs.append(pair)

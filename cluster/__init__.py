@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.config import ContinuousBatchingConfig
-from cluster.errors import (ClientError, LockstepError, MemoryCallRefused, RequestLost, ServerGone,
+from cluster.errors import (ClientError, LockstepError, MemoryCallRefused, ModelRefused, RequestLost, ServerGone,
                             WeightUpdateError)
 from cluster.outputs import GenerationOutput, RequestStatus
 
 __all__ = ["load", "ContinuousBatchingConfig", "ContinuousBatchingManager", "GenerationOutput", "RequestStatus",
            "Client", "AsyncClient", "ClientError", "LockstepError", "RequestLost", "ServerGone", "WeightUpdateError",
-           "MemoryCallRefused"]
+           "MemoryCallRefused", "ModelRefused"]
 
 _LAZY = {"Client": ("cluster.client", "Client"), "AsyncClient": ("cluster.client", "AsyncClient"),
          "load": ("launch.load", "load"),

@@ -383,3 +383,16 @@ def expert_parallel(model_table: dict[str, Any] | None) -> bool:
     if placement not in EXPERT_PLACEMENTS:
         raise ValueError(f"[model] experts = {placement!r}: expected one of {EXPERT_PLACEMENTS}")
     return placement == "expert_parallel"
+
+
+# ---------------------------------------------------------------- which code serves the model ([model] impl)
+MODEL_IMPLS = ("auto", "native", "generic")
+
+
+def model_impl(model_table: dict[str, Any] | None) -> str:
+    """[model] `impl`: "auto" (the default: a native family where the model_type has one, else the generic path
+    through transformers' modelling code), "native" or "generic" (docs/models.md, "The generic path")."""
+    impl = (model_table or {}).get("impl", "auto")
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"[model] impl = {impl!r}: expected one of {MODEL_IMPLS}")
+    return impl

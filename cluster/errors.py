@@ -117,6 +117,18 @@ class WeightRefused(LockstepError, ValueError):
         self.tensor, self.phase = tensor, phase
 
 
+class ModelRefused(LockstepError, ValueError):
+    """A checkpoint Lockstep cannot serve, refused at load before any weight is read: `model_type`, the `layer` it is
+    about (a module path or layer index; None: the model as a whole) and the `reason` (docs/models.md, "The generic
+    path")."""
+
+    code = Code.UNSUPPORTED
+
+    def __init__(self, model_type: str, layer: str | None, reason: str):
+        super().__init__(f"model_type {model_type!r}: {layer + ': ' if layer else ''}{reason}")
+        self.model_type, self.layer, self.reason = model_type, layer, reason
+
+
 class WeightUpdateError(ClientError):
     """A weight update was refused; nothing changed on any rank. `rank`: the first that refused, `reason` its word;
     `reason_code`, `tensor`, `phase`: that rank's WeightRefused fields (from the result map)."""

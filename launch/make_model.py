@@ -16,6 +16,7 @@ SIZES = {
     "small": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
                   num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048),
 }
+SPREAD = {"initializer_range": 0.1}  # transformers' default is 0.02
 # arch -> (transformers' config class, model class, the arch's own config fields at every size)
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -39,6 +40,17 @@ ARCHS = {
     # the last token again
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_hidden_layers=6, tie_word_embeddings=True,
                                                             query_pre_attn_scalar=4)),
+    # no native family: the generic path (worker/generic/) serves these through transformers' modelling code, at
+    # TP=2 by their base_model_tp_plan (stablelm has none: TP=1 only). Each with what sets it apart: granite's
+    # multipliers, olmo2's q/k norm over whole projections, phi3's fused qkv and gate_up, stablelm's partial rotary
+    # and LayerNorm with biases, cohere's parallel block, interleaved rotary and tied, scaled logits; initialised
+    # wider (SPREAD) so that greedy outputs do not settle into one repeated token
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        SPREAD, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(SPREAD, pad_token_id=0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(SPREAD, pad_token_id=0)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(SPREAD, use_qkv_bias=True)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(SPREAD, tie_word_embeddings=True)),
 }
 # arch -> size -> the arch's own config fields at that size (over ARCHS'): qwen3_moe/small is the MoE benchmark
 # model, 8 experts top-2 of 256 rows on 7 of 8 layers, about 100M parameters (experts a third of them)

@@ -55,7 +55,7 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     `state_file`: the weights record (driver/frontdoor/served_weights.py); `http`: HOST:PORT of the OpenAI gateway
     rank 0 runs as a child process (launch/gateway/child.py)."""
     import cluster
-    from cluster.config import ContinuousBatchingConfig, expert_parallel, read_preset
+    from cluster.config import ContinuousBatchingConfig, expert_parallel, model_impl, read_preset
     from driver.frontdoor.served_weights import WeightsRecord, restore
 
     preset = read_preset(preset)
@@ -66,7 +66,8 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     fe_cfg = frontend_config(preset, address)
     join_attempt_group(cb.cpu_group_timeout)
     model = cluster.load(model_dir, cpu_group_timeout=cb.cpu_group_timeout,
-                         expert_parallel=expert_parallel(preset.get("model")))
+                         expert_parallel=expert_parallel(preset.get("model")),
+                         model_impl=model_impl(preset.get("model")))
     manager = model.init_continuous_batching(continuous_batching_config=cb)
     record = WeightsRecord(state_file)
     restore(manager, record)  # every rank: the weights the group served before a restart, under their version

@@ -55,11 +55,20 @@ def test_tp1_matches_transformers(arch, mode, make_checkpoint):
                        model.last_stats, hf_greedy(model_dir, prompts), mode)
 
 
+# the generic path (worker/generic/) for the architectures whose config declares a base_model_tp_plan, in two
+# scenarios, both of them prefill chunked at 128 tokens (tests/test_generic.py runs them at TP=1, in this process)
+GENERIC_TP2 = {"granite": ("granite", {}), "olmo2": ("olmo2", {}), "phi3-window": ("phi3", {"sliding_window": 48}),
+               "cohere": ("cohere", {})}
+GENERIC_SCENARIOS = ("sharing", "preempt")
 TP2_CASES = {a: (a, {}) for a in ARCHS} | {"llama-kv1": ("llama", {"num_key_value_heads": 1}),
-                                           "gemma3": ("gemma3", {"sliding_window": 48})}
+                                           "gemma3": ("gemma3", {"sliding_window": 48})} | GENERIC_TP2
 # as at TP=1: every case overlapped, one architecture in every mode (the plan, its broadcast and multi-step decode's
 # token broadcast are the same code for every architecture; tests/test_gemma.py runs Gemma 3 at TP=1)
 TP2_RUNS = [(case, mode) for case in TP2_CASES for mode in MODES if mode == "overlap" or case == MODE_ARCH]
+
+
+def tp2_scenarios(case: str) -> tuple[str, ...]:
+    return GENERIC_SCENARIOS if case in GENERIC_TP2 else tuple(SCENARIOS)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +76,8 @@ def tp2_outputs(make_checkpoint, tmp_path_factory):
     """Every TP=2 case in one torchrun launch (tests/scripts/parity_rank.py); each test reads its own files."""
     prefix = tmp_path_factory.mktemp("parity") / "out"
     dirs = {case: make_checkpoint(arch, **overrides) for case, (arch, overrides) in TP2_CASES.items()}
-    specs = [f"{case}={d}=" + ",".join(m for c, m in TP2_RUNS if c == case) for case, d in dirs.items()]
+    specs = [f"{case}={d}=" + ",".join(m for c, m in TP2_RUNS if c == case) + "=" + ",".join(tp2_scenarios(case))
+             for case, d in dirs.items()]
     proc = run_ranks("parity_rank.py", [str(prefix), *specs], timeout=600)
     return prefix, dirs, proc
 
@@ -82,8 +92,9 @@ def test_tp2_matches_transformers(case, mode, tp2_outputs):
     rank1 = read_json(out_path + ".rank1")
     model_dir = dirs[case]
     vocab = cluster.load(model_dir).config.vocab_size
-    for name, (_, kind) in SCENARIOS.items():
-        r = results[f"{name}/{mode}"]
+    for name in tp2_scenarios(case):
+        r, kind = results[f"{name}/{mode}"], SCENARIOS[name][1]
+        assert r["stats"]["model_impl"] == ("generic" if case in GENERIC_TP2 else "native")
         check_scenario(name, r["tokens"], r["status"], r["stats"], hf_greedy(model_dir, prompts_for(kind, vocab)),
                        mode)
         assert rank1[f"{name}/{mode}"] == r["tokens"], "rank 1 got different results from rank 0"

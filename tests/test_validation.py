@@ -45,8 +45,8 @@ def test_config_rejects_bad_fields():
 
 def test_unsupported_architecture_is_refused(tmp_path):
     import json
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "vocab_size": 10}))
+    with pytest.raises(cluster.ModelRefused, match="model_type 't5': an encoder-decoder model"):
         cluster.load(tmp_path)
 
 

@@ -199,7 +199,8 @@ def propose_num_blocks(rc: Any, model_config: Any, tp: int, dtype: torch.dtype, 
                        ) -> tuple[int, dict[str, int | float]]:
     """This rank's proposal for `num_blocks` (the group then takes the MIN with `cluster.dist.agree_min`), and its
     breakdown; `measure` and `ledger` are parameters so tests can feed numbers."""
-    itemsize, hidden, inter = dtype.itemsize, model_config.hidden_size, model_config.intermediate_size // tp
+    itemsize, hidden = dtype.itemsize, model_config.hidden_size
+    inter = (getattr(model_config, "intermediate_size", None) or 4 * hidden) // tp  # a generic model may not say
     rows = next_pow2(rc.max_requests_per_batch)
     widths = decode_widths(rc.paged_kernels, rc.max_kv_padded)  # one graph a (bucket, width): an output each
     buckets = [b for b in decode_buckets(rc.max_requests_per_batch) for _ in widths] if rc.use_cuda_graph[1] else []

@@ -25,12 +25,13 @@ import torch
 from worker.checkpoint_names import Target
 from worker.models.decoder import CausalLM
 
-LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
 
 
 def _target(model: CausalLM, name: str) -> Target:
-    tgt = model.target(EMBED if name == LM_HEAD and model.tied else name)
-    if tgt is None or tgt.covers != (EMBED if name == LM_HEAD and model.tied else name,):
+    own = model.embed_name if name == LM_HEAD and model.tied else name  # a tied head's tensor is the embedding's
+    tgt = model.target(own)
+    if tgt is None or tgt.covers != (own,):
         raise KeyError(f"{name!r} is not a tensor of this model")
     return tgt
 

@@ -182,7 +182,7 @@ class ContinuousBatchingManager:
                 "num_host_blocks": e.scheduler.host.num_slots, **e.scheduler.offload_stats(),
                 "prompt_tokens_computed": e.num_prompt_tokens, **asdict(e.scheduler.forks.stats),
                 "cuda_graphs": dict(self.runner.graph_stats), "attention": self.effective_config.attention,
-                **self.routing_stats()}
+                "model_impl": self.runner.model.impl, **self.routing_stats()}
 
     def routing_stats(self) -> dict[str, Any]:
         """A MoE model's `experts_routed`: MoE layer -> real tokens routed to each expert since the model was

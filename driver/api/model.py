@@ -29,7 +29,6 @@ from worker.graphs import GraphFactory
 from worker.memory import (CACHE_LEDGER, ReleasedCache, describe, host_memory, propose_num_blocks, tensor_bytes,
                            use_device)
 from worker.models.decoder import CausalLM
-from worker.self_attention import KVHeads, head_dim_of
 from worker.named_shards import named_shards, shard_of
 from worker.runner import ModelRunner
 
@@ -107,9 +106,8 @@ class ClusterModel:
             runner.expect_batch(None)
             return runner, rc, self._control_groups(cb)
         idle = None  # released below (CUDA) or when nothing refers to it any more
-        heads = KVHeads(self.config, self.model.shard)
-        d = head_dim_of(self.config)
-        per_token = kv_bytes_per_token(self.config.num_hidden_layers, heads.kv_local, d, self.dtype)
+        q_heads, kv_heads, d = self.model.kv_layout()
+        per_token = kv_bytes_per_token(self.config.num_hidden_layers, kv_heads, d, self.dtype)
         cuda = self.device.type == "cuda"
         rc = resolve_config(cb, device_kind=self.device.type, max_model_len=self.max_model_len,
                             kv_bytes_per_token=per_token, free_bytes=None if cuda else host_memory()[0] or None,
@@ -117,7 +115,7 @@ class ClusterModel:
                             system_ram=system_ram_bytes(),
                             triton_available=cuda and importable("worker.triton_attention"))
         if cuda and cb.num_blocks is None:
-            workspace = attention_workspace_bytes(rc, heads.q_local, heads.kv_local, d, self.dtype)
+            workspace = attention_workspace_bytes(rc, q_heads, kv_heads, d, self.dtype)
             rc.num_blocks, breakdown = propose_num_blocks(
                 rc, self.config, self.model.shard.size, self.dtype, self.device, per_token, self.model,
                 max_memory_percent=cb.max_memory_percent,
@@ -128,7 +126,7 @@ class ClusterModel:
         groups = self._control_groups(cb)
         if cuda:
             CACHE_LEDGER.release_all(self.device, self.model)
-        runner = ModelRunner(self.model, rc, heads.kv_local, d, self.dtype, self.device,
+        runner = ModelRunner(self.model, rc, kv_heads, d, self.dtype, self.device,
                              graph_factory=self.graph_factory() if self.graph_factory else None)
         if cuda:
             CACHE_LEDGER.hold(runner.cache, self.device, self.model, tensor_bytes(runner.cache.k + runner.cache.v))

@@ -17,7 +17,7 @@ from worker.attention import AttnMeta, StepMasks, step_masks
 from worker.checkpoint_names import NameRule, NameTable, Target
 from worker.layers import ParallelLMHead, RMSNorm, Shard, VocabParallelEmbedding
 from worker.rope import LayerRotary, StepRotary
-from worker.self_attention import head_dim_of
+from worker.self_attention import KVHeads, head_dim_of
 
 BASE_NAMES = NameTable((
     NameRule("model.embed_tokens.{kind}", "embed_tokens"),
@@ -52,6 +52,8 @@ class CausalLM(nn.Module):
     model_types: ClassVar[tuple[str, ...]] = ()  # transformers' `model_type`s this family serves
     names: ClassVar[NameTable] = BASE_NAMES  # checkpoint name <-> layer
     norm_class: ClassVar[type[RMSNorm]] = RMSNorm  # the layers' and the final norm's form
+    impl: ClassVar[str] = "native"  # which path serves the model: "native" (a family) or "generic" (worker/generic/)
+    embed_name: ClassVar[str] = "model.embed_tokens.weight"  # the embedding's checkpoint name (a tied head's too)
 
     def __init__(self, config: Any, shard: Shard, dtype: torch.dtype, device: torch.device,
                  expert_parallel: bool = False):
@@ -99,6 +101,14 @@ class CausalLM(nn.Module):
         """Layer `layer`: called as DecoderLayer is (hidden states, meta, its rope, masks, real mask, its caches)."""
         return DecoderLayer(config, self.make_attention(config, shard, layer, window, dtype),
                             self.make_mlp(config, shard, layer, dtype), dtype, self.norm_class)
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) of this rank's attention: what its KV pages are shaped for."""
+        heads = KVHeads(self.config, self.shard)
+        return heads.q_local, heads.kv_local, head_dim_of(self.config)
+
+    def describe(self) -> str:
+        """Which path serves the model, for the startup log."""
+        return f"native family {type(self).__name__} (worker/models/)"
 
     def make_attention(self, config: Any, shard: Shard, layer: int, window: int | None,
                        dtype: torch.dtype) -> nn.Module:
