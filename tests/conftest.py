@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# One OpenMP thread a test process, set before torch is imported: the suite runs three workers on two cores, and
+# One OpenMP thread a test process, set before torch is imported: the suite runs four workers on two cores, and
 # their ranks on top. With two threads each, torch's OpenMP barriers on the oversubscribed cores made in-process
 # generates about 10x slower (the mixtral preempt scenario: 31 s against 2.9 s, beside one busy process); the ranks
 # the tests start get one thread too (run_ranks, tests/serving.py).
@@ -35,7 +35,7 @@ _MODELS: dict[tuple, Path] = {}
 # Each module's tests run on one xdist worker (pyproject: `--dist loadgroup`, a group a module), so its shared server
 # starts once; the Ray modules share one group, since local Ray clusters started at once on one host confuse each
 # other (a job of one failed to find an actor of its own cluster). Groups go out longest first (seconds on a clean
-# run here), the rest in file order, so the three workers finish together. Refresh from `--durations` when they drift.
+# run here), the rest in file order, so the workers finish together. Refresh from `--durations` when they drift.
 RAY_MODULES = ("test_replicas", "test_ray", "test_recovery_ray")
 # one group: one server (`http_server`)
 HTTP_MODULES = ("test_http", "test_http_openai", "test_http_samples", "test_http_trl", "test_lm_eval")

@@ -164,7 +164,9 @@ HUNG_CONFIG = fast_config(client_timeout_s=10.0, page_size=32, cpu_group_timeout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
+# SIGSTOP only: a SIGKILLed worker under the same preset is test_a_killed_rank_costs_seconds_not_requests[worker]
+# (docs/recovery.md has both figures, measured with this test parametrized over both signals)
+@pytest.mark.parametrize("sig", [signal.SIGSTOP], ids=["stopped"])
 def test_a_stopped_worker_is_replaced_as_fast_as_a_dead_one(make_checkpoint, tmp_path, sig):
     """Issues 25 (item 4) and 37 (item 2): a SIGSTOPped (hung, not dead) worker under issue 37's preset, beside a
     SIGKILLed one. The peers' liveness watch sees its stamp stand still for half of cpu_group_timeout and SIGKILLs
