@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# One OpenMP thread a test process, set before torch is imported: the suite runs four workers on two cores, and
+# One OpenMP thread a test process, set before torch is imported: the suite runs three workers on two cores, and
 # their ranks on top. With two threads each, torch's OpenMP barriers on the oversubscribed cores made in-process
 # generates about 10x slower (the mixtral preempt scenario: 31 s against 2.9 s, beside one busy process); the ranks
 # the tests start get one thread too (run_ranks, tests/serving.py).
