@@ -118,7 +118,9 @@ def test_many_requests_from_several_clients_match_transformers(fleet, make_check
     with fleet.client() as c:
         stats, health = c.stats(), c.health()
     assert health["ok"] and [r["healthy"] for r in health["replicas"]] == [True, True]
-    assert all(r["routed"] >= REQUESTS // 4 for r in stats["replicas"]), stats["replicas"]  # both served
+    # both served: the router sends by load, so a replica slowed by a busy machine takes fewer (a fresh clone's run
+    # with four workers on two cores routed under a quarter to one); a tenth is still both replicas serving
+    assert all(r["routed"] >= REQUESTS // 10 for r in stats["replicas"]), [r["routed"] for r in stats["replicas"]]
     assert stats["router"]["finished"] >= REQUESTS and stats["tokens_generated"] >= REQUESTS * NEW
     assert sum(r["stats"]["tokens_generated"] for r in stats["replicas"]) == stats["tokens_generated"]
 
