@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import ContinuousBatchingConfig, expert_parallel, read_preset
+from cluster.config import ContinuousBatchingConfig, expert_parallel, model_impl, read_preset
 from cluster.dist import init_groups
 from cluster.host_all_reduce import HostAllReduce
 from driver.api.model import ClusterModel
@@ -56,8 +56,10 @@ def load(model_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
 
 def load_with_preset(model_dir: str | os.PathLike, preset: str | os.PathLike | None,
                      ) -> tuple[ClusterModel, ContinuousBatchingConfig | None]:
-    """`load` as a TOML preset says (its [model] `experts` placement) and the preset's [continuous_batching] config
-    (None without a preset): `lockstep run` and `lockstep generate` (`lockstep serve` reads the same tables)."""
+    """`load` as a TOML preset says (its [model] `experts` placement and `impl`) and the preset's
+    [continuous_batching] config (None without a preset): `lockstep run` and `lockstep generate` (`lockstep serve`
+    reads the same tables)."""
     table = read_preset(preset)
-    model = load(model_dir, expert_parallel=expert_parallel(table.get("model")))
+    model_table = table.get("model")
+    model = load(model_dir, expert_parallel=expert_parallel(model_table), model_impl=model_impl(model_table))
     return model, ContinuousBatchingConfig.from_any(table.get("continuous_batching", {})) if preset else None
