@@ -6,7 +6,11 @@ against a generation of one token for the same prompts, on one manager (TP=1, in
 Both modes submit the same prompts with `max_new_tokens=1` (greedy, EOS off) at once; `scoring` adds
 `prompt_logprobs=0`. Prefix caching is off, so both compute every prompt token. Printed per mode: the median wall
 time of --runs runs, the steps and the prompt tokens the engine computed (equal: a scoring request costs one
-prefill, no decode step), and the ratio of the wall times. A missing checkpoint is made first (llama, tiny, seed 0)."""
+prefill, no decode step), and the ratio of the wall times. `flops x` is the ratio of the arithmetic each mode needs:
+a scoring request must project every prompt position onto the vocabulary (a log-softmax needs every logit), where a
+generation projects only its last, so scoring's wall time at or under `flops x` means it adds nothing beyond that
+projection (with a vocabulary small beside the layers, both tend to 1). A missing checkpoint is made first (llama,
+tiny, seed 0)."""
 
 from __future__ import annotations
 
@@ -40,6 +44,21 @@ def run(model, prompts: list[list[int]], mode: str) -> tuple[float, int, int]:
     return wall, stats["step"], stats["prompt_tokens_computed"]
 
 
+def arithmetic(config, prompts: list[list[int]], logits_rows: int) -> float:
+    """Multiply-adds x 2 of one batch: every prompt token through the layers (weights and causal attention scores),
+    `logits_rows` positions through the vocabulary projection. Parameters counted on the meta device."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        lm = transformers.AutoModelForCausalLM.from_config(config)
+    head = config.hidden_size * config.vocab_size
+    layers = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    width = config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    scores = sum(n * (n + 1) // 2 for n in map(len, prompts)) * 4 * width * config.num_hidden_layers
+    return 2.0 * layers * sum(map(len, prompts)) + scores + 2.0 * head * logits_rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -63,9 +82,12 @@ def main() -> None:
         runs = [run(model, prompts, mode) for _ in range(args.runs)]
         results[mode] = (statistics.median(r[0] for r in runs), runs[-1][1], runs[-1][2])
     base = results[MODES[0]][0]
-    print(f"{'mode':<12} {'wall s':>8} {'steps':>6} {'prompt tokens':>14} {'x generate_1':>13}")
+    need = {"generate_1": arithmetic(model.config, prompts, len(prompts)),
+            "scoring": arithmetic(model.config, prompts, sum(map(len, prompts)))}
+    print(f"{'mode':<12} {'wall s':>8} {'steps':>6} {'prompt tokens':>14} {'x generate_1':>13} {'flops x':>8}")
     for mode, (wall, steps, tokens) in results.items():
-        print(f"{mode:<12} {wall:>8.3f} {steps:>6} {tokens:>14} {wall / base:>13.2f}")
+        print(f"{mode:<12} {wall:>8.3f} {steps:>6} {tokens:>14} {wall / base:>13.2f} "
+              f"{need[mode] / need['generate_1']:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -52,12 +52,15 @@ def score_prompts(logits: torch.Tensor, reqs: list[Request], start: np.ndarray, 
         first += b - a
     if not owners:
         return
+    # log p = logit - logsumexp(logits), read where needed: no [positions, vocab] log-softmax is made (the logits
+    # of a scored row's positions are the one cost a scoring request adds to its prefill)
     rows = on_device(positions, torch.int64, logits.device)
-    logsm = torch.log_softmax(logits.float().index_select(0, rows), dim=-1)
-    chosen = logsm.gather(1, on_device(targets, torch.int64, logits.device)[:, None])[:, 0].tolist()
-    k = max(min(req.prompt_logprobs or 0, logsm.shape[-1]) for req in reqs)
-    top_values, top_ids = (logsm.topk(k, dim=-1) if k else (logsm[:, :0], logsm[:, :0].long()))
-    values, ids = top_values.tolist(), top_ids.tolist()
+    picked = logits.index_select(0, rows) if len(positions) < logits.shape[0] else logits
+    norm = torch.logsumexp(picked, dim=-1)
+    chosen = (picked.gather(1, on_device(targets, torch.int64, logits.device)[:, None])[:, 0] - norm).tolist()
+    k = max(min(req.prompt_logprobs or 0, picked.shape[-1]) for req in reqs)
+    top_values, top_ids = picked.topk(k, dim=-1) if k else (picked[:, :0], picked[:, :0].long())
+    values, ids = (top_values - norm[:, None]).tolist(), top_ids.tolist()
     for n, ((req, at), lp) in enumerate(zip(owners, chosen)):
         want = req.prompt_logprobs or 0
         req.prompt_scores[at] = PromptScore(lp, tuple(zip(ids[n][:want], values[n][:want])))
