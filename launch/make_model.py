@@ -40,6 +40,12 @@ ARCHS = {
     # the last token again
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_hidden_layers=6, tie_word_embeddings=True,
                                                             query_pre_attn_scalar=4)),
+    # Gemma 2: Gemma 3's shape without q/k norms, sliding and full layers alternating (window 32: the test prompts are
+    # longer), its scores capped at 5 (its default, 50, is out of a tiny model's reach: the cap would change
+    # nothing), its logits at transformers' default 30; SPREAD, so that unnormed q and k make attention uneven; an
+    # untied head (tied, the tiny model's greedy output is its input token again and again; Gemma 3 is tied)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(SPREAD, tie_word_embeddings=False, query_pre_attn_scalar=64,
+                                                        attn_logit_softcapping=5.0, sliding_window=32)),
     # gpt-oss: 8 experts, top 4, of 128 rows; sliding and full layers alternating, the window 32 (test prompts are
     # longer); yarn stretching an original 64 positions 16 times (the prompts reach past 64); SPREAD, and sinks and
     # biases drawn (RANDOM_PARAMS: transformers starts the biases at zero and the sinks near it); the SwiGLU's clamp

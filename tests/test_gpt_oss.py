@@ -11,22 +11,16 @@ import torch
 
 import cluster
 from cluster.errors import UnsupportedModel
-from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy
 from tests.test_moe import routed_experts
-from tests.workloads import NEW_TOKENS, mixed_prompts, shared_prefix_prompts
+from tests.test_gemma import check_batch
+from tests.workloads import window_prompts
 from worker.clamped_experts import PARTS, ClampedExperts
 from worker.experts import ExpertPlacement
 from worker.layers import Shard
 from worker.routers import BiasedTopKSoftmax
 
 GPT_OSS: dict = {}  # make-model's gpt_oss: window 32, 8 experts top 4 (launch/make_model.py)
-
-
-def parity_prompts(vocab: int) -> list[list[int]]:
-    """Two families of two sharing a prefix, and two long prompts: 101 to 300 tokens, all past the window."""
-    shared, mixed = shared_prefix_prompts(vocab), mixed_prompts(vocab)
-    return shared[0:2] + shared[8:10] + [mixed[11], mixed[15]]
 
 
 @pytest.mark.slow  # a checkpoint made, four MoE layers, a batch of six long prompts
@@ -40,19 +34,12 @@ def test_gpt_oss_matches_transformers(make_checkpoint):
     assert config.model_type == "gpt_oss" and type(model.model).__name__ == "GptOss"
     assert config.layer_types == ["sliding_attention", "full_attention"] * 2 and config.sliding_window == 32
     assert config.rope_parameters["rope_type"] == "yarn"
-    prompts = parity_prompts(config.vocab_size)
+    prompts = window_prompts(config.vocab_size)
     assert min(map(len, prompts)) > config.sliding_window
     used = routed_experts(model_dir, prompts)
     assert len(used) == config.num_hidden_layers and all(len(u) > config.num_local_experts // 2 for u in used)
-    out = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS, continuous_batching_config=cluster.
-                               ContinuousBatchingConfig(page_size=16, num_blocks=24, max_batch_tokens=128,
-                                                        allow_block_sharing=True))
-    want = hf_greedy(model_dir, prompts)
-    assert [o.generated_tokens for o in out.values()] == want
-    assert all(len(set(w)) > 4 for w in want), "the reference repeats itself: parity would prove little"
-    assert all(o.status == RequestStatus.FINISHED for o in out.values())
-    stats = model.last_stats
-    assert stats["prefix_hit_blocks"] > 0 and stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
+    check_batch(model, model_dir, prompts)
+    assert all(len(set(w)) > 4 for w in hf_greedy(model_dir, prompts)), "the reference repeats itself"
 
 
 @pytest.mark.slow
@@ -60,7 +47,7 @@ def test_sinks_biases_and_clamp_change_the_tokens(make_checkpoint):
     """The parity above proves each of gpt-oss's own terms only if dropping it changes the tokens: with the sinks
     at -1e4 (no sink), the experts' biases at zero, or the clamp out of reach, every prompt's tokens differ."""
     model_dir = make_checkpoint("gpt_oss", **GPT_OSS)
-    prompts = parity_prompts(cluster.load(model_dir).config.vocab_size)[::2]
+    prompts = window_prompts(cluster.load(model_dir).config.vocab_size)[::2]
     changes = {"sinks": lambda layer: layer.self_attn.sinks.weight.fill_(-1e4),
                "biases": lambda layer: (layer.mlp.experts.gate_up_bias.zero_(), layer.mlp.experts.down_bias.zero_()),
                "clamp": lambda layer: setattr(layer.mlp.experts, "limit", 1e9)}
