@@ -12,7 +12,7 @@ import torch
 import cluster
 from cluster.errors import UnsupportedModel
 from tests.conftest import hf_greedy
-from tests.test_moe import routed_experts
+from tests.test_moe import ROUTED_CHECKPOINTS, routed_experts
 from tests.test_gemma import check_batch
 from tests.workloads import window_prompts
 from worker.clamped_experts import PARTS, ClampedExperts
@@ -20,7 +20,7 @@ from worker.experts import ExpertPlacement
 from worker.layers import Shard
 from worker.routers import BiasedTopKSoftmax
 
-GPT_OSS: dict = {}  # make-model's gpt_oss: window 32, 8 experts top 4 (launch/make_model.py)
+GPT_OSS = ROUTED_CHECKPOINTS["gpt_oss"]  # make-model's gpt_oss: window 32, 8 experts top 4 (launch/make_model.py)
 
 
 @pytest.mark.slow  # a checkpoint made, four MoE layers, a batch of six long prompts
