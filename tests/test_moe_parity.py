@@ -38,7 +38,8 @@ def moe_tp2_outputs(make_checkpoint, moe_update_sources, tmp_path_factory):
     specs = [f"{arch}-{placement}={make_checkpoint(arch, **MOE_CHECKPOINTS[arch])}={','.join(MODES)}={','.join(TP1_SCENARIOS)}"
              f"=updates:{moe_update_sources(arch)}" + (",ep" if placement == "ep" else "") for arch, placement in CASES]
     specs += [f"{arch}-{placement}={make_checkpoint(arch, **CHECKPOINTS[arch])}={','.join(MODES)}="
-              f"{','.join(SCENARIOS_OF[arch])}" + ("=ep" if placement == "ep" else "") for arch, placement in SINK_CASES]
+              f"{','.join(SCENARIOS_OF[arch])}" + ("=ep" if placement == "ep" else "")
+              for arch, placement in SINK_CASES]
     proc = run_ranks("parity_rank.py", [str(prefix), *specs], timeout=900)
     return prefix, proc
 
