@@ -4,8 +4,8 @@
 
 Reads OUT/steps.tsv (step, exit status, seconds, note: written by the shell script), OUT/install.json,
 OUT/parity.json, OUT/moe_parity.json and OUT/sinks_parity.json (gpu_parity.py), OUT/tp1.json and OUT/tp2.json
-(throughput.py --json). Prints one table (check | result | verdict) and exits 1 if any check failed. In a dry run the throughput ratio is not judged
-(a CPU says nothing about a GPU's speed).
+(throughput.py --json). Prints one table (check | result | verdict) and exits 1 if any check failed. In a dry run
+the throughput ratio is not judged (a CPU says nothing about a GPU's speed).
 """
 
 from __future__ import annotations
