@@ -40,6 +40,20 @@ ARCHS = {
     # the last token again
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_hidden_layers=6, tie_word_embeddings=True,
                                                             query_pre_attn_scalar=4)),
+    # Gemma 2: Gemma 3's shape without q/k norms, sliding and full layers alternating (window 32: the test prompts are
+    # longer), its scores capped at 5 (its default, 50, is out of a tiny model's reach: the cap would change
+    # nothing), its logits at transformers' default 30; SPREAD, so that unnormed q and k make attention uneven; an
+    # untied head (tied, the tiny model's greedy output is its input token again and again; Gemma 3 is tied)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(SPREAD, tie_word_embeddings=False, query_pre_attn_scalar=64,
+                                                        attn_logit_softcapping=5.0, sliding_window=32)),
+    # gpt-oss: 8 experts, top 4, of 128 rows; sliding and full layers alternating, the window 32 (test prompts are
+    # longer); yarn stretching an original 64 positions 16 times (the prompts reach past 64); SPREAD, and sinks and
+    # biases drawn (RANDOM_PARAMS: transformers starts the biases at zero and the sinks near it); the SwiGLU's clamp
+    # at 1 (gpt-oss's 7 is out of a tiny model's reach: the clamp would change nothing)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        SPREAD, num_local_experts=8, num_experts_per_tok=4, intermediate_size=128, sliding_window=32, swiglu_limit=1.0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=16.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=64))),
     # no native family: the generic path (worker/generic/) serves these through transformers' modelling code, at
     # TP=2 by their base_model_tp_plan (stablelm has none: TP=1 only). Each with what sets it apart: granite's
     # multipliers, olmo2's q/k norm over whole projections, phi3's fused qkv and gate_up, stablelm's partial rotary
@@ -60,6 +74,8 @@ ARCH_SIZES = {"qwen3_moe": {"small": dict(moe_intermediate_size=256)}}
 ROUTER_SCALE = 10.0
 # the spread of the random w of a (1 + w) norm (transformers' Gemma initialises w to zeros)
 NORM_SPREAD = 0.5
+# arch -> parameter name suffix -> (mean, std) it is drawn from after transformers' initialisation
+RANDOM_PARAMS = {"gpt_oss": {"sinks": (1.0, 1.0), "bias": (0.0, 0.1)}}
 LAYOUTS = ("published", "fused")  # experts one tensor each, as published / as transformers holds them in memory
 BOS, EOS = 1, 2
 
@@ -92,7 +108,10 @@ def make_model(out_dir: str | os.PathLike, arch: str = "llama", size: str = "tin
     model = getattr(transformers, model_name)(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".gate.weight"):  # a MoE router (dense MLPs' are gate_proj)
+            drawn = [ms for suffix, ms in RANDOM_PARAMS.get(arch, {}).items() if name.endswith(suffix)]
+            if drawn:
+                param.normal_(*drawn[0])
+            if name.endswith((".gate.weight", ".router.weight")):  # a MoE router (dense MLPs' are gate_proj)
                 param.mul_(ROUTER_SCALE)
             elif name.endswith("norm.weight") and not param.any():  # a (1 + w) norm (Gemma) starts at w = 0:
                 param.normal_(0.0, NORM_SPREAD)  # random, so that each norm's weights count

@@ -1,6 +1,8 @@
 """The paged SDPA fallback's workspace is bounded: a batch of long contexts gathers its keys in chunks
 under the configured element budget (measured with the profiler's allocator events), never the whole
-batch's contexts at once, with outputs unchanged; and flash-attn's varlen metadata built on the host."""
+batch's contexts at once, with outputs unchanged; and flash-attn's path reached on the CPU through a stand-in with
+the real functions' signatures and documented semantics (its softcap, its log-sum-exp, which the path folds the
+sinks in through), against the paged SDPA path, and its varlen metadata built on the host."""
 
 from __future__ import annotations
 
@@ -109,9 +111,10 @@ def test_model_outputs_unchanged_by_chunking(setup):
 
 
 # ---------------------------------------------------------------- the flash-attn path, reached on the CPU
-def _reference_attention(q, k_pages, v_pages, table, q_len, k_len, scale, causal, window_size):
+def _reference_attention(q, k_pages, v_pages, table, q_len, k_len, scale, causal, window_size, softcap):
     """flash-attn's documented semantics for one sequence: causal mask aligned bottom-right, window
-    (left, right) around the aligned diagonal, GQA by head groups, keys read through the block table."""
+    (left, right) around the aligned diagonal, GQA by head groups, keys read through the block table, scores
+    capped when softcap > 0. Returns (out [Q, Hq, D], the log-sum-exp of each row's scores [Hq, Q] float32)."""
     hq, d = q.shape[1], q.shape[2]
     k = k_pages[table.long()].reshape(-1, k_pages.shape[2], d)[:k_len]
     v = v_pages[table.long()].reshape(-1, v_pages.shape[2], d)[:k_len]
@@ -128,8 +131,10 @@ def _reference_attention(q, k_pages, v_pages, table, q_len, k_len, scale, causal
     if left >= 0:
         visible &= j >= i - left
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype), scores.logsumexp(-1)
 
 
 def fake_flash_attn():
@@ -154,9 +159,11 @@ def fake_flash_attn():
         assert max_seqlen_q == max(b - a for a, b in itertools.pairwise(cq))
         assert max_seqlen_k == max(b - a for a, b in itertools.pairwise(ck))
         calls["varlen"] += 1
-        return torch.cat([_reference_attention(q[cq[s]:cq[s + 1]], k, v, block_table[s], cq[s + 1] - cq[s],
-                                               ck[s + 1] - ck[s], softmax_scale, causal, window_size)
-                          for s in range(len(cq) - 1)])
+        outs, lses = zip(*[_reference_attention(q[cq[s]:cq[s + 1]], k, v, block_table[s], cq[s + 1] - cq[s],
+                                                ck[s + 1] - ck[s], softmax_scale, causal, window_size, softcap)
+                           for s in range(len(cq) - 1)])
+        out = torch.cat(outs)
+        return (out, torch.cat(lses, dim=1), None) if return_attn_probs else out  # lse: [Hq, total_q]
 
     def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                                 cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
@@ -167,8 +174,10 @@ def fake_flash_attn():
         assert cache_seqlens.dtype == torch.int32 and q.dim() == 4 and q.shape[1] == 1
         calls["kvcache"] += 1
         lens = cache_seqlens.tolist()
-        return torch.stack([_reference_attention(q[s], k_cache, v_cache, block_table[s], 1, lens[s],
-                                                 softmax_scale, causal, window_size) for s in range(q.shape[0])])
+        outs, lses = zip(*[_reference_attention(q[s], k_cache, v_cache, block_table[s], 1, lens[s], softmax_scale,
+                                                causal, window_size, softcap) for s in range(q.shape[0])])
+        out = torch.stack(outs)
+        return (out, torch.stack(lses)) if return_softmax_lse else out  # lse: [B, Hq, 1]
 
     mod.flash_attn_varlen_func = flash_attn_varlen_func
     mod.flash_attn_with_kvcache = flash_attn_with_kvcache
@@ -190,7 +199,9 @@ def flash_plans() -> list[StepPlan]:
     return [prefill, mixed, decode]
 
 
-@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("mistral", {"sliding_window": 64})])
+# gpt-oss: sinks (folded in through flash-attn's log-sum-exp); Gemma 2: its score softcap (flash-attn's own argument)
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("mistral", {"sliding_window": 64}), ("gpt_oss", {}),
+                                            ("gemma2", {})])
 def test_flash_path_matches_sdpa(make_checkpoint, monkeypatch, arch, overrides):
     model = cluster.load(make_checkpoint(arch, **overrides))
     cfg = ContinuousBatchingConfig(page_size=256, num_blocks=16, max_batch_tokens=1024)

@@ -1,6 +1,7 @@
-"""Gemma 3 (gemma3_text) in this process (TP=1): token-identical to transformers' generate (greedy, float32) with a
-sliding window shorter than the prompts, under chunked prefill, prefix sharing and preemption; its (1 + w) norm as
-transformers'; what it refuses. tests/test_parity.py runs it at TP=2 (every scenario, overlapped)."""
+"""Gemma 3 (gemma3_text) and Gemma 2 (gemma2) in this process (TP=1): token-identical to transformers' generate
+(greedy, float32) with a sliding window shorter than the prompts, under chunked prefill, prefix sharing and
+preemption; Gemma 2's attention softcap changes the tokens (so parity proves it is applied); the (1 + w) norm as
+transformers'; what they refuse. tests/test_parity.py runs both at TP=2 (overlapped; Gemma 3 every scenario)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import cluster
 from cluster.errors import UnsupportedModel
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy
-from tests.workloads import NEW_TOKENS, mixed_prompts, shared_prefix_prompts
+from tests.workloads import NEW_TOKENS, WINDOW_BATCH, mixed_prompts, window_prompts
 from worker.layers import GemmaRMSNorm
 
 GEMMA3 = {"sliding_window": 48}  # shorter than most of the parity prompts: the window is exercised
+GEMMA2: dict = {}  # make-model's gemma2: window 32, scores capped at 5 (launch/make_model.py)
 
 
 @pytest.mark.slow  # 12 to 40 s on the shared 2 cores (the checkpoint made, six layers, a first batch)
@@ -27,15 +29,50 @@ def test_gemma3_matches_transformers(make_checkpoint):
     assert config.layer_types.count("full_attention") == 1 and model.model.tied
     assert model.model.layers[0].self_attn.scale != config.head_dim ** -0.5
     assert config.model_type == "gemma3_text" and (model_dir / "tokenizer.json").exists()  # make-model's checkpoint
-    shared, mixed = shared_prefix_prompts(config.vocab_size), mixed_prompts(config.vocab_size)
-    prompts = shared[0:2] + shared[8:10] + [mixed[11], mixed[15]]  # 101 to 300 tokens
-    out = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS, continuous_batching_config=cluster.
-                               ContinuousBatchingConfig(page_size=16, num_blocks=24, max_batch_tokens=128,
-                                                        allow_block_sharing=True))
+    check_batch(model, model_dir, window_prompts(config.vocab_size))
+
+
+def check_batch(model, model_dir, prompts: list[list[int]]) -> None:
+    """WINDOW_BATCH's batch of `prompts` equals transformers' tokens; it shared prefixes and preempted."""
+    out = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS,
+                               continuous_batching_config=cluster.ContinuousBatchingConfig(**WINDOW_BATCH))
     assert [o.generated_tokens for o in out.values()] == hf_greedy(model_dir, prompts)
     assert all(o.status == RequestStatus.FINISHED for o in out.values())
     stats = model.last_stats
     assert stats["prefix_hit_blocks"] > 0 and stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
+
+
+@pytest.mark.slow  # a checkpoint made, a first batch
+def test_gemma2_matches_transformers(make_checkpoint):
+    """As Gemma 3's: no q/k norms, sliding every other layer (the window shorter than every prompt), the scores
+    capped; the tokens vary (a degenerate model would prove little)."""
+    model_dir = make_checkpoint("gemma2", **GEMMA2)
+    model = cluster.load(model_dir)
+    config = model.config
+    assert config.model_type == "gemma2" and type(model.model).__name__ == "Gemma2"
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert not hasattr(model.model.layers[0].self_attn, "q_norm")
+    assert model.model.layers[0].self_attn.softcap == config.attn_logit_softcapping == 5.0
+    prompts = window_prompts(config.vocab_size)
+    assert min(map(len, prompts)) > config.sliding_window
+    check_batch(model, model_dir, prompts)
+    assert all(len(set(w)) > 4 for w in hf_greedy(model_dir, prompts))
+
+
+def test_gemma2_score_softcap_changes_the_tokens(make_checkpoint):
+    """Without the attention softcap every prompt's first tokens differ from transformers' (which caps): the
+    parity above proves the cap is applied. Two prompts past the window, eight tokens."""
+    model_dir = make_checkpoint("gemma2", **GEMMA2)
+    model = cluster.load(model_dir)
+    prompts = window_prompts(model.config.vocab_size)[4:]
+    want = hf_greedy(model_dir, prompts, 8)
+    config = cluster.ContinuousBatchingConfig(page_size=16, max_batch_tokens=128)
+    assert [o.generated_tokens for o in model.generate_batch(prompts, max_new_tokens=8,
+                                                             continuous_batching_config=config).values()] == want
+    for layer in model.model.layers:
+        layer.self_attn.softcap = None
+    out = model.generate_batch(prompts, max_new_tokens=8, continuous_batching_config=config)
+    assert all(o.generated_tokens != w for o, w in zip(out.values(), want))
 
 
 def test_final_logit_softcapping_as_transformers(make_checkpoint, tmp_path):

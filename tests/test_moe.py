@@ -20,6 +20,9 @@ from worker.layers import Shard
 # arch -> config overrides of its test checkpoint: Mixtral's window is shorter than most prompts
 MOE_CHECKPOINTS = {"qwen3_moe": {}, "mixtral": {"sliding_window": 48}, "glm4_moe": {}}
 MOE_ARCHS = list(MOE_CHECKPOINTS)
+# and gpt-oss (tests/test_gpt_oss.py), which routes as they do but has no per-expert tensor names (no layouts test,
+# no update sequence)
+ROUTED_CHECKPOINTS = MOE_CHECKPOINTS | {"gpt_oss": {}}
 TP1_SCENARIOS = ("chunked", "sharing", "preempt")
 
 
@@ -86,13 +89,13 @@ def test_tp1_matches_transformers(arch, scenario, which, make_checkpoint):
                    model.last_stats, hf_greedy(model_dir, prompts), "serial")
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", list(ROUTED_CHECKPOINTS))
 def test_stats_count_the_tokens_routed_to_each_expert(arch, make_checkpoint):
     """`stats()["experts_routed"]`: per MoE layer, the real tokens routed to each expert since the model was loaded
     equal what transformers' routers choose for every token the model ran (each prompt and its generated tokens
     but the last), in chunked prefill and decode steps padded to their buckets (three decode rows in a bucket of
     four: padding rows count nothing); a second batch adds to the counts."""
-    model_dir = make_checkpoint(arch, **MOE_CHECKPOINTS[arch])
+    model_dir = make_checkpoint(arch, **ROUTED_CHECKPOINTS[arch])
     model = cluster.load(model_dir)
     prompts = prompts_for("mixed", model.config.vocab_size)[:3]
     config = cluster.ContinuousBatchingConfig(page_size=16, max_batch_tokens=64, use_async_batching=False)

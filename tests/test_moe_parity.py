@@ -4,7 +4,9 @@ expert parallelism (every rank E / 2 whole experts), overlapped (the scheduling 
 tests/test_parity.py); both ranks agree. In the same launch,
 weight updates of expert tensors (tests/moe_updates.py: a full update in transformers' fused layout, then partial
 ones by checkpoint, handle and push, naming experts as published and as fused) serve exactly transformers' tokens on
-the updated weights, and both ranks count the same routing (stats' `experts_routed`)."""
+the updated weights, and both ranks count the same routing (stats' `experts_routed`). gpt-oss (sinks, alternating
+windows, biased clamped experts) runs in the same launch in both placements, in two scenarios and without the
+update sequence (tests/moe_updates.py names experts one tensor each, as gpt-oss's checkpoints never do)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 import cluster
 from tests.conftest import hf_greedy, read_json, run_ranks
+from tests.test_gpt_oss import GPT_OSS
 from tests.test_moe import MOE_ARCHS, MOE_CHECKPOINTS, TP1_SCENARIOS
 from tests.test_moe_updates import check_sequence
 from tests.test_parity import check_scenario
@@ -22,6 +25,10 @@ from tests.workloads import SCENARIOS, prompts_for
 PLACEMENTS = ("tp", "ep")
 MODES = ("overlap",)  # the default; serial and multi-step decode run the same code for every family (test_parity)
 CASES = [(arch, placement) for arch in MOE_ARCHS for placement in PLACEMENTS]
+# gpt-oss: two scenarios, both chunking their prefills at 128 tokens, one sharing prefixes, one preempting
+SINK_CASES = [("gpt_oss", placement) for placement in PLACEMENTS]
+CHECKPOINTS = MOE_CHECKPOINTS | {"gpt_oss": GPT_OSS}
+SCENARIOS_OF = {arch: TP1_SCENARIOS for arch in MOE_ARCHS} | {"gpt_oss": ("sharing", "preempt")}
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +37,23 @@ def moe_tp2_outputs(make_checkpoint, moe_update_sources, tmp_path_factory):
     prefix = tmp_path_factory.mktemp("moe_parity") / "out"
     specs = [f"{arch}-{placement}={make_checkpoint(arch, **MOE_CHECKPOINTS[arch])}={','.join(MODES)}={','.join(TP1_SCENARIOS)}"
              f"=updates:{moe_update_sources(arch)}" + (",ep" if placement == "ep" else "") for arch, placement in CASES]
+    specs += [f"{arch}-{placement}={make_checkpoint(arch, **CHECKPOINTS[arch])}={','.join(MODES)}="
+              f"{','.join(SCENARIOS_OF[arch])}" + ("=ep" if placement == "ep" else "")
+              for arch, placement in SINK_CASES]
     proc = run_ranks("parity_rank.py", [str(prefix), *specs], timeout=900)
     return prefix, proc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,placement", CASES)
+@pytest.mark.parametrize("arch,placement", CASES + SINK_CASES)
 def test_tp2_matches_transformers(arch, placement, moe_tp2_outputs, make_checkpoint):
     prefix, proc = moe_tp2_outputs
     out_path = f"{prefix}.{arch}-{placement}.json"
     assert os.path.exists(out_path), proc.stdout[-4000:]
     results, rank1 = read_json(out_path), read_json(out_path + ".rank1")
-    model_dir = make_checkpoint(arch, **MOE_CHECKPOINTS[arch])
+    model_dir = make_checkpoint(arch, **CHECKPOINTS[arch])
     vocab = cluster.load(model_dir).config.vocab_size
-    for name in TP1_SCENARIOS:
+    for name in SCENARIOS_OF[arch]:
         want = hf_greedy(model_dir, prompts_for(SCENARIOS[name][1], vocab))
         for mode in MODES:
             r = results[f"{name}/{mode}"]

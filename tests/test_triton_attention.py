@@ -3,7 +3,8 @@ against a float64 reference: GQA and MHA, sliding windows, 1/7/16/17/40-key rows
 pages, padding rows, prefill chunks continuing an earlier context, float32 and bfloat16, a head_dim that is not a
 power of two; then `prepare_step` + `paged_attention` on the Triton path against the paged SDPA path, for a mixed
 step and a decode burst advanced as the runner advances it. Every slot that holds no key of the row reading it is
-NaN, so a kernel that loads past a row's length (even masked away afterwards) fails.
+NaN, so a kernel that loads past a row's length (even masked away afterwards) fails. The score terms (per-head
+sinks, gpt-oss's; a score softcap, Gemma 2's) alone and together, in both kernels and through both paths.
 
 Triton reads TRITON_INTERPRET when it is imported (its own `tl.zeros`, `tl.max` ... are `triton.jit` functions),
 and another test of this process may have imported it already (inductor does), so the kernels run in ONE child
@@ -38,6 +39,8 @@ CASES = [  # (dtype, query heads, KV heads, head_dim, window)
     (torch.bfloat16, 4, 2, 32, None),
     (torch.bfloat16, 4, 1, 16, 20),
 ]
+# (case, sinks, softcap): CASES' shapes with a sink a query head (drawn around 1), a softcap, or both
+TERM_CASES = [(CASES[0], True, None), (CASES[2], True, 2.0), (CASES[1], False, 1.5), (CASES[4], True, 3.0)]
 PRE_KV, PRE_Q, PRE_PAD = [40, 17, 16, 7, 33], [40, 5, 1, 7, 20], 11  # fresh prompts and continued chunks
 
 
@@ -63,8 +66,10 @@ def paged_cache(lens: list[int], hkv: int, d: int, dtype: torch.dtype, seed: int
     return k.to(dtype), v.to(dtype), tables, num_blocks
 
 
-def reference(q, k, v, table, kv_len: int, window: int | None, scale: float) -> torch.Tensor:
-    """One sequence's q [Q, Hq, D] (its last Q positions) against its first kv_len keys, in float64."""
+def reference(q, k, v, table, kv_len: int, window: int | None, scale: float, sinks: torch.Tensor | None = None,
+              softcap: float | None = None) -> torch.Tensor:
+    """One sequence's q [Q, Hq, D] (its last Q positions) against its first kv_len keys, in float64, as
+    transformers' eager attention computes it: scale, cap, mask, each head's sink a column of the softmax."""
     nq, hq = q.shape[0], q.shape[1]
     slots = (table.long()[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)[:kv_len]
     g = hq // k.shape[1]
@@ -73,7 +78,19 @@ def reference(q, k, v, table, kv_len: int, window: int | None, scale: float) -> 
     j = torch.arange(kv_len)[None, :]
     visible = (j <= pos) & ((pos - j < window) if window else True)
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double()[:, None, None].expand(hq, nq, 1)], dim=-1)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1)[..., :kv_len], values)
+
+
+def term_args(case: tuple, sinks: bool, softcap: float | None) -> dict:
+    """The kernels' keyword arguments of a TERM_CASES entry: sinks [Hq] float32, the softcap."""
+    hq = case[1]
+    drawn = torch.randn(hq, generator=torch.Generator().manual_seed(5)) + 1.0
+    return {"sinks": drawn if sinks else None, "softcap": softcap}
 
 
 def decode_inputs(dtype, hq, hkv, d, window):
@@ -117,10 +134,11 @@ def rcs(**fields):
     return one("triton_paged"), one("paged_sdpa")
 
 
-def run_paths(plan: StepPlan, window: int | None = None) -> dict[str, torch.Tensor]:
+def run_paths(plan: StepPlan, window: int | None = None, sinks: torch.Tensor | None = None,
+              softcap: float | None = None) -> dict[str, torch.Tensor]:
     """Each path's attention output [forwards, real tokens, Hq, D] for `plan` (`plan.burst` forwards, advanced by
     the runner's own `_advance`), each writing its K/V into its copy of one cache whose unwritten slots are NaN."""
-    from worker.attention import paged_attention, write_kv
+    from worker.attention import ScoreTerms, paged_attention, write_kv
     from worker.runner import ModelRunner
     from worker.step_inputs import StaticBuffers, prepare_step
 
@@ -144,16 +162,23 @@ def run_paths(plan: StepPlan, window: int | None = None) -> dict[str, torch.Tens
                 ModelRunner._advance(runner, ids, meta, plan.num_decode)
             qkv = tokens[step][:ids.shape[0]]
             write_kv(k, v, qkv[:, HQ:HQ + HKV].contiguous(), qkv[:, HQ + HKV:].contiguous(), meta)
-            got.append(paged_attention(qkv[:, :HQ].contiguous(), k, v, meta, window, D ** -0.5)[real])
+            got.append(paged_attention(qkv[:, :HQ].contiguous(), k, v, meta, window, D ** -0.5,
+                                       terms=ScoreTerms(sinks, softcap))[real])
         outs[rc.attention] = torch.stack(got)
     return outs
 
 
-def jobs() -> dict[str, tuple[str, tuple]]:
-    """Every kernel run of this module: name -> (what, its arguments)."""
-    found = {f"decode{i}": ("decode", decode_inputs(*case)) for i, case in enumerate(CASES)}
-    found |= {f"prefill{i}": ("prefill", prefill_inputs(*case)) for i, case in enumerate(CASES)}
-    return found | {"mixed": ("paths", (MIXED,)), "mixed_window": ("paths", (MIXED, 6)), "burst": ("paths", (BURST,))}
+def jobs() -> dict[str, tuple[str, tuple, dict]]:
+    """Every kernel run of this module: name -> (what, its arguments, its keyword arguments)."""
+    found = {f"decode{i}": ("decode", decode_inputs(*case), {}) for i, case in enumerate(CASES)}
+    found |= {f"prefill{i}": ("prefill", prefill_inputs(*case), {}) for i, case in enumerate(CASES)}
+    for i, (case, sinks, softcap) in enumerate(TERM_CASES):
+        found[f"decode_terms{i}"] = ("decode", decode_inputs(*case), term_args(case, sinks, softcap))
+        found[f"prefill_terms{i}"] = ("prefill", prefill_inputs(*case), term_args(case, sinks, softcap))
+    terms = term_args((None, HQ), True, 2.0)
+    return found | {"mixed": ("paths", (MIXED,), {}), "mixed_window": ("paths", (MIXED, 6), {}),
+                    "burst": ("paths", (BURST,), {}), "mixed_terms": ("paths", (MIXED, 6), terms),
+                    "burst_terms": ("paths", (BURST,), terms)}
 
 
 def run_jobs(folder: str) -> None:
@@ -164,7 +189,7 @@ def run_jobs(folder: str) -> None:
     assert kernels.INTERPRETED
     todo = torch.load(Path(folder) / "jobs.pt", weights_only=False)
     run = {"decode": kernels.decode, "prefill": kernels.prefill, "paths": run_paths}
-    torch.save({name: run[what](*args) for name, (what, args) in todo.items()}, Path(folder) / "out.pt")
+    torch.save({name: run[what](*args, **kw) for name, (what, args, kw) in todo.items()}, Path(folder) / "out.pt")
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +241,45 @@ def test_triton_path_matches_sdpa_path(results, name):
     assert outs["triton_paged"].isfinite().all()
     assert outs["triton_paged"].shape[0] == (3 if name == "burst" else 1)
     torch.testing.assert_close(outs["triton_paged"], outs["paged_sdpa"], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(TERM_CASES)), ids=[f"{c[0]}-hq{c[1]}-w{c[4]}-sinks{s}-cap{cap}"
+                                                           for c, s, cap in TERM_CASES])
+def test_score_terms_match_reference(results, i):
+    """Sinks (a head's logit in every row's denominator: the weights of the keys sum to less than one, a row with
+    no key writes zeros) and the softcap, in decode and prefill, against transformers' eager arithmetic."""
+    case, sinks, softcap = TERM_CASES[i]
+    terms = term_args(case, sinks, softcap)
+    q, k, v, tables, lens, _, window, scale = decode_inputs(*case)
+    out, tol = results[f"decode_terms{i}"], TOL[q.dtype]
+    for row, n in enumerate(LENS):
+        want = reference(q[row:row + 1], k, v, tables[row], n, window, scale, **terms)[0]
+        torch.testing.assert_close(out[row].double(), want, rtol=tol, atol=tol)
+    assert out[len(LENS)].eq(0).all() and out[len(LENS) + 1].isfinite().all()
+    q, k, v, meta, _, window, scale = prefill_inputs(*case)
+    out, cu = results[f"prefill_terms{i}"], meta.cu_seqlens_q.tolist()
+    for s, n in enumerate(PRE_KV):
+        want = reference(q[cu[s]:cu[s + 1]], k, v, meta.block_table[s], n, window, scale, **terms)
+        torch.testing.assert_close(out[cu[s]:cu[s + 1]].double(), want, rtol=tol, atol=tol)
+    assert out[sum(PRE_Q):].eq(0).all()
+    for dropped in ("sinks", "softcap"):  # each term counts: without it the outputs differ
+        if terms[dropped] is not None:
+            plain = reference(q[:cu[1]], k, v, meta.block_table[0], PRE_KV[0], window, scale,
+                              **(terms | {dropped: None}))
+            assert (out[:cu[1]].double() - plain).abs().max() > 10 * tol, dropped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixed_terms", "burst_terms"])
+def test_triton_path_matches_sdpa_path_with_score_terms(results, name):
+    """As above, with sinks and a softcap: the paged SDPA path's explicit softmax (worker/attention.py) and the
+    Triton kernel agree through prepare_step and paged_attention."""
+    outs = results[name]
+    assert outs["triton_paged"].isfinite().all()
+    torch.testing.assert_close(outs["triton_paged"], outs["paged_sdpa"], rtol=2e-5, atol=2e-5)
+    plain = results[name.removesuffix("_terms").replace("mixed", "mixed_window")]
+    assert (outs["paged_sdpa"] - plain["paged_sdpa"]).abs().max() > 1e-3  # the terms change the outputs
 
 
 def test_paged_kernels_need_no_gather_workspace():

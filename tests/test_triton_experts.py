@@ -3,7 +3,10 @@ against `Experts._grouped` (the CPU path, itself checked against transformers by
 4, 8 and 16 experts, top-k 1, 2 and 8, experts with no token, one token, padding rows (zero hidden states, routed
 like any row, as the runner's padding is), an expert with more rows than one row block, sizes that are not a
 multiple of the tiles, this rank's half of the experts (expert-parallel: pairs of the other rank's experts are
-skipped) and a tensor-parallel slice, float32 and bfloat16.
+skipped) and a tensor-parallel slice, float32 and bfloat16; and gpt-oss's experts (worker/clamped_experts.py:
+transformers' transposed layout read through strides, interleaved gate/up, biases, a clamp the values reach) against
+`ClampedExperts._grouped`, one rank holding all, a tensor-parallel rank that adds no down bias, an expert-parallel
+rank.
 
 As tests/test_triton_attention.py: Triton reads TRITON_INTERPRET when it is imported, so the kernels run in ONE
 child process started with TRITON_INTERPRET=1 (this module as a script; jobs in and results out through
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from worker.clamped_experts import ClampedExperts
 from worker.experts import ExpertPlacement, Experts, sort_by_expert
 from worker.layers import Shard
 from tests.triton_interpreter import run_interpreted
@@ -39,11 +43,18 @@ class Case:
     empty: tuple[int, ...] = ()  # experts no token picks
     expert_parallel: bool = False  # rank 1 of 2 holds experts [E / 2, E); else tensor-parallel rank 0 of `tp`
     tp: int = 1
+    clamped: bool = False  # gpt-oss's experts (limit 0.5, alpha 1.702), tensor-parallel rank `tp - 1`
 
     def placement(self) -> ExpertPlacement:
         if self.expert_parallel:
             return ExpertPlacement.expert_parallel(self.experts, self.inter, Shard(rank=1, size=2))
-        return ExpertPlacement.tensor_parallel(self.experts, self.inter, Shard(rank=0, size=self.tp))
+        rank = self.tp - 1 if self.clamped else 0
+        return ExpertPlacement.tensor_parallel(self.experts, self.inter, Shard(rank=rank, size=self.tp))
+
+    def module(self, dtype: torch.dtype) -> Experts:
+        if self.clamped:
+            return ClampedExperts(self.hidden, self.placement(), 0.5, 1.702, dtype)
+        return Experts(self.hidden, self.placement(), dtype)
 
 
 CASES = {
@@ -54,38 +65,52 @@ CASES = {
     "f32-e4-k2-tp-slice": Case(torch.float32, 4, 2, 9, inter=48, tp=2),
     "bf16-e8-k2-padding": Case(torch.bfloat16, 8, 2, 33, padding=7, empty=(1,)),
     "bf16-e16-k8-one-token": Case(torch.bfloat16, 16, 8, 1, hidden=48),
+    "clamped-f32-e8-k4-empty-padding": Case(torch.float32, 8, 4, 21, padding=3, inter=40, empty=(2,), clamped=True),
+    "clamped-f32-e8-k2-tp-rank1": Case(torch.float32, 8, 2, 11, inter=48, tp=2, clamped=True),
+    "clamped-f32-e8-k2-ep-rank1": Case(torch.float32, 8, 2, 13, expert_parallel=True, clamped=True),
+    "clamped-bf16-e4-k2": Case(torch.bfloat16, 4, 2, 17, clamped=True),
 }
 
 
-def inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [T, H], gate_up, down of this rank, experts [T, k], weights [T, k] float32), T = tokens + padding."""
+def inputs(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(x [T, H], this rank's expert parameters by name, experts [T, k], weights [T, k] float32), T = tokens +
+    padding."""
     gen = torch.Generator().manual_seed(case.experts * 100 + case.top_k * 10 + case.tokens)
-    t, p = case.tokens + case.padding, case.placement()
+    t = case.tokens + case.padding
     x = torch.randn(t, case.hidden, generator=gen)
     x[case.tokens:] = 0.0
     scores = torch.rand(t, case.experts, generator=gen)
     scores[:, list(case.empty)] = -1.0
     experts = scores.topk(case.top_k, dim=-1)[1]
     weights = torch.rand(t, case.top_k, generator=gen)
-    gate_up = torch.randn(p.count, 2 * p.inter_rows, case.hidden, generator=gen) * case.hidden ** -0.5
-    down = torch.randn(p.count, case.hidden, p.inter_rows, generator=gen) * p.inter_rows ** -0.5
-    return x.to(case.dtype), gate_up.to(case.dtype), down.to(case.dtype), experts, weights
+    params = {}
+    for name, p in case.module(torch.float32).named_parameters():  # products of about unit size
+        fan_in = {"gate_up": case.hidden, "down": case.placement().inter_rows}.get(name, 1)  # biases: 1
+        params[name] = (torch.randn(p.shape, generator=gen) * fan_in ** -0.5).to(case.dtype)
+    return x.to(case.dtype), params, experts, weights
+
+
+def loaded(case: Case, params: dict[str, torch.Tensor], dtype: torch.dtype) -> Experts:
+    module = case.module(dtype)
+    for name, p in module.named_parameters():
+        p.data.copy_(params[name])
+    return module
 
 
 def run_kernel(case: Case) -> torch.Tensor:
     from worker.triton_experts import grouped_experts
 
-    x, gate_up, down, experts, weights = inputs(case)
-    return grouped_experts(x, gate_up, down, *sort_by_expert(experts, case.placement()), weights)
+    x, params, experts, weights = inputs(case)
+    module = loaded(case, params, case.dtype)
+    order, offsets, counts = sort_by_expert(experts, case.placement())
+    return grouped_experts(x, order=order, offsets=offsets, counts=counts, weights=weights,
+                           **module.grouped_kernel())
 
 
 def reference(case: Case) -> torch.Tensor:
     """The CPU path in float64 on the same (rounded) weights and inputs."""
-    x, gate_up, down, experts, weights = inputs(case)
-    module = Experts(case.hidden, case.placement(), torch.float64)
-    module.gate_up.data.copy_(gate_up.double())
-    module.down.data.copy_(down.double())
-    return module._grouped(x.double(), experts, weights.double())
+    x, params, experts, weights = inputs(case)
+    return loaded(case, params, torch.float64)._grouped(x.double(), experts, weights.double())
 
 
 def run_jobs(folder: str) -> None:
@@ -112,10 +137,15 @@ def test_kernel_matches_the_grouped_reference(results, name):
     assert out.shape == want.shape and out.dtype == case.dtype
     tol = TOL[case.dtype]
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
-    assert out[case.tokens:].eq(0).all()  # padding rows (zero states) stay zero, and nothing spills into them
+    if not case.clamped:  # padding rows (zero states) stay zero, and nothing spills into them (biases: not zero)
+        assert out[case.tokens:].eq(0).all()
+    if case.clamped and not case.expert_parallel:
+        x, params, *_ = inputs(case)
+        gate = (x.float() @ params["gate_up"].float() + params["gate_up_bias"].float()[:, None])[..., ::2]
+        assert (gate > 0.5).any() and case.module(case.dtype).adds_down_bias == (case.tp == 1)
     if case.expert_parallel:  # tokens none of whose choices is held here get nothing from this rank
         held = case.placement().holds
-        none_here = [t for t in range(case.tokens) if not any(held(e) for e in inputs(case)[3][t].tolist())]
+        none_here = [t for t in range(case.tokens) if not any(held(e) for e in inputs(case)[2][t].tolist())]
         assert none_here and out[none_here].eq(0).all()
 
 

@@ -25,6 +25,18 @@ def shared_prefix_prompts(vocab: int, seed: int = 1) -> list[list[int]]:
     return prompts
 
 
+def window_prompts(vocab: int) -> list[list[int]]:
+    """The sliding-window families' one in-process batch: two families of two sharing a prefix, and two long
+    prompts, 101 to 300 tokens (past their test checkpoints' windows)."""
+    shared, mixed = shared_prefix_prompts(vocab), mixed_prompts(vocab)
+    return shared[0:2] + shared[8:10] + [mixed[11], mixed[15]]
+
+
+# fields of a batch of window_prompts that chunks (prompts longer than max_batch_tokens), shares prefixes (two
+# families of two) and preempts (a cache of 24 pages)
+WINDOW_BATCH = dict(page_size=16, num_blocks=24, max_batch_tokens=128, allow_block_sharing=True)
+
+
 # name -> (ContinuousBatchingConfig fields, prompt set); shared with tests/scripts/parity_rank.py
 SCENARIOS = {
     "default": (dict(page_size=32), "mixed"),

@@ -57,6 +57,29 @@ class AttnMeta:
         return self.dec_kv_slots.shape[0]
 
 
+@dataclass(frozen=True, eq=False)
+class ScoreTerms:
+    """What a family adds to a layer's attention scores beyond the scale, the causal mask and the window (one per
+    attention module; every path applies them: the eager SDPA path here, worker/triton_attention.py, worker/flash.py).
+    `sinks` [Hq] (this rank's query heads; gpt-oss): a learned logit a head that joins every row's softmax
+    denominator and carries no value, so the weights of the keys sum to less than one. `softcap` (Gemma 2's
+    attn_logit_softcapping): scores become tanh(s / cap) * cap, after the scale and before the mask."""
+
+    sinks: torch.Tensor | None = None
+    softcap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.sinks is None and self.softcap is None
+
+    def kernel_args(self) -> dict:
+        """The paged kernels' keyword arguments (worker/flash.py and worker/triton_attention.py take the same)."""
+        return {"sinks": self.sinks, "softcap": self.softcap}
+
+
+PLAIN = ScoreTerms()
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta) -> None:
     """Store this step's keys and values; caches are [slots + 1, Hkv, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
@@ -130,12 +153,29 @@ def _gather(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,
-            bias: torch.Tensor, scale: float) -> torch.Tensor:
+            bias: torch.Tensor, scale: float, terms: ScoreTerms) -> torch.Tensor:
     """One chunk: q [B, Q, Hq, D], kv_slots [B, L], bias (additive) broadcastable to [B, 1, Q, L] -> [B, Q, Hq, D]."""
-    return _sdpa(q, _gather(k_cache, kv_slots), _gather(v_cache, kv_slots), bias, scale)
+    return _sdpa(q, _gather(k_cache, kv_slots), _gather(v_cache, kv_slots), bias, scale, terms)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+def _explicit(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+              terms: ScoreTerms, g: int, nq: int) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) + bias, with each head's sink in the denominator) v, spelled out as transformers'
+    eager attention does (SDPA takes neither): qf [B, Hkv, g * Q, D] (g heads of a KV head, then queries)."""
+    s = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale)  # in place: the chunk's budget counts two score copies
+    if terms.softcap is not None:  # transformers' order: divide, tanh, multiply, then the mask
+        s.div_(terms.softcap).tanh_().mul_(terms.softcap)
+    s.add_(bias)
+    if terms.sinks is not None:  # one more column a row: its head's sink, dropped after the softmax
+        b, hkv = qf.shape[0], qf.shape[1]
+        sink = terms.sinks.to(s.dtype).view(1, hkv, g, 1, 1).expand(b, hkv, g, nq, 1).reshape(b, hkv, g * nq, 1)
+        s = torch.cat([s, sink], dim=-1)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(p[..., :k.shape[2]], v)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+          terms: ScoreTerms) -> torch.Tensor:
     """q [B, Q, Hq, D], k and v [B, Hkv, L, D], bias (additive) broadcastable to [B, 1, Q, L] -> [B, Q, Hq, D]."""
     b, nq, hq, d = q.shape
     hkv = k.shape[1]
@@ -144,22 +184,25 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
     qf = q.view(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * nq, d)
     if nq > 1:  # [B, 1, Q, L] -> [B, 1, g * Q, L]; one query a row (decode) broadcasts as it is
         bias = bias.unsqueeze(2).expand(b, 1, g, nq, bias.shape[-1]).reshape(b, 1, g * nq, bias.shape[-1])
-    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=bias, scale=scale)
+    if terms.plain:
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=bias, scale=scale)
+    else:
+        out = _explicit(qf, k, v, bias, scale, terms, g, nq)
     return out.view(b, hkv, g, nq, d).permute(0, 3, 1, 2, 4).reshape(b, nq, hq, d)
 
 
 def _decode_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                 bias: torch.Tensor, scale: float) -> torch.Tensor:
+                 bias: torch.Tensor, scale: float, terms: ScoreTerms) -> torch.Tensor:
     """q: [Bd, Hq, D], one query a sequence, in chunks of sequences; bias: [Bd, 1, 1, Ld]. Returns [Bd, Hq, D]."""
     bd, length = meta.dec_kv_slots.shape
     rb, _ = chunk_shape(bd, 1, length, q.shape[1], k_cache.shape[1], q.shape[2], meta.chunk_elements)
     outs = [_attend(q[r:r + rb].unsqueeze(1), k_cache, v_cache, meta.dec_kv_slots[r:r + rb], bias[r:r + rb],
-                    scale).squeeze(1) for r in range(0, bd, rb)]
+                    scale, terms).squeeze(1) for r in range(0, bd, rb)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _decode_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                  bias: torch.Tensor, scale: float) -> torch.Tensor:
+                  bias: torch.Tensor, scale: float, terms: ScoreTerms) -> torch.Tensor:
     """q: [Bd, Hq, D] -> [Bd, Hq, D], the eager CPU decode (docs/architecture.md, "Attention"): the real rows' keys
     gathered `meta.unit` slots at a time (one index_select of whole runs, not one of each slot), in chunks of
     rows; bias: [rows, 1, 1, L]. Padding rows return zeros."""
@@ -177,14 +220,15 @@ def _decode_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             x = cache.view(-1, unit, hkv, d).index_select(0, units[r:r + n].reshape(-1)).view(n, length, hkv, d)
             x.view(n * length, hkv * d).index_fill_(0, tail, 0.0)
             kv.append(x.transpose(1, 2))
-        outs.append(_sdpa(q[r:r + n].unsqueeze(1), kv[0], kv[1], bias[r:r + n], scale).squeeze(1))
+        outs.append(_sdpa(q[r:r + n].unsqueeze(1), kv[0], kv[1], bias[r:r + n], scale,
+                          terms).squeeze(1))
     if bd > rows:
         outs.append(q.new_zeros(bd - rows, hq, d))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                  window: int | None, scale: float) -> torch.Tensor:
+                  window: int | None, scale: float, terms: ScoreTerms) -> torch.Tensor:
     """q: [Tp, Hq, D], the prefill group's tokens back to back. In chunks of sequences x queries, gathered from
     q and scattered back, so nothing of the padded [Bp, Qp] size is materialised whole. Returns [Tp, Hq, D]."""
     bp, qp = meta.pre_q_pos.shape
@@ -199,7 +243,7 @@ def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             n, m = idx.shape
             qs = q.index_select(0, idx.reshape(-1)).view(n, m, hq, d)
             bias = _bias(_visible(length, meta.pre_q_pos[r:r + rb, c:c + qc], window), q.dtype).unsqueeze(1)
-            res = _attend(qs, k_cache, v_cache, meta.pre_kv_slots[r:r + rb], bias, scale)
+            res = _attend(qs, k_cache, v_cache, meta.pre_kv_slots[r:r + rb], bias, scale, terms)
             out.index_copy_(0, scatter[r:r + rb, c:c + qc].reshape(-1), res.reshape(n * m, hq, d))
     return out[:-1]
 
@@ -214,21 +258,22 @@ def _paged_kernels(meta: AttnMeta) -> ModuleType:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                    window: int | None, scale: float, masks: StepMasks | None = None) -> torch.Tensor:
+                    window: int | None, scale: float, masks: StepMasks | None = None,
+                    terms: ScoreTerms = PLAIN) -> torch.Tensor:
     """q: [T, Hq, D] for the whole token batch, after this step's K/V were written. Returns [T, Hq, D].
-    `masks`: the step's (`step_masks`, computed once for every layer); None: computed here."""
+    `masks`: the step's (`step_masks`, computed once for every layer); None: computed here. `terms`: the layer's
+    sinks and softcap, if any."""
     bd, outs = meta.num_decode, []
     if bd and meta.dec_block_table is not None:
         outs.append(_paged_kernels(meta).decode(q[:bd], k_cache, v_cache, meta.dec_block_table, meta.dec_kv_lens,
-                                                meta.page_size, window, scale))
+                                                meta.page_size, window, scale, **terms.kernel_args()))
     elif bd:
         masks = masks if masks is not None and window in masks else step_masks(meta, [window], q.dtype)
         decode = _decode_sdpa if meta.dec_units is None else _decode_units
-        outs.append(decode(q[:bd], k_cache, v_cache, meta, masks[window], scale))
+        outs.append(decode(q[:bd], k_cache, v_cache, meta, masks[window], scale, terms))
     if meta.pre_flash is not None:
         outs.append(_paged_kernels(meta).prefill(q[bd:], k_cache, v_cache, meta.pre_flash, meta.page_size, window,
-                                                 scale))
+                                                 scale, **terms.kernel_args()))
     elif meta.pre_q_pos.shape[0]:
-        outs.append(_prefill_sdpa(q[bd:], k_cache, v_cache, meta, window, scale))
+        outs.append(_prefill_sdpa(q[bd:], k_cache, v_cache, meta, window, scale, terms))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
-

@@ -13,7 +13,11 @@ grouped Triton kernel (worker/triton_experts.py) runs each local expert over its
 counts, with no host sync, so eagerly, in a decode graph and in a compiled forward alike. Elsewhere each expert that
 has tokens runs one product over its rows (the counts read on the host) and the results are weighted and summed
 into their tokens in expert order (as transformers' loop adds them); inside a compiled forward on the CPU every
-local expert runs over every token with its routing weight masked instead (static shapes)."""
+local expert runs over every token with its routing weight masked instead (static shapes).
+
+A family whose experts compute otherwise (gpt-oss: biases, clamped SwiGLU, transformers' transposed layout;
+worker/clamped_experts.py) subclasses `Experts`: its weights (`make_weights`), one expert's product (`expert`),
+the CUDA kernel's arguments (`grouped_kernel`) and its checkpoint parts."""
 
 from __future__ import annotations
 
@@ -81,10 +85,22 @@ class Experts(nn.Module):
 
     def __init__(self, hidden: int, placement: ExpertPlacement, dtype: torch.dtype):
         super().__init__()
-        p = self.placement = placement
+        self.placement = placement
         self.hidden = hidden
-        self.gate_up = nn.Parameter(torch.empty(p.count, 2 * p.inter_rows, hidden, dtype=dtype), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(p.count, hidden, p.inter_rows, dtype=dtype), requires_grad=False)
+        self.make_weights(dtype)
+
+    def make_weights(self, dtype: torch.dtype) -> None:
+        p, h = self.placement, self.hidden
+        self.gate_up = nn.Parameter(torch.empty(p.count, 2 * p.inter_rows, h, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(p.count, h, p.inter_rows, dtype=dtype), requires_grad=False)
+
+    def expert(self, xs: torch.Tensor, e: int) -> torch.Tensor:
+        """Local expert `e`'s output for its rows `xs` [n, H] (this rank's part of it), unweighted."""
+        return _silu_gated(xs, self.gate_up[e], self.down[e])
+
+    def grouped_kernel(self) -> dict[str, Any]:
+        """`grouped_experts`' weight arguments (worker/triton_experts.py) for this layout and activation."""
+        return {"gate_up": self.gate_up, "down": self.down}
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; experts, weights [T, k]: each token's chosen experts and their weights."""
@@ -92,7 +108,8 @@ class Experts(nn.Module):
             from worker.triton_experts import grouped_experts  # Triton is needed on this path only
 
             order, offsets, counts = sort_by_expert(experts, self.placement)
-            return grouped_experts(x, self.gate_up, self.down, order, offsets, counts, weights)
+            return grouped_experts(x, order=order, offsets=offsets, counts=counts, weights=weights,
+                                   **self.grouped_kernel())
         if torch.compiler.is_compiling():
             return self._masked(x, experts, weights)
         return self._grouped(x, experts, weights)
@@ -106,7 +123,7 @@ class Experts(nn.Module):
         ys, at = [], 0
         for e, n in enumerate(counts):
             if n:
-                ys.append(_silu_gated(xs[at:at + n], self.gate_up[e], self.down[e]))
+                ys.append(self.expert(xs[at:at + n], e))
             at += n
         out = torch.zeros_like(x)
         if ys:
@@ -119,7 +136,7 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for e in range(p.count):
             w = (weights * (experts == p.first + e)).sum(-1, keepdim=True).to(x.dtype)
-            out = out + _silu_gated(x, self.gate_up[e], self.down[e]) * w
+            out = out + self.expert(x, e) * w
         return out
 
     # -- checkpoint parts: "gate.E", "up.E", "down.E" (published, one tensor per expert); "gate_up", "down"

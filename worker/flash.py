@@ -1,7 +1,12 @@
 """flash-attn's paged kernels, and the host-side metadata its varlen kernel needs (docs/architecture.md,
 "Attention"); used where `cluster.config.attention_decision` picks "flash_attn". The cache is viewed as pages
 [blocks, page, Hkv, D] and both kernels read a sequence's keys through its block table in place. The Triton path
-(worker/triton_attention.py) takes the same layout and the same arguments."""
+(worker/triton_attention.py) takes the same layout and the same arguments.
+
+A layer's score terms (worker/attention.py `ScoreTerms`): the softcap is flash-attn's own `softcap` argument (it
+caps after the scale, before the mask, as transformers does); flash-attn takes no sinks, so with sinks the kernels
+also return each row's log-sum-exp of its visible scores, and the output is scaled by the share the keys keep once
+the head's sink joins the denominator: exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink) (`_sunk`)."""
 
 from __future__ import annotations
 
@@ -45,19 +50,31 @@ def _pages(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     return cache.view(-1, page_size, cache.shape[1], cache.shape[2])
 
 
+def _sunk(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """out [T, Hq, D] normalised over the keys alone, lse [T, Hq] (float32) -> the output with each head's sink
+    [Hq] in the softmax denominator. A row that saw no key keeps its zeros (whatever infinity its lse is)."""
+    return out * torch.sigmoid(lse - sinks.float()).unsqueeze(-1).to(out.dtype)
+
+
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-           kv_lens: torch.Tensor, page_size: int, window: int | None, scale: float) -> torch.Tensor:
+           kv_lens: torch.Tensor, page_size: int, window: int | None, scale: float,
+           sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """One query per sequence against its pages, read in place. q: [Bd, Hq, D]. Capturable (no host sync)."""
     from flash_attn import flash_attn_with_kvcache
 
-    out = flash_attn_with_kvcache(q.unsqueeze(1), _pages(k_cache, page_size), _pages(v_cache, page_size),
+    res = flash_attn_with_kvcache(q.unsqueeze(1), _pages(k_cache, page_size), _pages(v_cache, page_size),
                                   cache_seqlens=kv_lens, block_table=block_table, softmax_scale=scale,
-                                  causal=True, window_size=_window(window))
-    return out.squeeze(1)
+                                  causal=True, window_size=_window(window), softcap=softcap or 0.0,
+                                  return_softmax_lse=sinks is not None)
+    if sinks is None:
+        return res.squeeze(1)
+    out, lse = res  # lse: [Bd, Hq, 1]
+    return _sunk(out.squeeze(1), lse.squeeze(-1), sinks)
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: VarlenMeta, page_size: int,
-            window: int | None, scale: float) -> torch.Tensor:
+            window: int | None, scale: float, sinks: torch.Tensor | None = None,
+            softcap: float | None = None) -> torch.Tensor:
     """The prefill group's queries [Tp, Hq, D] (real tokens first) against their pages. Returns [Tp, Hq, D];
     the padding tokens' rows are zeros (flash-attn leaves rows past cu_seqlens_q[-1] unwritten)."""
     from flash_attn import flash_attn_varlen_func
@@ -67,7 +84,11 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
                                  cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
                                  max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
                                  softmax_scale=scale, causal=True, window_size=_window(window),
-                                 block_table=meta.block_table)
+                                 softcap=softcap or 0.0, block_table=meta.block_table,
+                                 return_attn_probs=sinks is not None)
+    if sinks is not None:
+        res, lse = res[0], res[1]  # lse: [Hq, t] (varlen: heads first, the real tokens back to back)
+        res = _sunk(res, lse[:, :t].t(), sinks)
     if t == q.shape[0]:
         return res
     return torch.cat([res, q.new_zeros(q.shape[0] - t, q.shape[1], q.shape[2])])

@@ -6,8 +6,10 @@ routes alike and the experts' placement needs no exchange of routing decisions.
 - `GroupLimitedSigmoid`: DeepSeek-V3's (GLM-4.5's): sigmoid scores, plus `e_score_correction_bias` for the
   choice only; experts in `n_group` groups, a group scored by its best two, the best `topk_group` groups kept,
   top-k among their experts; weights from the uncorrected scores, renormalised when `norm_topk_prob`, times
-  `routed_scaling_factor`.
-Both compute in float32 as transformers does, and return float32 weights."""
+  `routed_scaling_factor`;
+- `BiasedTopKSoftmax`: gpt-oss's: logits with a bias, top-k of the logits, then a softmax over the k chosen.
+The first two compute in float32 as transformers does; gpt-oss's in the model's dtype, as transformers' does; all
+return float32 weights."""
 
 from __future__ import annotations
 
@@ -86,3 +88,27 @@ class GroupLimitedSigmoid(ReplicatedRouter):
         if self.renormalise:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return experts, weights * self.scale
+
+
+class BiasedTopKSoftmax(ReplicatedRouter):
+    """Part "" is `weight` [E, H] (kind weight) and `bias` [E] (kind bias): the checkpoint's `router.weight` and
+    `router.bias`."""
+
+    def __init__(self, num_experts: int, hidden: int, top_k: int, dtype: torch.dtype):
+        super().__init__(num_experts, hidden, top_k, dtype)
+        self.bias = nn.Parameter(torch.zeros(num_experts, dtype=dtype), requires_grad=False)
+
+    def checkpoint_parts(self) -> list[tuple[str, str]]:
+        return [("", "weight"), ("", "bias")]
+
+    def view(self, part: str, kind: str) -> torch.Tensor:
+        return (self.weight if kind == "weight" else self.bias).data
+
+    def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        dst = self.view(part, kind)
+        expect_shape(src, tuple(dst.shape))
+        return dst, src[:]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, experts = torch.topk(F.linear(x, self.weight, self.bias), self.top_k, dim=-1)
+        return experts, torch.softmax(values, dim=-1, dtype=values.dtype).float()

@@ -1,6 +1,7 @@
 """The sharded self-attention block every family composes: fused q/k/v projection (this rank's heads), optional
 per-head q/k RMSNorm (Llama's or Gemma's form), rotary (full or partial), the paged attention of
-worker/attention.py at the family's softmax scale, and the output projection's all-reduce. A family says which of
+worker/attention.py at the family's softmax scale, with its score terms (gpt-oss's per-head sinks, this rank's
+heads' in `HeadSinks`; Gemma 2's score softcap), and the output projection's all-reduce. A family says which of
 the options it has (`AttentionOptions`)."""
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import torch
 from torch import nn
 
 from cluster.errors import UnsupportedModel
-from worker.attention import AttnMeta, StepMasks, paged_attention, write_kv
+from worker.attention import PLAIN, AttnMeta, ScoreTerms, StepMasks, paged_attention, write_kv
 from worker.checkpoint_names import NameRule, NameTable
-from worker.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, Shard
+from worker.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, Shard, expect_shape
 from worker.rope import StepRotary
 
 
@@ -45,6 +46,28 @@ class AttentionOptions:
     qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3, GLM-4 MoE's use_qk_norm, Gemma 3)
     norm: type[RMSNorm] = RMSNorm  # the q/k norm's form (Gemma: GemmaRMSNorm, (1 + w))
     scale: float | None = None  # the softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    sinks: bool = False  # a learned sink logit a query head (gpt-oss's `self_attn.sinks`)
+    softcap: float | None = None  # scores capped to tanh(s / cap) * cap (Gemma 2's attn_logit_softcapping)
+
+
+class HeadSinks(nn.Module):
+    """This rank's query heads' sinks [Hq_local] (the checkpoint's `sinks` [num_attention_heads], sliced as the
+    query heads are)."""
+
+    def __init__(self, heads: KVHeads, total: int, dtype: torch.dtype):
+        super().__init__()
+        self.first, self.total = heads.q_start, total
+        self.weight = nn.Parameter(torch.zeros(heads.q_local, dtype=dtype), requires_grad=False)
+
+    def shard_of(self, part: str, kind: str, src: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        expect_shape(src, (self.total,))
+        return self.weight.data, src[self.first:self.first + self.weight.shape[0]]
+
+    def checkpoint_parts(self) -> list[tuple[str, str]]:
+        return [("", "weight")]
+
+    def view(self, part: str, kind: str) -> torch.Tensor:
+        return self.weight.data
 
 
 class SelfAttention(nn.Module):
@@ -62,6 +85,9 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, options.o_bias, shard,
                                         dtype)
         self.qk_norm = options.qk_norm
+        if options.sinks:
+            self.sinks = HeadSinks(heads, config.num_attention_heads, dtype)
+        self.softcap = options.softcap
         if self.qk_norm:
             self.q_norm = options.norm(d, config.rms_norm_eps, dtype)
             self.k_norm = options.norm(d, config.rms_norm_eps, dtype)
@@ -78,8 +104,13 @@ class SelfAttention(nn.Module):
             qk = rope.apply(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d))
             q, k = qk[:, :hq], qk[:, hq:]
         write_kv(k_cache, v_cache, k, v, meta)
-        out = paged_attention(q, k_cache, v_cache, meta, self.window, self.scale, masks)
+        out = paged_attention(q, k_cache, v_cache, meta, self.window, self.scale, masks, self.terms())
         return self.o_proj(out.reshape(t, hq * d))
+
+    def terms(self) -> ScoreTerms:
+        """This layer's score terms (the sinks read at the call: a weight update replaces their values in place)."""
+        sinks = self.sinks.weight if hasattr(self, "sinks") else None
+        return PLAIN if sinks is None and self.softcap is None else ScoreTerms(sinks, self.softcap)
 
 
 ATTENTION_NAMES = NameTable(tuple(
@@ -88,4 +119,5 @@ ATTENTION_NAMES = NameTable(tuple(
     NameRule("model.layers.{L}.self_attn.o_proj.{kind}", "layers.{L}.self_attn.o_proj"),
     NameRule("model.layers.{L}.self_attn.q_norm.{kind}", "layers.{L}.self_attn.q_norm"),
     NameRule("model.layers.{L}.self_attn.k_norm.{kind}", "layers.{L}.self_attn.k_norm"),
+    NameRule("model.layers.{L}.self_attn.sinks", "layers.{L}.self_attn.sinks"),
 ))

@@ -57,9 +57,11 @@ def _layer_refusal(call: LayerCall) -> str | None:
         return (f"{call.module} is given an attention mask of the model's own (a position bias such as ALiBi, or a "
                 f"non-causal pattern), which paged attention cannot apply")
     if call.softcap is not None:
-        return f"attention logit softcapping ({call.softcap}) is not in Lockstep's attention"
+        return (f"attention logit softcapping ({call.softcap}) is not in the generic path's attention (native "
+                f"families pass it to Lockstep's: serve it with model_impl='auto' where one exists)")
     if call.sinks:
-        return "attention sinks are not in the generic path's attention"
+        return ("attention sinks are not in the generic path's attention (native families pass them to Lockstep's: "
+                "serve it with model_impl='auto' where one exists)")
     if not call.q_dim == call.k_dim == call.v_dim:
         return f"query, key and value head dims differ ({call.q_dim}, {call.k_dim}, {call.v_dim})"
     if call.kv_heads == 0 or call.q_heads % call.kv_heads:

@@ -7,7 +7,7 @@ transformers' Gemma 3 reads `attn_logit_softcapping` but its attention does not 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -46,6 +46,7 @@ class Gemma3(Llama):
     model_types = ("gemma3_text",)
     names = DENSE_NAMES + SANDWICH_NAMES
     norm_class = GemmaRMSNorm
+    qk_norm: ClassVar[bool] = True  # per-head q/k norms (Gemma 2 has none)
 
     @classmethod
     def check(cls, config: Any) -> None:
@@ -60,8 +61,12 @@ class Gemma3(Llama):
 
     def attention_options(self, config: Any) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
-        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True, norm=GemmaRMSNorm,
-                                scale=config.query_pre_attn_scalar ** -0.5)
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=self.qk_norm, norm=GemmaRMSNorm,
+                                scale=config.query_pre_attn_scalar ** -0.5, softcap=self.score_softcap(config))
+
+    def score_softcap(self, config: Any) -> float | None:
+        """The attention scores' cap: none for Gemma 3 (see the module's docstring)."""
+        return None
 
     def make_mlp(self, config: Any, shard: Shard, layer: int, dtype: torch.dtype) -> nn.Module:
         return GatedMLP(config.hidden_size, config.intermediate_size, False, shard, dtype,
