@@ -12,6 +12,7 @@ from cluster.errors import UnsupportedModel
 from cluster.config import MODEL_IMPLS
 from worker.layers import Shard
 from worker.models.decoder import CausalLM
+from worker.models.deepseek_v3 import DeepseekV3
 from worker.models.gemma3 import Gemma3
 from worker.models.glm4_moe import Glm4Moe
 from worker.models.llama import Llama, Mistral, Qwen2
@@ -20,7 +21,7 @@ from worker.models.qwen3 import Qwen3
 from worker.models.qwen3_moe import Qwen3Moe
 
 FAMILIES: dict[str, type[CausalLM]] = {t: family for family in (Llama, Mistral, Qwen2, Qwen3, Qwen3Moe, Mixtral,
-                                                                 Glm4Moe, Gemma3)
+                                                                 Glm4Moe, Gemma3, DeepseekV3)
                                        for t in family.model_types}
 
 
