@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from cluster.errors import UnsupportedModel
 from worker.gated_mlp import mlp_names
 from worker.latent_attention import LATENT_ATTENTION_NAMES, LatentAttention
 from worker.layers import Shard
@@ -30,12 +29,6 @@ class DeepseekV3(Glm4Moe):
     names = (BASE_NAMES + LATENT_ATTENTION_NAMES + mlp_names("mlp")
              + ExpertNames(shared="shared_experts", correction=True).table())
     kv_values = False  # the latent rows are read as keys and as values
-
-    @classmethod
-    def check(cls, config: Any) -> None:
-        super().check(config)
-        if config.qk_rope_head_dim % 2:
-            raise UnsupportedModel(f"qk_rope_head_dim={config.qk_rope_head_dim} is odd: rotary pairs need it even")
 
     def make_attention(self, config: Any, shard: Shard, layer: int, window: int | None,
                        dtype: torch.dtype) -> nn.Module:
