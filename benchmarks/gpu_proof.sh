@@ -2,14 +2,14 @@
 # The one GPU command: install without replacing the machine's torch and transformers (no network: nothing but
 # wheels/ at the repository root), make a small model, check float32 parity / bfloat16 closeness / CUDA graphs
 # on against off against transformers on the same GPU, the same for a tiny MoE model (qwen3_moe: float32 parity,
-# CUDA graphs on = off, the grouped Triton expert kernel inside the graphs), measure one throughput pair beside transformers'
-# continuous batching, TP=2 and a weight push where two GPUs are visible, and print one summary table.
+# CUDA graphs on = off, the grouped Triton expert kernel inside the graphs) and a tiny MLA model (deepseek_v3: the
+# latent pages, absorbed attention), measure one throughput pair beside transformers' continuous batching, TP=2 and a weight push where two GPUs are visible, and print one summary table.
 #
 #   benchmarks/gpu_proof.sh [--out DIR]               on a GPU machine
 #   benchmarks/gpu_proof.sh --cpu-dry-run [--out DIR] the same entry points on the CPU, tiny and quick
 #
-# Time budget: 420 s (LIMIT_S), the sum of the step limits: install 40, make-model 40, parity 115, moe-parity 30,
-# throughput-tp1 95, throughput-tp2 60, weight-push-tp2 40; a step past its limit is killed and fails.
+# Time budget: 420 s (LIMIT_S), the sum of the step limits: install 40, make-model 40, parity 100, moe-parity 30,
+# mla-parity 30, throughput-tp1 80, throughput-tp2 60, weight-push-tp2 40; a step past its limit is killed and fails.
 # The weight push talks to a `lockstep serve` over ZeroMQ: it is skipped where pyzmq is missing (carry it:
 # benchmarks/gpu_wheels.sh). Python: $PYTHON, else `python`, else `python3`. docs/gpu.md says more.
 #
@@ -81,15 +81,19 @@ MODEL="$OUT/model-$SIZE"
 step make-model 40 "$PY" -m launch.cli make-model "$MODEL" --arch llama --size "$SIZE" --seed 0
 
 # 3. correctness on this device: float32 parity, bfloat16 closeness, graphs on vs off
-step parity 115 "$PY" benchmarks/gpu_parity.py --model "$MODEL" --device "$DEVICE" --json "$OUT/parity.json" \
+step parity 100 "$PY" benchmarks/gpu_parity.py --model "$MODEL" --device "$DEVICE" --json "$OUT/parity.json" \
   "${PARITY_ARGS[@]}"
 
 # 3b. a tiny MoE model (made here): float32 parity, graphs on = off (bfloat16 logprobs), no bursts
 step moe-parity 30 "$PY" benchmarks/gpu_parity.py --model "$OUT/model-moe-tiny" --make-arch qwen3_moe --label MoE \
   --no-bursts --device "$DEVICE" --json "$OUT/moe_parity.json" "${MOE_ARGS[@]}"
 
+# 3c. a tiny DeepSeek-V3 (made here): multi-head latent attention over latent-only pages, its MoE; as 3b
+step mla-parity 30 "$PY" benchmarks/gpu_parity.py --model "$OUT/model-mla-tiny" --make-arch deepseek_v3 --label MLA \
+  --no-bursts --device "$DEVICE" --json "$OUT/mla_parity.json" "${MOE_ARGS[@]}"
+
 # 4. one throughput pair beside transformers' continuous batching, same device and dtype
-step throughput-tp1 95 "$PY" benchmarks/throughput.py --model "$MODEL" --device "$DEVICE" --json "$OUT/tp1.json" \
+step throughput-tp1 80 "$PY" benchmarks/throughput.py --model "$MODEL" --device "$DEVICE" --json "$OUT/tp1.json" \
   "${BENCH_ARGS[@]}"
 
 # 5. TP=2 and a weight push (through `lockstep serve`, so pyzmq), where two GPUs are visible
