@@ -25,7 +25,7 @@ from worker.memory import tensor_bytes
 PLAIN_Q = {"q_lora_rank": None, "rope_interleave": False}  # q_proj instead of q_a/q_b; rotate-half rotary
 
 
-@pytest.mark.slow  # about 10 s on the shared 2 cores
+@pytest.mark.slow  # about 6 s on the shared 2 cores (the checkpoint made, transformers' tokens cached)
 def test_plain_q_variant_matches_transformers(make_checkpoint):
     """One batch that chunks its prefills (prompts longer than max_batch_tokens), shares prefixes (two families of
     two) and preempts (a cache of 24 pages), on the variant with q_proj and non-interleaved rotary."""
@@ -74,7 +74,9 @@ def test_pages_hold_the_latent_and_the_budget_counts_it(make_checkpoint):
 
 def test_multi_token_prediction_layers_are_skipped(make_checkpoint, tmp_path):
     """A checkpoint with an MTP module (layer num_hidden_layers: its own enorm, hnorm, eh_proj, shared head and a
-    whole decoder layer, as DeepSeek-V3 publishes layer 61) loads to exactly the weights of the one without it."""
+    whole decoder layer, as DeepSeek-V3 publishes layer 61) loads to exactly the weights of the one without it;
+    the model's state_dict() names exactly the base checkpoint's tensors (MLA's fused q_a/kv_a parts under their
+    own names), with their values."""
     base = make_checkpoint("deepseek_v3")
     with_mtp = tmp_path / "mtp"
     shutil.copytree(base, with_mtp)
@@ -91,6 +93,8 @@ def test_multi_token_prediction_layers_are_skipped(make_checkpoint, tmp_path):
     assert len(loaded.model.layers) == n
     for (name, a), (_, b) in zip(plain.model.named_parameters(), loaded.model.named_parameters()):
         assert torch.equal(a, b), name
+    state = loaded.state_dict()
+    assert set(state) == set(tensors) and all(torch.equal(state[name], t) for name, t in tensors.items())
 
 
 def test_deepseek_v3_refuses_by_name():
