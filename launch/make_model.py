@@ -64,8 +64,10 @@ ARCHS = {
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(SPREAD, tie_word_embeddings=True)),
 }
 # arch -> size -> the arch's own config fields at that size (over ARCHS'): qwen3_moe/small is the MoE benchmark
-# model, 8 experts top-2 of 256 rows on 7 of 8 layers, about 100M parameters (experts a third of them)
-ARCH_SIZES = {"qwen3_moe": {"small": dict(moe_intermediate_size=256)}}
+# model, 8 experts top-2 of 256 rows on 7 of 8 layers, about 100M parameters (experts a third of them); transformers'
+# MLA needs num_key_value_heads = num_attention_heads
+ARCH_SIZES = {"qwen3_moe": {"small": dict(moe_intermediate_size=256)},
+              "deepseek_v3": {"small": dict(num_key_value_heads=12)}}  # MLA: a KV head a head
 # MoE routers' weights are multiplied by this after transformers' initialisation: its default (std 0.02) gives
 # near-uniform router probabilities, where every token's top-k is decided by rounding; scaled, tokens differ
 ROUTER_SCALE = 10.0
