@@ -44,6 +44,24 @@ def test_plain_q_variant_matches_transformers(make_checkpoint):
     assert stats["prefix_hit_blocks"] > 0 and stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
 
 
+@pytest.mark.parametrize("q_lora_rank", [64, None])
+def test_attention_biases_as_transformers(q_lora_rank, make_checkpoint, tmp_path):
+    """`attention_bias`: biases on q_a_proj and kv_a_proj_with_mqa (one fused replicated product here) and on
+    o_proj, none on q_proj, q_b_proj, kv_b_proj; random (transformers initialises them to zeros), token-identical."""
+    model_dir = tmp_path / "biased"
+    shutil.copytree(make_checkpoint("deepseek_v3", attention_bias=True, q_lora_rank=q_lora_rank), model_dir)
+    tensors, gen = load_file(str(model_dir / "model.safetensors")), torch.Generator().manual_seed(0)
+    biases = sorted(n for n in tensors if n.endswith("proj.bias") or n.endswith("mqa.bias"))
+    assert {n.split(".")[-2] for n in biases} == {"kv_a_proj_with_mqa", "o_proj"} | (
+        {"q_a_proj"} if q_lora_rank else set())
+    for name in biases:
+        tensors[name] = torch.randn(tensors[name].shape, generator=gen) * 0.5
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    prompts = [[5, 9, 200, 1000, 17, 4] * 5, [7, 8, 9]]
+    out = cluster.load(model_dir).generate_batch(prompts, max_new_tokens=8)
+    assert [o.generated_tokens for o in out.values()] == hf_greedy(model_dir, prompts, 8)
+
+
 def test_pages_hold_the_latent_and_the_budget_counts_it(make_checkpoint):
     """One cached row a token and layer, [latent | rope key] (kv_lora_rank + qk_rope_head_dim = 48 floats), no
     value tensors: 768 bytes a token over the 4 layers where per-head K and V would take 5120; the runner's cache is
