@@ -2,7 +2,7 @@
 TP=1 scenario, offload, routing statistics, both expert layouts; tests/test_moe_parity.py: TP=2): the MLA variant
 without q_lora_rank and with rotary not interleaved, token-identical to transformers in one batch that chunks,
 shares prefixes and preempts; the pages hold the latent only, and the page budget counts that; a checkpoint's
-multi-token-prediction layers are skipped; what it refuses."""
+multi-token-prediction layers are skipped; what it refuses; attention biases.
 
 from __future__ import annotations
 
