@@ -2,17 +2,17 @@
 # The one GPU command: install without replacing the machine's torch and transformers (no network: nothing but
 # wheels/ at the repository root), make a small model, check float32 parity / bfloat16 closeness / CUDA graphs
 # on against off against transformers on the same GPU, the same for a tiny MoE model (qwen3_moe: float32 parity,
-# CUDA graphs on = off, the grouped Triton expert kernel inside the graphs) and a tiny sliding + sinks model (gpt_oss:
-# attention sinks in the paged kernels, windows on every other layer, its biased clamped experts), measure one
-# throughput pair beside transformers' continuous batching, TP=2 and a weight push where two GPUs are visible, and
-# print one summary table.
+# CUDA graphs on = off, the grouped Triton expert kernel inside the graphs), a tiny sliding + sinks model (gpt_oss:
+# attention sinks in the paged kernels, windows on every other layer, its biased clamped experts) and a tiny MLA
+# model (deepseek_v3: the latent pages, absorbed attention), measure one throughput pair beside transformers'
+# continuous batching, TP=2 and a weight push where two GPUs are visible, and print one summary table.
 #
 #   benchmarks/gpu_proof.sh [--out DIR]               on a GPU machine
 #   benchmarks/gpu_proof.sh --cpu-dry-run [--out DIR] the same entry points on the CPU, tiny and quick
 #
-# Time budget: 420 s (LIMIT_S), the sum of the step limits: install 40, make-model 40, parity 100, moe-parity 30,
-# sinks-parity 30, throughput-tp1 80, throughput-tp2 60, weight-push-tp2 40; a step past its limit is killed and
-# fails.
+# Time budget: 420 s (LIMIT_S), the sum of the step limits: install 40, make-model 30, parity 100, moe-parity 30,
+# sinks-parity 25, mla-parity 25, throughput-tp1 80, throughput-tp2 50, weight-push-tp2 40; a step past
+# its limit is killed and fails.
 # The weight push talks to a `lockstep serve` over ZeroMQ: it is skipped where pyzmq is missing (carry it:
 # benchmarks/gpu_wheels.sh). Python: $PYTHON, else `python`, else `python3`. docs/gpu.md says more.
 #
@@ -81,7 +81,7 @@ step install 40 "$PY" benchmarks/gpu_install.py --out "$OUT/install.json" $([ "$
 
 # 2. a small model, made here (no network)
 MODEL="$OUT/model-$SIZE"
-step make-model 40 "$PY" -m launch.cli make-model "$MODEL" --arch llama --size "$SIZE" --seed 0
+step make-model 30 "$PY" -m launch.cli make-model "$MODEL" --arch llama --size "$SIZE" --seed 0
 
 # 3. correctness on this device: float32 parity, bfloat16 closeness, graphs on vs off
 step parity 100 "$PY" benchmarks/gpu_parity.py --model "$MODEL" --device "$DEVICE" --json "$OUT/parity.json" \
@@ -93,8 +93,12 @@ step moe-parity 30 "$PY" benchmarks/gpu_parity.py --model "$OUT/model-moe-tiny" 
 
 # 3c. a tiny gpt-oss model (made here): sinks on every layer, a window on every other one (shorter than the long
 # prompts), biased clamped experts; float32 parity, graphs on = off, no bursts
-step sinks-parity 30 "$PY" benchmarks/gpu_parity.py --model "$OUT/model-gpt-oss-tiny" --make-arch gpt_oss \
+step sinks-parity 25 "$PY" benchmarks/gpu_parity.py --model "$OUT/model-gpt-oss-tiny" --make-arch gpt_oss \
   --label gpt-oss --no-bursts --device "$DEVICE" --json "$OUT/sinks_parity.json" "${MOE_ARGS[@]}"
+
+# 3c. a tiny DeepSeek-V3 (made here): multi-head latent attention over latent-only pages, its MoE; as 3b
+step mla-parity 25 "$PY" benchmarks/gpu_parity.py --model "$OUT/model-mla-tiny" --make-arch deepseek_v3 --label MLA \
+  --no-bursts --device "$DEVICE" --json "$OUT/mla_parity.json" "${MOE_ARGS[@]}"
 
 # 4. one throughput pair beside transformers' continuous batching, same device and dtype
 step throughput-tp1 80 "$PY" benchmarks/throughput.py --model "$MODEL" --device "$DEVICE" --json "$OUT/tp1.json" \
@@ -102,7 +106,7 @@ step throughput-tp1 80 "$PY" benchmarks/throughput.py --model "$MODEL" --device 
 
 # 5. TP=2 and a weight push (through `lockstep serve`, so pyzmq), where two GPUs are visible
 if [ "$NGPU" -ge 2 ]; then
-  step throughput-tp2 60 "$PY" -m torch.distributed.run --nproc-per-node 2 benchmarks/throughput.py \
+  step throughput-tp2 50 "$PY" -m torch.distributed.run --nproc-per-node 2 benchmarks/throughput.py \
     --model "$MODEL" --json "$OUT/tp2.json" --skip-transformers "${BENCH_ARGS[@]}"
   if "$PY" -c 'import zmq' 2>/dev/null; then
     step weight-push-tp2 40 "$PY" benchmarks/weight_update.py --model "$MODEL" --tp 2 --repeats 1

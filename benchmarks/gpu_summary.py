@@ -3,7 +3,8 @@
     python benchmarks/gpu_summary.py OUT [--min-ratio 1.5] [--limit-s 420] [--dry-run]
 
 Reads OUT/steps.tsv (step, exit status, seconds, note: written by the shell script), OUT/install.json,
-OUT/parity.json, OUT/moe_parity.json and OUT/sinks_parity.json (gpu_parity.py), OUT/tp1.json and OUT/tp2.json
+OUT/parity.json, OUT/moe_parity.json, OUT/sinks_parity.json and OUT/mla_parity.json (gpu_parity.py), OUT/tp1.json
+and OUT/tp2.json
 (throughput.py --json). Prints one table (check | result | verdict) and exits 1 if any check failed. In a dry run
 the throughput ratio is not judged (a CPU says nothing about a GPU's speed).
 """
@@ -71,7 +72,9 @@ def summary_rows(out: Path, min_ratio: float | None, limit_s: float) -> list[tup
         why = step["note"] or f"exit status {step['rc']}"
         rows.append((f"step {name}", why, None if step["rc"] == 200 else False))  # 200: skipped
     for file, what in (("parity.json", "parity checks"), ("moe_parity.json", "MoE parity checks"),
-                       ("sinks_parity.json", "gpt-oss (sliding + sinks) parity checks")):
+                       ("sinks_parity.json", "gpt-oss (sliding + sinks) parity checks"),
+
+                       ("mla_parity.json", "MLA parity checks")):
         parity = load(out / file)
         if parity is None:
             rows.append((what, "no result (see the step's log)", False))

@@ -34,6 +34,17 @@ ARCHS = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1, n_group=2,
         topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=True,
         partial_rotary_factor=0.5)),
+    # DeepSeek-V3: latent attention (q through a q_lora_rank of 64, a latent of 32 and a rope key of 16 cached a token;
+    # heads of 32 + 16 for q/k, 32 for v; every head its own KV head, as transformers' MLA needs), yarn with mscale
+    # (its softmax scale too), interleaved rotary; GLM-4.5's (DeepSeek's) MoE as above; initialised wider (SPREAD)
+    # so that attention is not near uniform
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        SPREAD, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, head_dim=16, rope_interleave=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
+                             beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.8),
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True)),
     # Gemma 3: six layers, five sliding to one full (the window: transformers' default unless --set), tied
     # embeddings; softmax scale query_pre_attn_scalar ** -0.5 = 0.5, not head_dim ** -0.5: with q and k normed,
     # transformers' default (256) leaves a tiny random model's attention near uniform and its outputs mostly
@@ -67,8 +78,10 @@ ARCHS = {
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(SPREAD, tie_word_embeddings=True)),
 }
 # arch -> size -> the arch's own config fields at that size (over ARCHS'): qwen3_moe/small is the MoE benchmark
-# model, 8 experts top-2 of 256 rows on 7 of 8 layers, about 100M parameters (experts a third of them)
-ARCH_SIZES = {"qwen3_moe": {"small": dict(moe_intermediate_size=256)}}
+# model, 8 experts top-2 of 256 rows on 7 of 8 layers, about 100M parameters (experts a third of them); transformers'
+# MLA needs num_key_value_heads = num_attention_heads
+ARCH_SIZES = {"qwen3_moe": {"small": dict(moe_intermediate_size=256)},
+              "deepseek_v3": {"small": dict(num_key_value_heads=12)}}  # MLA: a KV head a head
 # MoE routers' weights are multiplied by this after transformers' initialisation: its default (std 0.02) gives
 # near-uniform router probabilities, where every token's top-k is decided by rounding; scaled, tokens differ
 ROUTER_SCALE = 10.0

@@ -236,7 +236,7 @@ def test_proof_steps_fit_the_time_budget():
     script = (REPO / "benchmarks" / "gpu_proof.sh").read_text()
     limits = [int(x) for x in re.findall(r"^\s*step \S+ (\d+) ", script, re.M)]
     budget = int(re.search(r"^LIMIT_S=(\d+)", script, re.M).group(1))
-    assert len(limits) == 8 and sum(limits) == budget <= 420, (limits, budget)
+    assert len(limits) == 9 and sum(limits) == budget <= 420, (limits, budget)
     assert "--pairs 1 " in script
 
 
@@ -292,7 +292,7 @@ def test_transformers_config_built_through_the_field_it_has():
 @pytest.mark.slow
 def test_summary_fails_on_a_failed_check_or_a_slow_ratio(tmp_path):
     (tmp_path / "steps.tsv").write_text("parity\t0\t10.0\t\nthroughput-tp2\t200\t0\tskipped: one GPU\n")
-    for file in ("parity.json", "moe_parity.json", "sinks_parity.json"):
+    for file in ("parity.json", "moe_parity.json", "sinks_parity.json", "mla_parity.json"):
         (tmp_path / file).write_text(json.dumps([{"check": "float32 greedy parity", "result": "ok", "ok": True}]))
     run = [{"engine": "lockstep", "counts": [10] * 10, "wall": 1.0, "notes": []},
            {"engine": "transformers", "counts": [10] * 10, "wall": 1.2}]
@@ -319,7 +319,8 @@ def test_gpu_proof_cpu_dry_run(tmp_path):
     for check in ("install keeps torch and transformers", "float32 greedy parity vs transformers",
                   "bfloat16 closeness", "CUDA graphs on vs off", "multi-step decode", "throughput TP=1 vs transformers",
                   "MoE float32 greedy parity vs transformers", "MoE CUDA graphs on vs off",
-                  "gpt-oss float32 greedy parity vs transformers", "gpt-oss CUDA graphs on vs off", "total time"):
+                  "gpt-oss float32 greedy parity vs transformers", "gpt-oss CUDA graphs on vs off",
+                  "MLA float32 greedy parity vs transformers", "MLA CUDA graphs on vs off", "total time"):
         line = next((x for x in table.splitlines() if x.startswith(check)), "")
         assert " PASS " in line, (check, table)
     assert "skipped: CPU dry run" in table and "(limit 420 s)" in table
@@ -330,3 +331,5 @@ def test_gpu_proof_cpu_dry_run(tmp_path):
     assert [r["ok"] for r in moe[:3]] == [True, True, True] and not any("multi-step" in r["check"] for r in moe)
     sinks = json.loads((out / "sinks_parity.json").read_text())  # gpt-oss: the same three checks
     assert [r["ok"] for r in sinks[:3]] == [True, True, True] and sinks[0]["check"].startswith("gpt-oss ")
+    mla = json.loads((out / "mla_parity.json").read_text())  # the same three on the latent-attention model
+    assert [r["ok"] for r in mla[:3]] == [True, True, True] and mla[0]["check"].startswith("MLA ")

@@ -18,7 +18,7 @@ from worker.experts import ExpertPlacement, Experts
 from worker.layers import Shard
 
 # arch -> config overrides of its test checkpoint: Mixtral's window is shorter than most prompts
-MOE_CHECKPOINTS = {"qwen3_moe": {}, "mixtral": {"sliding_window": 48}, "glm4_moe": {}}
+MOE_CHECKPOINTS = {"qwen3_moe": {}, "mixtral": {"sliding_window": 48}, "glm4_moe": {}, "deepseek_v3": {}}
 MOE_ARCHS = list(MOE_CHECKPOINTS)
 # and gpt-oss (tests/test_gpt_oss.py), which routes as they do but has no per-expert tensor names (no layouts test,
 # no update sequence)
@@ -71,10 +71,12 @@ def test_routing_varies(arch, make_checkpoint):
 
 
 # the fast tier runs one scenario a family (prefix sharing: the shortest); the whole matrix is slow, as the dense one
-# is; and preemption with a host pool (`cpu_offload_space`: the preempted pages go to the host and come back) on one
-# family, four prompts of 128 to 255 tokens, which with their tokens overflow the scenario's 32 pages
+# is; and preemption with a host pool (`cpu_offload_space`: the preempted pages go to the host and come back) on two
+# families, GLM-4.5 and DeepSeek-V3 (whose pages, and so the host pool's, hold its latent only), four prompts of 128
+# to 255 tokens, which with their tokens overflow the scenario's 32 pages
 TP1_RUNS = [pytest.param(arch, scenario, slice(None), marks=() if scenario == "sharing" else pytest.mark.slow)
-            for arch in MOE_ARCHS for scenario in TP1_SCENARIOS] + [("glm4_moe", "offload", slice(8, 12))]
+            for arch in MOE_ARCHS for scenario in TP1_SCENARIOS] + [
+    (arch, "offload", slice(8, 12)) for arch in ("glm4_moe", "deepseek_v3")]
 
 
 @pytest.mark.parametrize("arch,scenario,which", TP1_RUNS)

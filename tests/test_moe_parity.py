@@ -24,7 +24,11 @@ from tests.workloads import SCENARIOS, prompts_for
 
 PLACEMENTS = ("tp", "ep")
 MODES = ("overlap",)  # the default; serial and multi-step decode run the same code for every family (test_parity)
-CASES = [(arch, placement) for arch in MOE_ARCHS for placement in PLACEMENTS]
+# DeepSeek-V3's experts are GLM-4.5's blocks (router, shared experts, placements): its expert-parallel case would run
+# nothing the GLM-4.5 one does not (its latent attention is the same under both placements), so the launch, whose
+# time CI counts, runs its tensor-parallel case only (expert-parallel was run once by hand: docs/models.md)
+CASES = [(arch, placement) for arch in MOE_ARCHS for placement in PLACEMENTS
+         if not (arch == "deepseek_v3" and placement == "ep")]
 # gpt-oss: two scenarios, both chunking their prefills at 128 tokens, one sharing prefixes, one preempting
 SINK_CASES = [("gpt_oss", placement) for placement in PLACEMENTS]
 CHECKPOINTS = MOE_CHECKPOINTS | {"gpt_oss": GPT_OSS}

@@ -168,6 +168,41 @@ def run_paths(plan: StepPlan, window: int | None = None, sinks: torch.Tensor | N
     return outs
 
 
+def run_latent_paths(plan: StepPlan) -> dict[str, torch.Tensor]:
+    """The MLA layer (worker/latent_attention.py: 4 heads, latent 24 + rope 8 in one cached row, absorbed weights)
+    on each path for `plan`: [real tokens, hidden] outputs, each path writing its latent rows into its copy of one
+    cache (unwritten slots NaN) and reading them as keys and as values through the block tables."""
+    from worker.latent_attention import LatentAttention
+    from worker.layers import Shard
+    from worker.rope import RotaryTable
+    from worker.step_inputs import StaticBuffers, prepare_step
+
+    config = types.SimpleNamespace(num_attention_heads=4, hidden_size=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                   v_head_dim=12, kv_lora_rank=24, q_lora_rank=20, rope_interleave=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                   max_position_embeddings=128, num_hidden_layers=1)
+    gen = torch.Generator().manual_seed(5)
+    layer = LatentAttention(config, Shard(), torch.float32)
+    for param in layer.parameters():
+        param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    rope = RotaryTable(config, 8, 128, torch.device("cpu"))
+    cache = torch.full((65 * PAGE, 1, 32), float("nan"))
+    cache[64 * PAGE:] = 0.0
+    for row, kv in enumerate(plan.kv_lens - plan.q_lens):
+        for j in range(kv):
+            cache[plan.block_tables[row, j // PAGE] * PAGE + j % PAGE] = torch.randn(1, 32, generator=gen)
+    x = torch.randn(64, 32, generator=gen)
+    outs = {}
+    for rc in rcs():
+        ids, meta, _ = prepare_step(rc, StaticBuffers(rc, torch.device("cpu")), plan, scratch_block=64)
+        k = cache.clone()
+        real = meta.slot_mapping != 64 * PAGE
+        out = layer(x[:ids.shape[0]], meta, rope.at(meta.positions, torch.float32), {}, k, k)
+        outs[rc.attention] = out[real]
+    return outs
+
+
+
 def jobs() -> dict[str, tuple[str, tuple, dict]]:
     """Every kernel run of this module: name -> (what, its arguments, its keyword arguments)."""
     found = {f"decode{i}": ("decode", decode_inputs(*case), {}) for i, case in enumerate(CASES)}
@@ -178,7 +213,8 @@ def jobs() -> dict[str, tuple[str, tuple, dict]]:
     terms = term_args((None, HQ), True, 2.0)
     return found | {"mixed": ("paths", (MIXED,), {}), "mixed_window": ("paths", (MIXED, 6), {}),
                     "burst": ("paths", (BURST,), {}), "mixed_terms": ("paths", (MIXED, 6), terms),
-                    "burst_terms": ("paths", (BURST,), terms)}
+                    "burst_terms": ("paths", (BURST,), terms),
+                    "latent": ("latent", (MIXED,), {})}
 
 
 def run_jobs(folder: str) -> None:
@@ -188,7 +224,7 @@ def run_jobs(folder: str) -> None:
 
     assert kernels.INTERPRETED
     todo = torch.load(Path(folder) / "jobs.pt", weights_only=False)
-    run = {"decode": kernels.decode, "prefill": kernels.prefill, "paths": run_paths}
+    run = {"decode": kernels.decode, "prefill": kernels.prefill, "paths": run_paths, "latent": run_latent_paths}
     torch.save({name: run[what](*args, **kw) for name, (what, args, kw) in todo.items()}, Path(folder) / "out.pt")
 
 
@@ -280,6 +316,17 @@ def test_triton_path_matches_sdpa_path_with_score_terms(results, name):
     torch.testing.assert_close(outs["triton_paged"], outs["paged_sdpa"], rtol=2e-5, atol=2e-5)
     plain = results[name.removesuffix("_terms").replace("mixed", "mixed_window")]
     assert (outs["paged_sdpa"] - plain["paged_sdpa"]).abs().max() > 1e-3  # the terms change the outputs
+
+
+@pytest.mark.slow
+def test_latent_attention_on_the_triton_path_matches_sdpa(results):
+    """MLA over its latent rows as one KV head of width kv_lora_rank + qk_rope_head_dim (keys and values the same
+    cache tensor, the output's rope columns dropped), through the Triton kernel and through the paged SDPA path, for
+    a mixed step (three decode rows padded to four, a fresh prompt, a chunk continuing its context): the same
+    layer outputs. worker/flash.py takes the same arguments as the Triton kernel (docs/models.md)."""
+    outs = results["latent"]
+    assert outs["triton_paged"].isfinite().all() and outs["triton_paged"].shape == (3 + 20 + 9, 32)
+    torch.testing.assert_close(outs["triton_paged"], outs["paged_sdpa"], rtol=2e-5, atol=2e-5)
 
 
 def test_paged_kernels_need_no_gather_workspace():

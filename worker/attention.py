@@ -154,8 +154,10 @@ def _gather(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,
             bias: torch.Tensor, scale: float, terms: ScoreTerms) -> torch.Tensor:
-    """One chunk: q [B, Q, Hq, D], kv_slots [B, L], bias (additive) broadcastable to [B, 1, Q, L] -> [B, Q, Hq, D]."""
-    return _sdpa(q, _gather(k_cache, kv_slots), _gather(v_cache, kv_slots), bias, scale, terms)
+    """One chunk: q [B, Q, Hq, D], kv_slots [B, L], bias (additive) broadcastable to [B, 1, Q, L] -> [B, Q, Hq, D].
+    A cache read as keys and as values (MLA's latent: v_cache is k_cache) is gathered once."""
+    keys = _gather(k_cache, kv_slots)
+    return _sdpa(q, keys, keys if v_cache is k_cache else _gather(v_cache, kv_slots), bias, scale, terms)
 
 
 def _explicit(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
@@ -216,12 +218,11 @@ def _decode_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         n = min(rb, rows - r)
         tail = meta.dec_tail[at[r]:at[r + n]] - r * length  # this chunk's positions past its rows' lengths
         kv = []
-        for cache in (k_cache, v_cache):
+        for cache in (k_cache,) if v_cache is k_cache else (k_cache, v_cache):  # MLA's latent: gathered once
             x = cache.view(-1, unit, hkv, d).index_select(0, units[r:r + n].reshape(-1)).view(n, length, hkv, d)
             x.view(n * length, hkv * d).index_fill_(0, tail, 0.0)
             kv.append(x.transpose(1, 2))
-        outs.append(_sdpa(q[r:r + n].unsqueeze(1), kv[0], kv[1], bias[r:r + n], scale,
-                          terms).squeeze(1))
+        outs.append(_sdpa(q[r:r + n].unsqueeze(1), kv[0], kv[-1], bias[r:r + n], scale, terms).squeeze(1))
     if bd > rows:
         outs.append(q.new_zeros(bd - rows, hq, d))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

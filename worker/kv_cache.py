@@ -11,20 +11,31 @@ from cluster.errors import LockstepError
 from worker.kv_offload import HostKVPool
 
 
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of one token across all layers of this rank's shard."""
-    return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       values: bool = True) -> int:
+    """K and V of one token across all layers of this rank's shard; `values` False: one tensor a layer, read as
+    keys and as values (MLA's latent, worker/latent_attention.py), so half as many bytes a head and dim."""
+    return (2 if values else 1) * num_layers * kv_heads * head_dim * dtype.itemsize
 
 
 class KVCache:
+    """`k` and `v`: one tensor a layer each, [slots + 1 page, kv_heads, head_dim]. Without values (`values`
+    False: MLA's compressed latent, which attention reads as keys and as values) `v` is `k`, the same tensors:
+    every path that takes (k_cache, v_cache) reads the one tensor twice, and `tensors()` lists it once."""
+
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0):
+                 dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0, values: bool = True):
         """`num_host_blocks`: pages of the host pool preempted requests' KV is swapped to (0: none)."""
         self.page_size, self.scratch_block, self.scratch_slot = page_size, num_blocks, num_blocks * page_size
         shape = ((num_blocks + 1) * page_size, kv_heads, head_dim)
-        self.k, self.v = ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)] for _ in "kv")
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)] if values else self.k
         self.host = (HostKVPool(num_layers, num_host_blocks, page_size, kv_heads, head_dim, dtype,
-                                pin=device.type == "cuda") if num_host_blocks else None)
+                                pin=device.type == "cuda", values=values) if num_host_blocks else None)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every distinct cache tensor (keys, then values where they are cached apart)."""
+        return self.k if self.v is self.k else self.k + self.v
 
     def apply_swaps(self, swap_out: np.ndarray, swap_in: np.ndarray, page_copies: np.ndarray | None = None) -> None:
         """Do a plan's page copies before its forward: swap-outs, then device page copies (`page_copies`: [c, 2]
@@ -37,14 +48,14 @@ class KVCache:
         if (swap_out.size or swap_in.size) and self.host is None:
             raise LockstepError("the plan swaps KV pages but this rank has no host pool (cpu_offload_space)")
         if not copies:
-            self.host.swap(self.k, self.v, self.page_size, swap_out, swap_in)
+            self.host.swap(self.tensors(), self.page_size, swap_out, swap_in)
             return
         none = np.zeros((0, 2), np.int32)
         if swap_out.size:
-            self.host.swap(self.k, self.v, self.page_size, swap_out, none)
-        copy_pages(self.k + self.v, self.page_size, page_copies)
+            self.host.swap(self.tensors(), self.page_size, swap_out, none)
+        copy_pages(self.tensors(), self.page_size, page_copies)
         if swap_in.size:
-            self.host.swap(self.k, self.v, self.page_size, none, swap_in)
+            self.host.swap(self.tensors(), self.page_size, none, swap_in)
 
 
 def copy_pages(layers: list[torch.Tensor], page_size: int, pairs: np.ndarray) -> None:

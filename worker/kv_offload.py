@@ -30,18 +30,22 @@ def runs(pairs: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 class HostKVPool:
+    """Host slots for the device cache's tensors, one a tensor (`values` False: the keys' only, as the device cache
+    holds them: MLA's latent, worker/kv_cache.py)."""
+
     def __init__(self, num_layers: int, num_slots: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, pin: bool):
+                 dtype: torch.dtype, pin: bool, values: bool = True):
         shape = (num_slots, page_size, kv_heads, head_dim)
-        self.k, self.v = ([torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)] for _ in "kv")
+        self.tensors = [torch.zeros(shape, dtype=dtype, pin_memory=pin)
+                        for _ in range(num_layers * (2 if values else 1))]
         self.pinned = pin
 
-    def swap(self, device_k: list[torch.Tensor], device_v: list[torch.Tensor], page_size: int,
-             swap_out: np.ndarray, swap_in: np.ndarray) -> None:
+    def swap(self, device: list[torch.Tensor], page_size: int, swap_out: np.ndarray, swap_in: np.ndarray) -> None:
         """Copy device pages -> host slots (`swap_out`: [n, 2] (page, slot)), then host slots -> device pages
-        (`swap_in`: [m, 2] (slot, page)), layer by layer. Every rank calls it with the same plan (no collective)."""
+        (`swap_in`: [m, 2] (slot, page)), tensor by tensor (`device`: the cache's `tensors()`). Every rank calls
+        it with the same plan (no collective)."""
         out_runs, in_runs = runs(swap_out), runs(swap_in)
-        for dev, host in zip(device_k + device_v, self.k + self.v):
+        for dev, host in zip(device, self.tensors, strict=True):
             pages = dev.view(-1, page_size, *dev.shape[1:])
             for page, slot, n in out_runs:
                 host[slot:slot + n].copy_(pages[page:page + n], non_blocking=self.pinned)

@@ -132,7 +132,7 @@ class RankMemory:
         if graphs is not None and any(t not in self.released for t in call.tags):
             graphs.drop_all()
         if KV_CACHE in call.tags and self.kv is None:
-            self.kv = [Released(s, s.nbytes()) for s in storages(self.runner.cache.k + self.runner.cache.v)]
+            self.kv = [Released(s, s.nbytes()) for s in storages(self.runner.cache.tensors())]
             freed[KV_CACHE] = self._free(self.kv)
         if WEIGHTS in call.tags and self.weights is None:
             model = self.runner.model

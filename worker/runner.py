@@ -41,7 +41,7 @@ class ModelRunner:
         where rc.use_cuda_graph asks for decode graphs on a CUDA device, none otherwise."""
         self.model, self.rc, self.device = model, rc, device
         self.cache = KVCache(model.config.num_hidden_layers, rc.num_blocks, rc.page_size, kv_heads, head_dim,
-                             dtype, device, rc.num_host_blocks)
+                             dtype, device, rc.num_host_blocks, values=model.kv_values)
         self.buffers = StaticBuffers(rc, device)
         self.forwards = ForwardFn(model, rc)  # the model, or its compiled decode/varlen forwards
         # an eager float32 CPU forward: the decode group gathers its keys by runs of slots, not slot by slot

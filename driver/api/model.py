@@ -107,7 +107,7 @@ class ClusterModel:
             return runner, rc, self._control_groups(cb)
         idle = None  # released below (CUDA) or when nothing refers to it any more
         q_heads, kv_heads, d = self.model.kv_layout()
-        per_token = kv_bytes_per_token(self.config.num_hidden_layers, kv_heads, d, self.dtype)
+        per_token = kv_bytes_per_token(self.config.num_hidden_layers, kv_heads, d, self.dtype, self.model.kv_values)
         cuda = self.device.type == "cuda"
         rc = resolve_config(cb, device_kind=self.device.type, max_model_len=self.max_model_len,
                             kv_bytes_per_token=per_token, free_bytes=None if cuda else host_memory()[0] or None,
@@ -129,7 +129,7 @@ class ClusterModel:
         runner = ModelRunner(self.model, rc, kv_heads, d, self.dtype, self.device,
                              graph_factory=self.graph_factory() if self.graph_factory else None)
         if cuda:
-            CACHE_LEDGER.hold(runner.cache, self.device, self.model, tensor_bytes(runner.cache.k + runner.cache.v))
+            CACHE_LEDGER.hold(runner.cache, self.device, self.model, tensor_bytes(runner.cache.tensors()))
         return runner, rc, groups
 
     def _control_groups(self, cb: ContinuousBatchingConfig) -> Groups:

@@ -13,6 +13,7 @@ from cluster.config import MODEL_IMPLS
 from worker.layers import Shard
 from worker.models.decoder import CausalLM
 from worker.models.gemma2 import Gemma2
+from worker.models.deepseek_v3 import DeepseekV3
 from worker.models.gemma3 import Gemma3
 from worker.models.glm4_moe import Glm4Moe
 from worker.models.gpt_oss import GptOss
@@ -22,7 +23,7 @@ from worker.models.qwen3 import Qwen3
 from worker.models.qwen3_moe import Qwen3Moe
 
 FAMILIES: dict[str, type[CausalLM]] = {t: family for family in (Llama, Mistral, Qwen2, Qwen3, Qwen3Moe, Mixtral,
-                                                                 Glm4Moe, Gemma3, Gemma2, GptOss)
+                                                                 Glm4Moe, Gemma3, Gemma2, GptOss, DeepseekV3)
                                        for t in family.model_types}
 
 

@@ -54,6 +54,8 @@ class CausalLM(nn.Module):
     norm_class: ClassVar[type[RMSNorm]] = RMSNorm  # the layers' and the final norm's form
     impl: ClassVar[str] = "native"  # which path serves the model: "native" (a family) or "generic" (worker/generic/)
     embed_name: ClassVar[str] = "model.embed_tokens.weight"  # the embedding's checkpoint name (a tied head's too)
+    # whether the KV pages cache values apart from keys; False: one tensor a layer read as both (MLA's latent)
+    kv_values: ClassVar[bool] = True
 
     def __init__(self, config: Any, shard: Shard, dtype: torch.dtype, device: torch.device,
                  expert_parallel: bool = False):
