@@ -182,7 +182,8 @@ class ContinuousBatchingManager:
                 "num_host_blocks": e.scheduler.host.num_slots, **e.scheduler.offload_stats(),
                 "prompt_tokens_computed": e.num_prompt_tokens, **asdict(e.scheduler.forks.stats),
                 "cuda_graphs": dict(self.runner.graph_stats), "attention": self.effective_config.attention,
-                "model_impl": self.runner.model.impl, **self.routing_stats()}
+                "model_impl": self.runner.model.impl, **self.routing_stats(),
+                **(e.spec.stats.as_dict() if e.spec else {})}
 
     def routing_stats(self) -> dict[str, Any]:
         """A MoE model's `experts_routed`: MoE layer -> real tokens routed to each expert since the model was
@@ -195,21 +196,22 @@ class ContinuousBatchingManager:
                     streaming: bool = False, record_timestamps: bool = False,
                     eos_token_id: int | list[int] | None = None, priority: int = 0, top_logprobs: int = 0,
                     max_weight_lag: int | None = None, stale_policy: str | None = None,
-                    prompt_logprobs: int | None = None, logprobs_mode: str | None = None,
+                    prompt_logprobs: int | None = None, logprobs_mode: str | None = None, speculative: bool = True,
                     **logit_processor_kwargs: Any) -> str | None:
         """Queue a request; its id on the driver, None on other ranks (a no-op there). `priority`: lower numbers are
         scheduled first (vLLM's meaning; FCFS within one; docs/architecture.md, "Fair scheduling"). `top_logprobs`
         (1..20): each output's `top_logprobs` holds every token's most probable (token, logprob) pairs.
         `max_weight_lag`, `stale_policy`: its staleness bound (None: the config's; docs/weights.md, "Staleness").
         `prompt_logprobs` (vLLM's; 0..20): each output's `prompt_logprobs` and `prompt_top_logprobs`.
-        `logprobs_mode` (vLLM's; None: the config's): what its logprobs report (driver/engine/logprobs_mode.py)."""
+        `logprobs_mode` (vLLM's; None: the config's): what its logprobs report (driver/engine/logprobs_mode.py).
+        `speculative=False`: it never speculates, even when the config's `speculative` is set (docs/speculative.md)."""
         if not self.is_driver:
             return None
         return self.submit(self.build_request(input_ids, request_id, max_new_tokens, streaming, record_timestamps,
                                               eos_token_id, priority=priority, top_logprobs=top_logprobs,
                                               max_weight_lag=max_weight_lag, stale_policy=stale_policy,
                                               prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode,
-                                              **logit_processor_kwargs))
+                                              speculative=speculative, **logit_processor_kwargs))
 
     def build_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                       streaming: bool = False, record_timestamps: bool = False,
@@ -217,7 +219,7 @@ class ContinuousBatchingManager:
                       resume_tokens: list[int] | None = None, resume_versions: list[tuple[int, int]] | None = None,
                       resumes: int = 0, priority: int = 0, top_logprobs: int = 0, max_weight_lag: int | None = None,
                       stale_policy: str | None = None, num_return_sequences: int | None = None,
-                      prompt_logprobs: int | None = None, logprobs_mode: str | None = None,
+                      prompt_logprobs: int | None = None, logprobs_mode: str | None = None, speculative: bool = True,
                       **logit_processor_kwargs: Any) -> Request:
         """A validated request, not yet queued (RequestRejected, with its code, if it cannot be served).
         `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire).
@@ -233,7 +235,7 @@ class ContinuousBatchingManager:
             self, input_ids, i, max_new_tokens, streaming, record_timestamps, eos_token_id, logit_processor_kwargs,
             strict_processors=strict_processors, resume_tokens=resume_tokens, resume_versions=resume_versions,
             resumes=resumes, priority=priority, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
-            logprobs_mode=logprobs_mode),
+            logprobs_mode=logprobs_mode, speculative=speculative),
             max_weight_lag, stale_policy, self.config))
 
     def submit(self, req: Request, sink: Callable[[GenerationOutput], None] | None = None) -> str:

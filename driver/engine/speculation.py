@@ -1,0 +1,142 @@
+"""Speculative decoding on rank 0 (docs/speculative.md): a speculating decode row carries its last token and up to k
+proposed tokens into one forward; the target's choice at each of those 1 + k positions comes back (the plan's
+SCORE_ALL flag, as prompt logprobs do) and decides how many proposals stand.
+
+Acceptance: position i's choice is exactly the token plain decoding would draw there, given the row's tokens so far
+and proposals 0..i-1: the sampler's `pick` at token index + i (greedy: the argmax; sampling: the argmax of the
+processed logits plus the request's counter-based Gumbel noise, driver/engine/counter_noise.py). The longest
+prefix of proposals equal to the choices is accepted, and the choice after it (the bonus, or the correction at
+the first mismatch) is appended too. For a deterministic proposal x that is rejection sampling: x stands with
+probability p_target(x), and on rejection the token is drawn from p_target with x removed, renormalised. Being
+the same draw as plain decoding's, the output is token for token the non-speculative one, greedy or seeded.
+
+Workers see nothing of this but the plan: a longer query for the row, its logits returned. The rejected positions'
+K/V stay in the row's pages past its context; the row's count of computed tokens goes back to its tokens less one,
+so the next plan's context length excludes them and its forward overwrites them; pages past the row's tokens
+are freed here (BlockManager.trim)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cluster.speculative import SpeculativeConfig
+from driver.engine.block_manager import BlockManager
+from driver.engine.ngram import propose
+from driver.engine.persistent_batch import PersistentBatch
+from driver.engine.request import Request
+from driver.engine.sampler import Draw, host_draws, pick, sample_row, to_host
+
+
+@dataclass
+class SpecStats:
+    """vLLM's spec-decode counters: drafts (rows that carried proposals into a forward), draft tokens, accepted
+    tokens, and accepted tokens by their position in the draft."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """`stats()`'s keys: the counters and the mean accept length (tokens a speculating row gains a forward:
+        1 + accepted / drafts, vLLM's "mean acceptance length")."""
+        mean = 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+        return {"spec_drafts": self.drafts, "spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_tokens": self.accepted_tokens, "spec_accepted_per_pos": list(self.accepted_per_pos),
+                "spec_mean_accept_length": mean}
+
+
+class Speculator:
+    """Proposals for a step's decode rows (`draft`) and their verification (`verify`), rank 0 only."""
+
+    def __init__(self, config: SpeculativeConfig, seed: int | None):
+        self.config, self.seed = config, seed
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    @staticmethod
+    def eligible(req: Request) -> bool:
+        """Whether the request speculates: it did not opt out, and its sampling reads no token history (penalties,
+        generation options and structured outputs change each position's distribution with the tokens before it:
+        those requests decode one token a forward)."""
+        return req.speculative and not req.sampling.needs_history
+
+    def wants_host_tokens(self, running: list[Request]) -> bool:
+        """Whether a running request could speculate: proposals need every earlier token on the host, so the
+        engine collects an overlapped step in flight before it schedules."""
+        return any(map(self.eligible, running))
+
+    def draft(self, reqs: list[Request], num_tokens: list[int], rows: PersistentBatch, blocks: BlockManager,
+              budget: int, keep_free: int) -> dict[Request, np.ndarray]:
+        """Give the batch's one-token decode rows whose last token is on the host their proposals: each row's query
+        grows by them (`num_tokens`, in place) within the step's token `budget` left, its pages allocated for them
+        (a row whose pages are short decodes plainly). Returns each speculating request's proposals."""
+        drafts: dict[Request, np.ndarray] = {}
+        c = self.config
+        for i, req in enumerate(reqs):
+            if num_tokens[i] != 1 or budget <= 0 or not self.eligible(req):
+                continue
+            slot, known = req.slot, req.num_tokens
+            if rows.pending[slot] or rows.computed[slot] != known - 1:
+                continue
+            k = min(c.num_speculative_tokens, int(rows.limit[slot]) - known - 1, budget)  # room for the bonus
+            if k < 1:
+                continue
+            proposal = propose(np.asarray(req.prompt_ids + req.generated, np.int64), k, c.prompt_lookup_min,
+                               c.prompt_lookup_max)
+            if not proposal.size or not blocks.allocate(req, known + proposal.size, keep_free=keep_free):
+                continue
+            num_tokens[i] += proposal.size
+            budget -= proposal.size
+            drafts[req] = proposal
+        return drafts
+
+    def verify(self, logits: torch.Tensor, reqs: list[Request],
+               drafts: dict[Request, np.ndarray]) -> list[list[Draw]]:
+        """Each speculating request's draws, in order: the target's choice at each position up to and including
+        the first that differs from its proposal (or the bonus after the last), ending early at a position whose
+        draw failed. `logits` [sum of 1 + proposals, vocab]: every position of each request's row, in row order.
+        Counts the drafts."""
+        sizes = [1 + len(drafts[r]) for r in reqs]
+        rows = [sample_row(r, self.seed) for r in reqs]
+        per_pos = [rows[j] for j, n in enumerate(sizes) for _ in range(n)]
+        index = [r.token_index + i for r, n in zip(reqs, sizes) for i in range(n)]
+        try:
+            host, event, top = to_host(pick(logits, per_pos, index=index))
+            if event is not None:
+                event.synchronize()
+            draws = host_draws(host, per_pos, top)
+        except Exception as e:  # noqa: BLE001  (it belongs to these requests alone: each fails at its first position)
+            draws = [Draw(None, None, e)] * len(per_pos)
+        out, first = [], 0
+        for req, n in zip(reqs, sizes):
+            proposal, mine = drafts[req].tolist(), draws[first:first + n]
+            first += n
+            taken = 0
+            while taken < len(proposal) and mine[taken].error is None and mine[taken].token == proposal[taken]:
+                taken += 1
+            self._count(len(proposal), taken)
+            out.append(mine[:taken + 1])
+        return out
+
+    def _count(self, proposed: int, accepted: int) -> None:
+        s = self.stats
+        s.drafts += 1
+        s.draft_tokens += proposed
+        s.accepted_tokens += accepted
+        for p in range(accepted):
+            s.accepted_per_pos[p] += 1
+
+
+def split_scored(logits: torch.Tensor, q_lens: np.ndarray, speculating: np.ndarray) -> tuple[torch.Tensor,
+                                                                                            torch.Tensor]:
+    """The scored rows' logits (every position of each, in row order; `q_lens` theirs) split into the prompt-scoring
+    rows' and the speculating rows' (`speculating`: per scored row)."""
+    owner = np.repeat(speculating, q_lens)
+    if owner.all() or not owner.any():
+        empty = logits[:0]
+        return (empty, logits) if owner.all() else (logits, empty)
+    pick_rows = lambda m: logits.index_select(0, torch.as_tensor(np.flatnonzero(m), device=logits.device))  # noqa
+    return pick_rows(~owner), pick_rows(owner)
