@@ -13,10 +13,17 @@ the same draw as plain decoding's, the output is token for token the non-specula
 Workers see nothing of this but the plan: a longer query for the row, its logits returned. The rejected positions'
 K/V stay in the row's pages past its context; the row's count of computed tokens goes back to its tokens less one,
 so the next plan's context length excludes them and its forward overwrites them; pages past the row's tokens
-are freed here (BlockManager.trim)."""
+are freed here (BlockManager.trim).
+
+Back-off: a request whose draft had no proposal accepted, or that found no proposal, proposes again only after
+1, 2, 4 ... up to MAX_BACKOFF of its decode steps (an accepted proposal resets it). Where proposals do not hit (random
+text) the proposer is then mostly off: its host search and the longer, serial verifying step are paid about once
+every MAX_BACKOFF steps, and the steps between run as plain decode steps (overlapped and in bursts where the config
+asks)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +35,8 @@ from driver.engine.ngram import propose
 from driver.engine.persistent_batch import PersistentBatch
 from driver.engine.request import Request
 from driver.engine.sampler import Draw, host_draws, pick, sample_row, to_host
+
+MAX_BACKOFF = 16  # the most decode steps a request whose proposals miss waits before it proposes again
 
 
 @dataclass
@@ -55,6 +64,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, seed: int | None):
         self.config, self.seed = config, seed
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        # a request -> (its misses in a row, decode steps left before it proposes again)
+        self.backoff: weakref.WeakKeyDictionary[Request, tuple[int, int]] = weakref.WeakKeyDictionary()
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -66,7 +77,12 @@ class Speculator:
     def wants_host_tokens(self, running: list[Request]) -> bool:
         """Whether a running request could speculate: proposals need every earlier token on the host, so the
         engine collects an overlapped step in flight before it schedules."""
-        return any(map(self.eligible, running))
+        return any(self.eligible(r) and not self.backoff.get(r, (0, 0))[1] for r in running)
+
+    def _miss(self, req: Request) -> None:
+        """No proposal, or none accepted: wait twice as many decode steps as last time (at most MAX_BACKOFF)."""
+        streak = self.backoff.get(req, (0, 0))[0]
+        self.backoff[req] = (streak + 1, min(1 << streak, MAX_BACKOFF))
 
     def draft(self, reqs: list[Request], num_tokens: list[int], rows: PersistentBatch, blocks: BlockManager,
               budget: int, keep_free: int) -> dict[Request, np.ndarray]:
@@ -78,6 +94,10 @@ class Speculator:
         for i, req in enumerate(reqs):
             if num_tokens[i] != 1 or budget <= 0 or not self.eligible(req):
                 continue
+            streak, wait = self.backoff.get(req, (0, 0))
+            if wait:  # backing off: one decode step fewer to wait
+                self.backoff[req] = (streak, wait - 1)
+                continue
             slot, known = req.slot, req.num_tokens
             if rows.pending[slot] or rows.computed[slot] != known - 1:
                 continue
@@ -86,7 +106,10 @@ class Speculator:
                 continue
             proposal = propose(np.asarray(req.prompt_ids + req.generated, np.int64), k, c.prompt_lookup_min,
                                c.prompt_lookup_max)
-            if not proposal.size or not blocks.allocate(req, known + proposal.size, keep_free=keep_free):
+            if not proposal.size:
+                self._miss(req)
+                continue
+            if not blocks.allocate(req, known + proposal.size, keep_free=keep_free):
                 continue
             num_tokens[i] += proposal.size
             budget -= proposal.size
@@ -118,6 +141,10 @@ class Speculator:
             while taken < len(proposal) and mine[taken].error is None and mine[taken].token == proposal[taken]:
                 taken += 1
             self._count(len(proposal), taken)
+            if taken:
+                self.backoff.pop(req, None)
+            else:
+                self._miss(req)
             out.append(mine[:taken + 1])
         return out
 
