@@ -92,6 +92,44 @@ def test_trim_frees_the_pages_past_the_tokens():
     assert len(req.block_ids) == 2
 
 
+def test_a_request_whose_proposals_miss_backs_off():
+    """No proposal (or none accepted) makes a request wait 1, 2, 4 ... decode steps before it proposes again; while
+    it waits the engine need not collect an overlapped step first."""
+    from driver.engine.persistent_batch import PersistentBatch
+
+    rows, blocks = PersistentBatch(64), BlockManager(16, 4, allow_sharing=False)
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=2), seed=None)
+    req = Request("r", [1, 2, 3, 4], 20)  # no token repeats: no proposal
+    rows.join(req)
+    req.num_computed = req.num_tokens - 1
+    proposed = []
+    for step in range(8):
+        n = [1]
+        proposed.append(bool(spec.draft([req], n, rows, blocks, budget=64, keep_free=0)))
+        assert n == [1] and spec.wants_host_tokens([req]) == (step in (1, 4))  # it proposes at steps 0, 2, 5
+        req.generated.append(10 + step)  # plain decoding appends a fresh token; the row stays one behind
+        req.num_computed = req.num_tokens - 1
+    assert spec.backoff[req][0] == 3 and proposed == [False] * 8
+    req.generated.append(req.generated[-1])  # now "x x": "x" came before
+    req.num_computed = req.num_tokens - 1
+    spec.backoff[req] = (3, 0)
+    n = [1]
+    assert spec.draft([req], n, rows, blocks, budget=64, keep_free=0)[req].tolist() == [17, 17] and n == [3]
+    assert len(req.block_ids) == blocks.blocks_for(req.num_tokens + 2)  # pages for the proposals
+    req.speculative = False
+    assert not spec.wants_host_tokens([req])
+
+
+def test_the_wire_carries_the_switch():
+    from cluster.protocol import ProtocolError, parse_submit
+
+    assert parse_submit({"input_ids": [1, 2]}).speculative is True
+    assert parse_submit({"input_ids": [1, 2], "speculative": False}).speculative is False
+    with pytest.raises(ProtocolError) as e:
+        parse_submit({"input_ids": [1, 2], "speculative": 0})
+    assert e.value.code == Code.BAD_FIELD and "speculative" in str(e.value)
+
+
 # ---------------------------------------------------------------- greedy: exact
 @pytest.mark.parametrize("scenario", ["chunked", "sharing", "preempt"])
 def test_greedy_equals_plain_decoding_and_transformers(model, model_dir, scenario):
