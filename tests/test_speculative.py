@@ -194,6 +194,27 @@ def test_logprobs_of_every_accepted_token_and_the_opt_out(model):
         assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
 
 
+def test_pauses_keep_and_retract_change_nothing(model):
+    """Pauses of mode keep (frozen with their KV) and retract (KV freed, recomputed after) in the middle of
+    speculating requests: the outputs are plain decoding's."""
+    import time
+
+    prompts = prompts_for("mixed", model.config.vocab_size)[2:8]
+    want = model.generate_batch(prompts, max_new_tokens=48, continuous_batching_config=config(None))
+    with model.continuous_batching_context_manager(continuous_batching_config=config()) as m:
+        ids = [m.add_request(p, max_new_tokens=48, eos_token_id=-1) for p in prompts]
+        for mode in ("keep", "retract"):
+            time.sleep(0.15)
+            with m.pause(mode):
+                pass
+        outs = [m.get_result(i, timeout=120) for i in ids]
+        stats = m.stats()
+    assert [o.generated_tokens for o in outs] == [o.generated_tokens for o in want.values()]
+    assert stats["spec_accepted_tokens"] > 0
+    held = {mode for o in outs for _, mode in (o.pauses or [])}
+    assert held, "no pause held a request: the test paused nothing"
+
+
 def test_opted_out_requests_propose_nothing(model):
     prompts = prompts_for("mixed", model.config.vocab_size)[4:8]
     with model.continuous_batching_context_manager(continuous_batching_config=config()) as m:
@@ -217,6 +238,18 @@ def test_seeded_sampling_equals_plain_sampling(model):
     assert model.last_stats["spec_accepted_tokens"] > 0
     assert runs[0] == runs[1] == runs[2] == runs[3]  # speculative = plain, and repeatable
     assert runs[4] == runs[5] and runs[4] != runs[0]  # another seed: other tokens, still equal
+
+
+def test_n_samples_equal_plain_sampling(model):
+    """n samples of a prompt (children forked from one prefill, each keyed by the seed and its index)."""
+    prompts = prompts_for("mixed", model.config.vocab_size)[5:8]
+    gen = GenerationConfig(do_sample=True, temperature=0.05, max_new_tokens=20, eos_token_id=None,
+                           num_return_sequences=3)
+    runs = [{k: o.generated_tokens for k, o in model.generate_batch(
+        prompts, generation_config=gen, continuous_batching_config=config(spec, seed=3)).items()}
+        for spec in (None, SPECULATIVE)]
+    assert len(runs[0]) == 9 and runs[0] == runs[1]
+    assert model.last_stats["spec_accepted_tokens"] > 0 and model.last_stats["forked_children"] > 0
 
 
 def test_acceptance_is_rejection_sampling(model):
