@@ -128,6 +128,10 @@ def test_the_wire_carries_the_switch():
     with pytest.raises(ProtocolError) as e:
         parse_submit({"input_ids": [1, 2], "speculative": 0})
     assert e.value.code == Code.BAD_FIELD and "speculative" in str(e.value)
+    from launch.gateway.openai_schema import CompletionRequest  # the HTTP gateway's field, passed to the wire
+
+    assert CompletionRequest(model="m", prompt=[1, 2], speculative=False).submit_params(4, False, 0, False)["speculative"] is False
+    assert "speculative" not in CompletionRequest(model="m", prompt=[1, 2]).submit_params(4, False, 0, False)
 
 
 # ---------------------------------------------------------------- greedy: exact
