@@ -321,6 +321,8 @@ class Engine:
         its tokens less one and its pages past them are freed (speculation.py)."""
         now, rows = time.perf_counter(), self.scheduler.batch
         for req, mine in zip(reqs, draws):
+            if req.is_finished:  # ended meanwhile (a cancel): its tokens are dropped
+                continue
             good = [d for d in mine if d.error is None]
             if good:
                 lps = [d.logprob for d in good] if req.return_logprobs else None

@@ -66,6 +66,9 @@ class Speculator:
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         # a request -> (its misses in a row, decode steps left before it proposes again)
         self.backoff: weakref.WeakKeyDictionary[Request, tuple[int, int]] = weakref.WeakKeyDictionary()
+        # a request -> (its tokens so far in a growing int64 buffer, how many are there): each step copies only the
+        # tokens generated since, not the whole history
+        self.history: weakref.WeakKeyDictionary[Request, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -78,6 +81,18 @@ class Speculator:
         """Whether a running request could speculate: proposals need every earlier token on the host, so the
         engine collects an overlapped step in flight before it schedules."""
         return any(self.eligible(r) and not self.backoff.get(r, (0, 0))[1] for r in running)
+
+    def _tokens(self, req: Request) -> np.ndarray:
+        """The request's tokens (prompt and generated) as int64, from its kept buffer plus the tokens since."""
+        n, p = req.num_tokens, len(req.prompt_ids)
+        buf, size = self.history.get(req, (None, 0))
+        if buf is None or size > n or len(buf) < n:  # first use, a restart (fewer tokens), or full: made anew
+            buf = np.empty(max(64, 2 * n), np.int64)
+            buf[:p] = req.prompt_ids
+            size = p
+        buf[size:n] = req.generated[size - p:n - p]
+        self.history[req] = (buf, n)
+        return buf[:n]
 
     def _miss(self, req: Request) -> None:
         """No proposal, or none accepted: wait twice as many decode steps as last time (at most MAX_BACKOFF)."""
@@ -104,8 +119,7 @@ class Speculator:
             k = min(c.num_speculative_tokens, int(rows.limit[slot]) - known - 1, budget)  # room for the bonus
             if k < 1:
                 continue
-            proposal = propose(np.asarray(req.prompt_ids + req.generated, np.int64), k, c.prompt_lookup_min,
-                               c.prompt_lookup_max)
+            proposal = propose(self._tokens(req), k, c.prompt_lookup_min, c.prompt_lookup_max)
             if not proposal.size:
                 self._miss(req)
                 continue
@@ -165,5 +179,8 @@ def split_scored(logits: torch.Tensor, q_lens: np.ndarray, speculating: np.ndarr
     if owner.all() or not owner.any():
         empty = logits[:0]
         return (empty, logits) if owner.all() else (logits, empty)
-    pick_rows = lambda m: logits.index_select(0, torch.as_tensor(np.flatnonzero(m), device=logits.device))  # noqa
-    return pick_rows(~owner), pick_rows(owner)
+
+    def rows_of(mask: np.ndarray) -> torch.Tensor:
+        return logits.index_select(0, torch.as_tensor(np.flatnonzero(mask), device=logits.device))
+
+    return rows_of(~owner), rows_of(owner)
