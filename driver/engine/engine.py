@@ -23,7 +23,7 @@ from driver.engine.prompt_scores import score_prompts, scored_rows
 from driver.engine.request import Request
 from driver.engine.sampler import Draw, Launched, Sampler
 from driver.engine.scheduler import Batch, Scheduler
-from driver.engine.speculation import Speculator, split_scored
+from driver.engine.speculation import speculator_for, split_scored
 from worker.runner import ModelRunner
 from worker.stream import Handle
 
@@ -41,11 +41,11 @@ class InFlight:
 
 class Engine:
     def __init__(self, runner: ModelRunner, rc: ResolvedConfig, groups: Groups, seed: int | None):
+        self.spec, rc = speculator_for(rc, runner, seed)  # speculative decoding (speculation.py), None: off
         self.runner, self.rc, self.groups = runner, rc, groups
         self.blocks = BlockManager(rc.num_blocks, rc.page_size, rc.allow_block_sharing)
         self.scheduler = Scheduler(rc, self.blocks)
         self.sampler = Sampler(seed)
-        self.spec = Speculator(rc.speculative, seed) if rc.speculative is not None else None  # speculation.py
         self.step_no = self.weight_version = self.num_tokens_generated = 0
         self.num_burst_forwards = 0  # forwards run by bursts beyond their plan's first (multi-step decode)
         self.num_prompt_tokens = 0  # prompt tokens whose K/V steps computed (recomputations too): prefill work
@@ -138,6 +138,8 @@ class Engine:
         self.num_burst_forwards += burst - 1
         self._send(plan)
         logits = self.runner.launch(plan)
+        if self.spec is not None and self.spec.model is not None:  # the draft's cache follows every target step
+            self.spec.model.mirror(plan)
         rows.computed[slots] += plan.q_lens + (plan.burst - 1)
         self.num_prompt_tokens += int(np.maximum(0, np.minimum(plan.kv_lens, rows.prompt_len[slots])
                                                  - (plan.kv_lens - plan.q_lens)).sum())

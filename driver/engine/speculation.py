@@ -23,18 +23,22 @@ asks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from cluster.config import ResolvedConfig
 from cluster.speculative import SpeculativeConfig
 from driver.engine.block_manager import BlockManager
+from driver.engine.draft_model import DraftModel
 from driver.engine.ngram import propose
 from driver.engine.persistent_batch import PersistentBatch
 from driver.engine.request import Request
 from driver.engine.sampler import Draw, host_draws, pick, sample_row, to_host
+from worker.runner import ModelRunner
 
 MAX_BACKOFF = 16  # the most decode steps a request whose proposals miss waits before it proposes again
 
@@ -58,11 +62,25 @@ class SpecStats:
                 "spec_mean_accept_length": mean}
 
 
+def speculator_for(rc: ResolvedConfig, runner: ModelRunner, seed: int | None
+                   ) -> tuple["Speculator | None", ResolvedConfig]:
+    """The engine's Speculator (None: the config sets none) and the config the engine steps by: with a draft model,
+    which runs the target's plans, in series (no overlap, no bursts)."""
+    c = rc.speculative
+    if c is None:
+        return None, rc
+    if c.method != "draft":
+        return Speculator(c, seed), rc
+    draft = DraftModel(c.model, rc, runner.device, runner.cache.k[0].dtype, runner.model.config.vocab_size)
+    return Speculator(c, seed, draft), dataclasses.replace(rc, overlap=False, decode_burst=1)
+
+
 class Speculator:
     """Proposals for a step's decode rows (`draft`) and their verification (`verify`), rank 0 only."""
 
-    def __init__(self, config: SpeculativeConfig, seed: int | None):
-        self.config, self.seed = config, seed
+    def __init__(self, config: SpeculativeConfig, seed: int | None, draft_model: DraftModel | None = None):
+        """`draft_model`: method "draft"'s model on rank 0 (draft_model.py); None: the n-gram proposer."""
+        self.config, self.seed, self.model = config, seed, draft_model
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         # a request -> (its misses in a row, decode steps left before it proposes again)
         self.backoff: weakref.WeakKeyDictionary[Request, tuple[int, int]] = weakref.WeakKeyDictionary()
@@ -105,6 +123,7 @@ class Speculator:
         grows by them (`num_tokens`, in place) within the step's token `budget` left, its pages allocated for them
         (a row whose pages are short decodes plainly). Returns each speculating request's proposals."""
         drafts: dict[Request, np.ndarray] = {}
+        wanted: list[tuple[int, Request, int]] = []  # the draft model's rows: (batch row, request, tokens to propose)
         c = self.config
         for i, req in enumerate(reqs):
             if num_tokens[i] != 1 or budget <= 0 or not self.eligible(req):
@@ -119,6 +138,11 @@ class Speculator:
             k = min(c.num_speculative_tokens, int(rows.limit[slot]) - known - 1, budget)  # room for the bonus
             if k < 1:
                 continue
+            if self.model is not None:  # the draft model writes its K/V ahead: the pages first, its k tokens later
+                if blocks.allocate(req, known + k, keep_free=keep_free):
+                    wanted.append((i, req, k))
+                    budget -= k
+                continue
             proposal = propose(self._tokens(req), k, c.prompt_lookup_min, c.prompt_lookup_max)
             if not proposal.size:
                 self._miss(req)
@@ -128,6 +152,16 @@ class Speculator:
             num_tokens[i] += proposal.size
             budget -= proposal.size
             drafts[req] = proposal
+        if wanted:  # the draft model's proposals, every speculating row at once
+            reqs_k = [r for _, r, _ in wanted]
+            slots = rows.slots(reqs_k)
+            for (i, req, _), proposal in zip(wanted, self.model.propose(
+                    [r.generated[-1] if r.generated else r.prompt_ids[-1] for r in reqs_k],
+                    rows.prompt_len[slots] + np.fromiter(map(len, [r.generated for r in reqs_k]), np.int64,
+                                                         len(reqs_k)),
+                    np.array([k for _, _, k in wanted], np.int64), rows.table(slots))):
+                num_tokens[i] += proposal.size
+                drafts[req] = proposal
         return drafts
 
     def verify(self, logits: torch.Tensor, reqs: list[Request],
