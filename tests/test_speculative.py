@@ -44,7 +44,9 @@ def spec_stats(model) -> dict:
 
 
 # ---------------------------------------------------------------- the setting and the proposer
-@pytest.mark.parametrize("table,field", [({"method": "draft"}, "method"), ({"num_speculative_tokens": 0},
+@pytest.mark.parametrize("table,field", [({"method": "eagle"}, "method"), ({"method": "draft"}, "model"),
+                                         ({"model": "."}, "model"), ({"method": "draft", "model": "/nowhere"},
+                                         "model"), ({"num_speculative_tokens": 0},
                                          "num_speculative_tokens"), ({"num_speculative_tokens": 17},
                                          "num_speculative_tokens"), ({"prompt_lookup_min": 0}, "prompt_lookup_min"),
                                          ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
@@ -276,6 +278,60 @@ def test_acceptance_is_rejection_sampling(model):
     q = p.clone()
     q[x] = 0
     assert 0.5 * np.abs(rejected - (q / q.sum()).numpy()).sum() < 0.05
+
+
+# ---------------------------------------------------------------- the draft-model proposer
+@pytest.fixture(scope="module")
+def draft_dir(model_dir, tmp_path_factory):
+    """The target's checkpoint with noise on every matrix (a tenth of its spread): a draft that agrees with the
+    target often but not always."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("draft") / "llama-noisy"
+    shutil.copytree(model_dir, out)
+    weights = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({k: v + 0.1 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
+               for k, v in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def draft(path, k=4) -> dict:
+    return {"method": "draft", "model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("scenario", ["chunked", "sharing", "preempt"])
+def test_draft_model_greedy_equals_transformers(model, model_dir, draft_dir, scenario):
+    fields, kind = SCENARIOS[scenario]
+    prompts = prompts_for(kind, model.config.vocab_size)
+    out = model.generate_batch(prompts, max_new_tokens=NEW_TOKENS,
+                               continuous_batching_config=config(draft(draft_dir), use_async_batching=True,
+                                                                 **fields))  # overlap asked for: it runs in series
+    stats = model.last_stats
+    assert [o.generated_tokens for o in out.values()] == hf_greedy(model_dir, prompts)
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], spec_stats(model)
+    assert stats["free_blocks"] == stats["num_blocks"] and stats["burst_forwards"] == 0
+    if scenario == "preempt":
+        assert stats["preemptions"] > 0
+
+
+def test_draft_model_seeded_sampling_equals_plain(model, draft_dir):
+    prompts = prompts_for("mixed", model.config.vocab_size)[:8]
+    gen = GenerationConfig(do_sample=True, temperature=0.05, max_new_tokens=24, eos_token_id=None)
+    runs = [[o.generated_tokens for o in model.generate_batch(prompts, generation_config=gen,
+                                                                continuous_batching_config=config(spec, seed=5)
+                                                                ).values()]
+            for spec in (None, draft(draft_dir, 3))]
+    assert runs[0] == runs[1] and model.last_stats["spec_accepted_tokens"] > 0
+
+
+def test_a_draft_of_another_vocabulary_is_refused(model, make_checkpoint):
+    other = make_checkpoint("llama", seed=0, vocab_size=1000)
+    with pytest.raises(SpeculativeConfigError) as e:
+        model.generate_batch([[1, 2, 3]], max_new_tokens=2, continuous_batching_config=config(draft(other)))
+    assert e.value.field == "model" and "vocabulary" in str(e.value)
 
 
 # ---------------------------------------------------------------- metrics

@@ -31,6 +31,7 @@ from driver.api.memory_calls import MemoryCalls
 from driver.api.result_router import ResultRouter
 from driver.engine.engine import Engine
 from driver.engine.request import Request
+from driver.engine.speculation import load_draft
 from driver.engine.staleness import bound_staleness
 from driver.api.serving_metrics import ServingMetrics
 from driver.api.update_calls import WeightUpdates
@@ -58,7 +59,8 @@ class ContinuousBatchingManager:
                                                              continuous_batching_config.drop_unsupported_processors)
         self.runner, self.effective_config, self.groups = model.build_runner(continuous_batching_config)
         self.is_driver = self.groups.is_driver
-        self.engine = Engine(self.runner, self.effective_config, self.groups, self.config.seed) \
+        draft = load_draft(self.effective_config, self.runner, self.groups)  # every rank: one agreement
+        self.engine = Engine(self.runner, self.effective_config, self.groups, self.config.seed, draft) \
             if self.is_driver else None
         self.results = ResultRouter()
         self.metrics = ServingMetrics()  # fed by the driver's loop (DriverLoop.emit); read by `stats`

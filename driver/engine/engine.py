@@ -23,6 +23,7 @@ from driver.engine.prompt_scores import score_prompts, scored_rows
 from driver.engine.request import Request
 from driver.engine.sampler import Draw, Launched, Sampler
 from driver.engine.scheduler import Batch, Scheduler
+from driver.engine.draft_model import DraftModel
 from driver.engine.speculation import speculator_for, split_scored
 from worker.runner import ModelRunner
 from worker.stream import Handle
@@ -40,8 +41,10 @@ class InFlight:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, rc: ResolvedConfig, groups: Groups, seed: int | None):
-        self.spec, rc = speculator_for(rc, runner, seed)  # speculative decoding (speculation.py), None: off
+    def __init__(self, runner: ModelRunner, rc: ResolvedConfig, groups: Groups, seed: int | None,
+                 draft: DraftModel | None = None):
+        """`draft`: method "draft"'s model (speculation.load_draft)."""
+        self.spec, rc = speculator_for(rc, draft, seed)  # speculative decoding (speculation.py), None: off
         self.runner, self.rc, self.groups = runner, rc, groups
         self.blocks = BlockManager(rc.num_blocks, rc.page_size, rc.allow_block_sharing)
         self.scheduler = Scheduler(rc, self.blocks)

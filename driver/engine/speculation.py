@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from cluster.config import ResolvedConfig
+from cluster.dist import Groups, agree_min
+from cluster.errors import SpeculativeConfigError
 from cluster.speculative import SpeculativeConfig
 from driver.engine.block_manager import BlockManager
 from driver.engine.draft_model import DraftModel
@@ -62,17 +64,36 @@ class SpecStats:
                 "spec_mean_accept_length": mean}
 
 
-def speculator_for(rc: ResolvedConfig, runner: ModelRunner, seed: int | None
-                   ) -> tuple["Speculator | None", ResolvedConfig]:
-    """The engine's Speculator (None: the config sets none) and the config the engine steps by: with a draft model,
-    which runs the target's plans, in series (no overlap, no bursts)."""
+def load_draft(rc: ResolvedConfig, runner: ModelRunner, groups: Groups) -> DraftModel | None:
+    """Method "draft"'s model, loaded on the driver (None elsewhere, and without that method). Every rank calls it
+    (ranks 0 and 1..n of the control group, one `agree_min`, when the config sets method "draft"): when the driver
+    cannot load it, every rank raises SpeculativeConfigError alike, so no worker waits for a loop that never runs."""
     c = rc.speculative
-    if c is None:
+    if c is None or c.method != "draft":
+        return None
+    draft, error = None, None
+    if groups.is_driver:
+        try:
+            draft = DraftModel(c.model, rc, runner.device, runner.cache.k[0].dtype, runner.model.config.vocab_size)
+        except Exception as e:  # noqa: BLE001  (whatever it is, every rank must hear of it)
+            error = e
+    if not agree_min(int(error is None), groups):
+        if isinstance(error, SpeculativeConfigError):
+            raise error
+        raise SpeculativeConfigError(f"speculative.model={c.model!r}: the driver could not load the draft model"
+                                     + (f": {error!r}" if error is not None else ""), "model") from error
+    return draft
+
+
+def speculator_for(rc: ResolvedConfig, draft: DraftModel | None, seed: int | None
+                   ) -> tuple["Speculator | None", ResolvedConfig]:
+    """The engine's Speculator (None: the config sets none) and the config the engine steps by: with a draft model
+    (`load_draft`), which runs the target's plans, in series (no overlap, no bursts)."""
+    if rc.speculative is None:
         return None, rc
-    if c.method != "draft":
-        return Speculator(c, seed), rc
-    draft = DraftModel(c.model, rc, runner.device, runner.cache.k[0].dtype, runner.model.config.vocab_size)
-    return Speculator(c, seed, draft), dataclasses.replace(rc, overlap=False, decode_burst=1)
+    if draft is None:
+        return Speculator(rc.speculative, seed), rc
+    return Speculator(rc.speculative, seed, draft), dataclasses.replace(rc, overlap=False, decode_burst=1)
 
 
 class Speculator:
