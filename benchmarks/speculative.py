@@ -2,16 +2,17 @@
 hit and one where they cannot (TP=1, in this process; docs/speculative.md).
 
     python benchmarks/speculative.py [--model models/tiny-llama] [--prompts 4] [--new-tokens 96] [--k 4] [--runs 1]
-                                     [--no-transformers]
+                                     [--draft DIR] [--no-transformers]
 
 Workloads: `repeat` decodes greedily, and a random checkpoint's greedy output falls into loops within a few tokens
 (a copy or edit task repeats its input in the same way), so proposals hit; `random` samples at temperature 1 with a
 seed per request, so the output does not repeat and proposals miss (the proposer backs off: speculation.py).
 EOS is off, so every request writes exactly --new-tokens tokens (checked) and the two modes write the same tokens
 (checked: speculative decoding is exact). For each workload and mode: `batch 1` runs the prompts one at a time (decode
-tokens/s of one request), `batch N` all at once (whole-batch tokens/s); the ratio column is ngram / plain. With
-transformers installed (the default) its own `generate` runs the same prompts at batch 1, plain and with prompt
-lookup (`prompt_lookup_num_tokens`), as a reference. A missing checkpoint is made first (llama, tiny, seed 0). Do
+tokens/s of one request), `batch N` all at once (whole-batch tokens/s); the ratio columns are against plain.
+`--draft DIR`: the draft-model proposer too (a small checkpoint with the model's vocabulary). transformers' own
+`generate` runs the same prompts at batch 1 as a reference (`--no-transformers` to skip): plain, with prompt lookup
+(`prompt_lookup_num_tokens`) and, with --draft, assisted generation (`assistant_model`). A missing checkpoint is made first (llama, tiny, seed 0). Do
 not quote figures from a loaded machine."""
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 WORKLOADS = ("repeat", "random")
-MODES = ("plain", "ngram")
 
 
 def sampling(workload: str, i: int) -> dict:
@@ -39,7 +39,8 @@ def run(model, workload: str, mode: str, prompts: list[list[int]], args: argpars
     """(wall seconds, tokens per prompt, the engine's spec stats) of the prompts one at a time or all together."""
     import cluster
 
-    spec = {"method": "ngram", "num_speculative_tokens": args.k} if mode == "ngram" else None
+    spec = ({"method": "ngram", "num_speculative_tokens": args.k} if mode == "ngram" else
+            {"method": "draft", "model": args.draft, "num_speculative_tokens": args.k} if mode == "draft" else None)
     cfg = cluster.ContinuousBatchingConfig(page_size=16, per_request_processors=True, speculative=spec)
     with model.continuous_batching_context_manager(continuous_batching_config=cfg) as m:
         m.get_result(m.add_request(prompts[0], max_new_tokens=2, eos_token_id=-1), timeout=600)  # warm-up
@@ -65,8 +66,13 @@ def transformers_rates(model_dir: str, prompts: list[list[int]], workload: str, 
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ways: list[tuple[str, dict]] = [("plain", {}), ("prompt lookup", {"prompt_lookup_num_tokens": args.k})]
+    if args.draft:
+        assistant = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+        assistant.generation_config.num_assistant_tokens = args.k
+        ways.append(("assisted", {"assistant_model": assistant}))
     rates = {}
-    for name, extra in (("plain", {}), ("prompt lookup", {"prompt_lookup_num_tokens": args.k})):
+    for name, extra in ways:
         t0 = time.perf_counter()
         with torch.no_grad():
             for i, p in enumerate(prompts):
@@ -86,6 +92,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--draft", default=None, help="a draft checkpoint: the draft-model proposer too")
     p.add_argument("--no-transformers", action="store_true", help="skip transformers' reference")
     args = p.parse_args()
     if not Path(args.model, "config.json").exists():
@@ -100,27 +107,26 @@ def main() -> int:
                for _ in range(args.prompts)]
     print(f"{args.prompts} prompts of {args.prompt_tokens} tokens, {args.new_tokens} new tokens each, k={args.k}, "
           f"median of {args.runs} run(s)")
-    print(f"{'workload':<8} {'batch':>6} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>6} {'accept len':>10}")
+    modes = ("plain", "ngram", "draft") if args.draft else ("plain", "ngram")
+    print(f"{'workload':<8} {'batch':>6} {'mode':>16} {'tok/s':>9} {'x plain':>8} {'accept len':>10}")
     for workload in WORKLOADS:
         for together in (False, True):
-            rate, tokens, stats = {}, {}, {}
-            for mode in MODES:
+            rate, tokens = {}, {}
+            for mode in modes:
                 walls = []
                 for _ in range(args.runs):
-                    wall, tokens[mode], got = run(model, workload, mode, prompts, args, together)
+                    wall, tokens[mode], stats = run(model, workload, mode, prompts, args, together)
                     walls.append(wall)
-                    stats = got or stats
                 rate[mode] = args.prompts * args.new_tokens / statistics.median(walls)
-            if tokens["plain"] != tokens["ngram"]:
-                raise SystemExit(f"{workload}: speculative tokens differ from plain decoding's")
-            batch = args.prompts if together else 1
-            print(f"{workload:<8} {batch:>6} {rate['plain']:>12.1f} {rate['ngram']:>12.1f} "
-                  f"{rate['ngram'] / rate['plain']:>6.2f} {stats.get('spec_mean_accept_length', 0.0):>10.2f}",
-                  flush=True)
+                if tokens[mode] != tokens["plain"]:
+                    raise SystemExit(f"{workload}/{mode}: speculative tokens differ from plain decoding's")
+                batch = args.prompts if together else 1
+                print(f"{workload:<8} {batch:>6} {mode:>16} {rate[mode]:>9.1f} {rate[mode] / rate['plain']:>8.2f} "
+                      f"{stats.get('spec_mean_accept_length', 0.0):>10.2f}", flush=True)
         if not args.no_transformers:
             hf = transformers_rates(args.model, prompts, workload, args)
-            print(f"{workload:<8} {'hf, 1':>6} {hf['plain']:>12.1f} {hf['prompt lookup']:>12.1f} "
-                  f"{hf['prompt lookup'] / hf['plain']:>6.2f}   (transformers: plain, prompt lookup)", flush=True)
+            for name, r in hf.items():
+                print(f"{workload:<8} {1:>6} {'hf ' + name:>16} {r:>9.1f} {r / hf['plain']:>8.2f}", flush=True)
     return 0
 
 
