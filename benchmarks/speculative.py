@@ -12,8 +12,8 @@ EOS is off, so every request writes exactly --new-tokens tokens (checked) and th
 tokens/s of one request), `batch N` all at once (whole-batch tokens/s); the ratio columns are against plain.
 `--draft DIR`: the draft-model proposer too (a small checkpoint with the model's vocabulary). transformers' own
 `generate` runs the same prompts at batch 1 as a reference (`--no-transformers` to skip): plain, with prompt lookup
-(`prompt_lookup_num_tokens`) and, with --draft, assisted generation (`assistant_model`). A missing checkpoint is made first (llama, tiny, seed 0). Do
-not quote figures from a loaded machine."""
+(`prompt_lookup_num_tokens`) and, with --draft, assisted generation (`assistant_model`). A missing checkpoint is
+made first (llama, tiny, seed 0). Do not quote figures from a loaded machine."""
 
 from __future__ import annotations
 

@@ -132,7 +132,8 @@ def test_the_wire_carries_the_switch():
     assert e.value.code == Code.BAD_FIELD and "speculative" in str(e.value)
     from launch.gateway.openai_schema import CompletionRequest  # the HTTP gateway's field, passed to the wire
 
-    assert CompletionRequest(model="m", prompt=[1, 2], speculative=False).submit_params(4, False, 0, False)["speculative"] is False
+    off = CompletionRequest(model="m", prompt=[1, 2], speculative=False)
+    assert off.submit_params(4, False, 0, False)["speculative"] is False
     assert "speculative" not in CompletionRequest(model="m", prompt=[1, 2]).submit_params(4, False, 0, False)
 
 
