@@ -222,6 +222,26 @@ def test_pauses_keep_and_retract_change_nothing(model):
     assert held, "no pause held a request: the test paused nothing"
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_a_resumed_request_continues_as_the_uninterrupted_one(model, sampled):
+    """Crash-resume (docs/recovery.md): a request resumed after k delivered tokens, speculating, writes the
+    uninterrupted plain run's tokens (its token index counts the resumed ones)."""
+    prompt = prompts_for("mixed", model.config.vocab_size)[9]
+    params = {"do_sample": True, "temperature": 0.01, "seed": 11} if sampled else {}
+    with model.continuous_batching_context_manager(continuous_batching_config=config(
+            None, per_request_processors=True)) as m:
+        whole = m.get_result(m.add_request(prompt, max_new_tokens=24, eos_token_id=-1, **params), timeout=60)
+        greedy = m.get_result(m.add_request(prompt, max_new_tokens=24, eos_token_id=-1), timeout=60)
+    assert (whole.generated_tokens != greedy.generated_tokens) == sampled  # the seeded run really samples
+    with model.continuous_batching_context_manager(continuous_batching_config=config(
+            per_request_processors=True)) as m:
+        for k in (1, 9):
+            rid = m.add_request(prompt, max_new_tokens=24, eos_token_id=-1, resume_tokens=whole.generated_tokens[:k],
+                                resumes=1, **params)
+            assert m.get_result(rid, timeout=60).generated_tokens == whole.generated_tokens
+        assert m.stats()["spec_accepted_tokens"] > 0
+
+
 def test_opted_out_requests_propose_nothing(model):
     prompts = prompts_for("mixed", model.config.vocab_size)[4:8]
     with model.continuous_batching_context_manager(continuous_batching_config=config()) as m:
