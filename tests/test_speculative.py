@@ -120,6 +120,11 @@ def test_a_request_whose_proposals_miss_backs_off():
     assert len(req.block_ids) == blocks.blocks_for(req.num_tokens + 2)  # pages for the proposals
     req.speculative = False
     assert not spec.wants_host_tokens([req])
+    # sampling that reads the history (penalties, generation options, structured outputs) decodes plainly
+    for params in (SamplingParams(repetition_penalty=1.2), SamplingParams(no_repeat_ngram_size=2),
+                   SamplingParams(structured_output="start: /[0-9]+/"), SamplingParams(presence_penalty=0.5)):
+        assert not Speculator.eligible(Request("h", [1, 2], 4, sampling=params))
+    assert Speculator.eligible(Request("s", [1, 2], 4, sampling=SamplingParams(do_sample=True, top_k=5)))
 
 
 def test_the_wire_carries_the_switch():
