@@ -154,7 +154,7 @@ def test_greedy_equals_plain_decoding_and_transformers(model, model_dir, scenari
     assert [o.generated_tokens for o in out.values()] == hf_greedy(model_dir, prompts)
     # the tiny model's greedy outputs repeat: proposals are accepted, and some are not
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], spec_stats(model)
-    assert sum(stats["spec_accepted_per_pos"]) == stats["spec_accepted_tokens"]
+    assert sum(stats["spec_accepted_per_pos"]) == stats["spec_accepted_tokens"] and stats["spec_method"] == "ngram"
     assert stats["spec_mean_accept_length"] == pytest.approx(1 + stats["spec_accepted_tokens"] / stats["spec_drafts"])
     assert stats["free_blocks"] == stats["num_blocks"]  # no page left behind by a rejected proposal
     if scenario == "preempt":
@@ -339,6 +339,7 @@ def test_draft_model_greedy_equals_transformers(model, model_dir, draft_dir, sce
     assert [o.generated_tokens for o in out.values()] == hf_greedy(model_dir, prompts)
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], spec_stats(model)
     assert stats["free_blocks"] == stats["num_blocks"] and stats["burst_forwards"] == 0
+    assert stats["spec_method"] == "draft"
     if scenario == "preempt":
         assert stats["preemptions"] > 0
 

@@ -185,7 +185,7 @@ class ContinuousBatchingManager:
                 "prompt_tokens_computed": e.num_prompt_tokens, **asdict(e.scheduler.forks.stats),
                 "cuda_graphs": dict(self.runner.graph_stats), "attention": self.effective_config.attention,
                 "model_impl": self.runner.model.impl, **self.routing_stats(),
-                **(e.spec.stats.as_dict() if e.spec else {})}
+                **(e.spec.stats.as_dict() | {"spec_method": e.spec.config.method} if e.spec else {})}
 
     def routing_stats(self) -> dict[str, Any]:
         """A MoE model's `experts_routed`: MoE layer -> real tokens routed to each expert since the model was
