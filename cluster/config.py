@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.compile_settings import CompileSettings, compile_decision
+from cluster.speculative import SpeculativeConfig, is_int as _is_int
 
 # Defaults where the seed says "inferred" and there is no GPU memory to infer from.
 # ContinuousBatchingConfig's fields that transformers' class does not have
-LOCKSTEP_FIELDS = ("decode_burst", "max_weight_lag", "stale_policy", "logprobs_mode")
+LOCKSTEP_FIELDS = ("decode_burst", "max_weight_lag", "stale_policy", "logprobs_mode", "speculative")
 STALE_POLICIES = ("end", "restart")  # what an update does to a request beyond its max_weight_lag (docs/weights.md)
 # vLLM's: which figures a token's logprobs (and top_logprobs) report (driver/engine/logprobs_mode.py)
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
@@ -31,10 +32,6 @@ IDLE_HEARTBEAT_S = 0.5  # the driver sends an IDLE plan this often when it has n
 ATTN_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}  # work of one paged SDPA chunk, in elements
 HOST_ALL_REDUCE_ENV = "LOCKSTEP_HOST_ALL_REDUCE"  # "0": CPU ranks on one host all-reduce over gloo
 HOST_ALL_REDUCE_SLOT_BYTES = 4 << 20  # a rank's slot in the shared segment; larger tensors go in pieces
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -79,6 +76,7 @@ class ContinuousBatchingConfig:
     max_weight_lag: int | None = None
     stale_policy: str = "end"
     logprobs_mode: str = "processed_logprobs"  # every request's default (LOGPROBS_MODES; docs/http.md, "Logprobs")
+    speculative: Any = None  # speculative decoding: a SpeculativeConfig or its table (docs/speculative.md); None: off
 
     def __post_init__(self) -> None:
         if self.use_default_compile_configs is not None:
@@ -141,6 +139,7 @@ class ContinuousBatchingConfig:
             bad("stale_policy", f"must be one of {STALE_POLICIES}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             bad("logprobs_mode", f"must be one of {LOGPROBS_MODES}")
+        SpeculativeConfig.from_any(self.speculative)  # SpeculativeConfigError (a ValueError) naming the field
 
     @classmethod
     def from_any(cls, obj: Any) -> "ContinuousBatchingConfig":
@@ -189,6 +188,7 @@ class ResolvedConfig:
     num_host_blocks: int = 0
     overlap: bool = False  # use_async_batching: step N+1 is scheduled, broadcast and prepared while step N runs
     decode_burst: int = 1  # the most forwards one decode-only plan runs; 1 unless overlap is on
+    speculative: SpeculativeConfig | None = None  # speculative decoding (docs/speculative.md); None: off
 
     @property
     def paged_kernels(self) -> bool:
@@ -270,7 +270,7 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
         safety_margin=cfg.safety_margin if cfg.safety_margin is not None else 0.0,
         cpu_group_timeout=cfg.cpu_group_timeout, notes=notes, attn_chunk_elements=ATTN_CHUNK_ELEMENTS[device_kind],
         num_host_blocks=num_host_blocks, overlap=bool(overlap), decode_burst=burst, varlen_compile=varlen_compile,
-        decode_compile=decode_compile)
+        decode_compile=decode_compile, speculative=SpeculativeConfig.from_any(cfg.speculative))
 
 
 GIB = 1 << 30

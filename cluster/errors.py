@@ -77,6 +77,16 @@ class UnsupportedModel(LockstepError, ValueError):
     code = Code.UNSUPPORTED
 
 
+class SpeculativeConfigError(LockstepError, ValueError):
+    """A `speculative` setting that cannot work (an unknown method, a count out of its range); `field` names it."""
+
+    code = Code.BAD_FIELD
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
 class QueueFull(LockstepError, RuntimeError):
     code = Code.QUEUE_FULL
 

@@ -28,7 +28,12 @@ COUNTERS = (
     ("num_preemptions", "num_preemptions", "Requests preempted to free KV cache pages."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of the requests that started generating."),
     ("generation_tokens", "generation_tokens", "Tokens generated."),
+    # speculative decoding (docs/speculative.md): 0 when the preset sets none
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Rows that carried proposals into a verifying forward."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Proposed tokens verified."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
 )
+PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # a counter by `position` in the draft (a list in the map)
 HISTOGRAMS = (
     ("time_to_first_token_seconds", "time_to_first_token_seconds", "Time from arrival to the first token."),
     ("inter_token_latency_seconds", "inter_token_latency_seconds", "Time between two tokens of a request."),
@@ -61,6 +66,12 @@ class MetricsSnapshot(Collector):
             for reason, n in sorted(m.get("request_success", {}).items()):
                 success.add_metric(self._labels(replica) + [reason], float(n))
         yield success
+        per_pos = CounterMetricFamily(PREFIX + PER_POS, "Proposed tokens accepted, by position in the draft.",
+                                      labels=self.names + ["position"])
+        for replica, m in self.maps.items():
+            for pos, n in enumerate(m.get(PER_POS, [])):
+                per_pos.add_metric(self._labels(replica) + [str(pos)], float(n))
+        yield per_pos
         for name, key, doc in HISTOGRAMS:
             fam = HistogramMetricFamily(PREFIX + name, doc, labels=self.names)
             for replica, m in self.maps.items():
@@ -84,6 +95,9 @@ def merge(maps: list[dict[str, Any]]) -> dict[str, Any]:
     for m in maps:
         success.update(m.get("request_success", {}))
     out["request_success"] = dict(success)
+    width = max(len(m.get(PER_POS, [])) for m in maps)
+    if width:
+        out[PER_POS] = [sum(m[PER_POS][p] for m in maps if p < len(m.get(PER_POS, []))) for p in range(width)]
     for _, key, _ in HISTOGRAMS:
         hs = [m[key] for m in maps if m.get(key)]
         if hs:

@@ -121,6 +121,7 @@ class Submit:
     stale_policy: str | None = None  # "end" or "restart"; None: the preset's
     prompt_logprobs: int | None = None  # 0..MAX_TOP_LOGPROBS: the prompt's logprobs with that many alternatives
     logprobs_mode: str | None = None  # vLLM's (cluster.config.LOGPROBS_MODES); None: the preset's
+    speculative: bool = True  # False: it never speculates (docs/speculative.md)
     n: int = 1  # samples of the prompt (cluster/samples.py: its children `<id>__child#<i>` and itself), one prefill
 
     @property
@@ -184,7 +185,7 @@ def parse_submit(msg: dict) -> Submit:
                   priority=field(msg, "priority", int, 0), top_logprobs=check_top_logprobs(msg, mid, rid),
                   max_weight_lag=field(msg, "max_weight_lag", int), stale_policy=field(msg, "stale_policy", str),
                   n=check_samples(msg, mid, rid), prompt_logprobs=check_prompt_logprobs(msg, mid, rid),
-                  logprobs_mode=field(msg, "logprobs_mode", str))
+                  logprobs_mode=field(msg, "logprobs_mode", str), speculative=field(msg, "speculative", bool, True))
 
 
 def pause_mode(msg: dict) -> str:

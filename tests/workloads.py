@@ -47,10 +47,24 @@ SCENARIOS = {
     "offload": (dict(page_size=16, num_blocks=32, max_batch_tokens=128, cpu_offload_space=0.05), "mixed"),
 }
 
-# how the parity tests run each scenario: one step a plan in series, overlapped, and overlapped with multi-step
-# decode (a decode-only batch runs up to 4 forwards a plan)
+# how the parity tests run each scenario: one step a plan in series, overlapped, overlapped with multi-step
+# decode (a decode-only batch runs up to 4 forwards a plan), and with n-gram speculative decoding (overlap asked for:
+# a speculating row collects the step in flight first; docs/speculative.md)
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SELF = "<the checkpoint itself>"  # mode `draft`: the target's own checkpoint drafts (on rank 0, TP=1): `mode_fields`
 MODES = {"serial": dict(use_async_batching=False), "overlap": dict(use_async_batching=True),
-         "burst": dict(use_async_batching=True, decode_burst=4)}
+         "burst": dict(use_async_batching=True, decode_burst=4),
+         "spec": dict(use_async_batching=True, speculative=SPECULATIVE),
+         "draft": dict(speculative={"method": "draft", "model": SELF, "num_speculative_tokens": 3})}
+
+
+def mode_fields(mode: str, model_dir) -> dict:
+    """MODES[mode] with the checkpoint's directory for SELF."""
+    fields = dict(MODES[mode])
+    spec = fields.get("speculative")
+    if spec and spec.get("model") == SELF:
+        fields["speculative"] = spec | {"model": str(model_dir)}
+    return fields
 
 
 def prompts_for(kind: str, vocab: int) -> list[list[int]]:

@@ -133,7 +133,8 @@ class Client(WeightsGroupCalls):
                       stop: list[str] | None = None, return_text: bool = False, logprobs: bool = False,
                       priority: int = 0, top_logprobs: int = 0, max_weight_lag: int | None = None,
                       stale_policy: str | None = None, n: int = 1, prompt_logprobs: int | None = None,
-                      logprobs_mode: str | None = None, **sampling: Any) -> tuple[PendingRequest, Future]:
+                      logprobs_mode: str | None = None, speculative: bool = True,
+                      **sampling: Any) -> tuple[PendingRequest, Future]:
         """Send a submit; the future resolves to the request id once accepted (an id outstanding here raises
         `duplicate_request_id` at once). `resume_tokens` (`resume_versions`, `resumes`): resume by hand
         (docs/recovery.md). Outputs carry `text` when the submit is text, has `stop` strings or `return_text`.
@@ -145,7 +146,8 @@ class Client(WeightsGroupCalls):
         `<id>__child#<i>`, then the id; collect each with `result`); they are not resumed. `prompt_logprobs` (vLLM's,
         0..20): the final output's `prompt_logprobs` and `prompt_top_logprobs` (the prompt's own logprobs and that many
         alternatives at each position); such a request is not resumed. `logprobs_mode` (vLLM's: `processed_logprobs`,
-        `raw_logprobs`, `processed_logits`, `raw_logits`; unset: the server's preset's): what logprobs report."""
+        `raw_logprobs`, `processed_logits`, `raw_logits`; unset: the server's preset's): what logprobs report.
+        `speculative=False`: the request never speculates on a server whose preset sets `speculative`."""
         rid = request_id or os.urandom(12).hex()
         fields: dict[str, Any] = {"max_new_tokens": max_new_tokens, "streaming": streaming, "sampling": sampling,
                                   "request_id": rid, "eos_token_id": eos_token_id}
@@ -157,6 +159,7 @@ class Client(WeightsGroupCalls):
                                      ("n", n if n != 1 else 0)) if v}
         fields |= {"max_weight_lag": max_weight_lag} if max_weight_lag is not None else {}
         fields |= {"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None else {}
+        fields |= {} if speculative else {"speculative": False}
         fields |= {"text": text} if text is not None else {"input_ids": None if input_ids is None else list(input_ids)}
         io = self.io
         req = PendingRequest(rid, input_ids, dict(fields),

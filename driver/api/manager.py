@@ -31,6 +31,7 @@ from driver.api.memory_calls import MemoryCalls
 from driver.api.result_router import ResultRouter
 from driver.engine.engine import Engine
 from driver.engine.request import Request
+from driver.engine.speculation import load_draft
 from driver.engine.staleness import bound_staleness
 from driver.api.serving_metrics import ServingMetrics
 from driver.api.update_calls import WeightUpdates
@@ -58,7 +59,8 @@ class ContinuousBatchingManager:
                                                              continuous_batching_config.drop_unsupported_processors)
         self.runner, self.effective_config, self.groups = model.build_runner(continuous_batching_config)
         self.is_driver = self.groups.is_driver
-        self.engine = Engine(self.runner, self.effective_config, self.groups, self.config.seed) \
+        draft = load_draft(self.effective_config, self.runner, self.groups)  # every rank: one agreement
+        self.engine = Engine(self.runner, self.effective_config, self.groups, self.config.seed, draft) \
             if self.is_driver else None
         self.results = ResultRouter()
         self.metrics = ServingMetrics()  # fed by the driver's loop (DriverLoop.emit); read by `stats`
@@ -182,7 +184,8 @@ class ContinuousBatchingManager:
                 "num_host_blocks": e.scheduler.host.num_slots, **e.scheduler.offload_stats(),
                 "prompt_tokens_computed": e.num_prompt_tokens, **asdict(e.scheduler.forks.stats),
                 "cuda_graphs": dict(self.runner.graph_stats), "attention": self.effective_config.attention,
-                "model_impl": self.runner.model.impl, **self.routing_stats()}
+                "model_impl": self.runner.model.impl, **self.routing_stats(),
+                **(e.spec.stats.as_dict() | {"spec_method": e.spec.config.method} if e.spec else {})}
 
     def routing_stats(self) -> dict[str, Any]:
         """A MoE model's `experts_routed`: MoE layer -> real tokens routed to each expert since the model was
@@ -195,21 +198,22 @@ class ContinuousBatchingManager:
                     streaming: bool = False, record_timestamps: bool = False,
                     eos_token_id: int | list[int] | None = None, priority: int = 0, top_logprobs: int = 0,
                     max_weight_lag: int | None = None, stale_policy: str | None = None,
-                    prompt_logprobs: int | None = None, logprobs_mode: str | None = None,
+                    prompt_logprobs: int | None = None, logprobs_mode: str | None = None, speculative: bool = True,
                     **logit_processor_kwargs: Any) -> str | None:
         """Queue a request; its id on the driver, None on other ranks (a no-op there). `priority`: lower numbers are
         scheduled first (vLLM's meaning; FCFS within one; docs/architecture.md, "Fair scheduling"). `top_logprobs`
         (1..20): each output's `top_logprobs` holds every token's most probable (token, logprob) pairs.
         `max_weight_lag`, `stale_policy`: its staleness bound (None: the config's; docs/weights.md, "Staleness").
         `prompt_logprobs` (vLLM's; 0..20): each output's `prompt_logprobs` and `prompt_top_logprobs`.
-        `logprobs_mode` (vLLM's; None: the config's): what its logprobs report (driver/engine/logprobs_mode.py)."""
+        `logprobs_mode` (vLLM's; None: the config's): what its logprobs report (driver/engine/logprobs_mode.py).
+        `speculative=False`: it never speculates, even when the config's `speculative` is set (docs/speculative.md)."""
         if not self.is_driver:
             return None
         return self.submit(self.build_request(input_ids, request_id, max_new_tokens, streaming, record_timestamps,
                                               eos_token_id, priority=priority, top_logprobs=top_logprobs,
                                               max_weight_lag=max_weight_lag, stale_policy=stale_policy,
                                               prompt_logprobs=prompt_logprobs, logprobs_mode=logprobs_mode,
-                                              **logit_processor_kwargs))
+                                              speculative=speculative, **logit_processor_kwargs))
 
     def build_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                       streaming: bool = False, record_timestamps: bool = False,
@@ -217,7 +221,7 @@ class ContinuousBatchingManager:
                       resume_tokens: list[int] | None = None, resume_versions: list[tuple[int, int]] | None = None,
                       resumes: int = 0, priority: int = 0, top_logprobs: int = 0, max_weight_lag: int | None = None,
                       stale_policy: str | None = None, num_return_sequences: int | None = None,
-                      prompt_logprobs: int | None = None, logprobs_mode: str | None = None,
+                      prompt_logprobs: int | None = None, logprobs_mode: str | None = None, speculative: bool = True,
                       **logit_processor_kwargs: Any) -> Request:
         """A validated request, not yet queued (RequestRejected, with its code, if it cannot be served).
         `strict_processors`: refuse per-request sampling parameters this manager would ignore (the wire).
@@ -233,7 +237,7 @@ class ContinuousBatchingManager:
             self, input_ids, i, max_new_tokens, streaming, record_timestamps, eos_token_id, logit_processor_kwargs,
             strict_processors=strict_processors, resume_tokens=resume_tokens, resume_versions=resume_versions,
             resumes=resumes, priority=priority, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
-            logprobs_mode=logprobs_mode),
+            logprobs_mode=logprobs_mode, speculative=speculative),
             max_weight_lag, stale_policy, self.config))
 
     def submit(self, req: Request, sink: Callable[[GenerationOutput], None] | None = None) -> str:

@@ -120,4 +120,14 @@ def metrics_map(manager: Any) -> dict[str, Any]:
         "prefix_cache_queries": blocks.prefix_query_blocks * page,
         "prefix_cache_hits": blocks.prefix_hit_blocks * page,
         "num_preemptions": scheduler.num_preemptions, "weight_version": engine.weight_version,
-        "restart_count": manager.restart_count}
+        "restart_count": manager.restart_count, **spec_metrics(engine)}
+
+
+def spec_metrics(engine: Any) -> dict[str, Any]:
+    """vLLM's spec-decode counters (driver/engine/speculation.py), empty when the engine does not speculate."""
+    if engine.spec is None:
+        return {}
+    s = engine.spec.stats
+    return {"spec_decode_num_drafts": s.drafts, "spec_decode_num_draft_tokens": s.draft_tokens,
+            "spec_decode_num_accepted_tokens": s.accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(s.accepted_per_pos)}

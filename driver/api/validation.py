@@ -232,14 +232,18 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
                   record_timestamps: bool, eos_token_id: Any, kwargs: dict[str, Any],
                   strict_processors: bool = False, resume_tokens: Any = None, resume_versions: Any = None,
                   resumes: Any = 0, priority: Any = 0, top_logprobs: Any = 0, prompt_logprobs: Any = None,
-                  logprobs_mode: Any = None) -> Request:
+                  logprobs_mode: Any = None, speculative: Any = True) -> Request:
     """A validated Request from add_request's arguments and the manager's generation config; with `resume_tokens`
     (or `resumes` > 0) a ResumedRequest, whose `max_new_tokens` counts the resumed tokens too. `top_logprobs` > 0:
     each token's most probable alternatives too (with the logprobs). `prompt_logprobs` (vLLM's): the prompt's own
     logprobs with that many alternatives (driver/engine/prompt_scores.py). `logprobs_mode` (vLLM's; None: the
-    config's): what its logprobs report (driver/engine/logprobs_mode.py)."""
+    config's): what its logprobs report (driver/engine/logprobs_mode.py). `speculative=False`: it never speculates
+    (docs/speculative.md)."""
     rc, gen = manager.effective_config, manager.generation_config
     request_id = check_request_id(request_id)
+    if not isinstance(speculative, bool):
+        raise RequestRejected(f"request {request_id}: speculative={shown(speculative)}; it must be true or false",
+                              Code.BAD_FIELD, request_id)
     priority = check_priority(priority, request_id)
     top = check_top_logprobs(top_logprobs, request_id)
     scores = check_prompt_logprobs(prompt_logprobs, request_id)
@@ -291,7 +295,7 @@ def build_request(manager: Any, input_ids: Any, request_id: str, max_new_tokens:
     common = dict(request_id=request_id, eos_token_ids=eos, sampling=sampling, streaming=streaming,
                   record_timestamps=record_timestamps, return_logprobs=manager.config.return_logprobs or top > 0,
                   num_top_logprobs=top, priority=priority, grammar=grammar, prompt_logprobs=scores,
-                  logprobs_mode=mode)
+                  logprobs_mode=mode, speculative=speculative)
     tokens, versions, count = check_resume(resume_tokens, resume_versions, resumes, request_id, vocab, mnt, eos)
     if not count:
         return Request(prompt_ids=prompt, max_new_tokens=mnt, **common)

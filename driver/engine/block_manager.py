@@ -102,6 +102,21 @@ class BlockManager:
         pages_changed(req)
         return True
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the request's pages past those `num_tokens` tokens need (a speculating row's rejected positions:
+        pages it alone holds, never hashed, since no full block of them is on the host)."""
+        keep = self.blocks_for(num_tokens)
+        if len(req.block_ids) <= keep:
+            return
+        for b in reversed(req.block_ids[keep:]):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+                if self.block_hash[b] is None:
+                    self.free.move_to_end(b, last=False)
+        del req.block_ids[keep:]
+        pages_changed(req)
+
     def release(self, req: Request, keep_hashes: bool = False) -> None:
         """Drop the request's references. `keep_hashes`: its KV went to the host pool and comes back with them."""
         for b in reversed(req.block_ids):

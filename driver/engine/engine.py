@@ -23,6 +23,8 @@ from driver.engine.prompt_scores import score_prompts, scored_rows
 from driver.engine.request import Request
 from driver.engine.sampler import Draw, Launched, Sampler
 from driver.engine.scheduler import Batch, Scheduler
+from driver.engine.draft_model import DraftModel
+from driver.engine.speculation import speculator_for, split_scored
 from worker.runner import ModelRunner
 from worker.stream import Handle
 
@@ -39,7 +41,10 @@ class InFlight:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, rc: ResolvedConfig, groups: Groups, seed: int | None):
+    def __init__(self, runner: ModelRunner, rc: ResolvedConfig, groups: Groups, seed: int | None,
+                 draft: DraftModel | None = None):
+        """`draft`: method "draft"'s model (speculation.load_draft)."""
+        self.spec, rc = speculator_for(rc, draft, seed)  # speculative decoding (speculation.py), None: off
         self.runner, self.rc, self.groups = runner, rc, groups
         self.blocks = BlockManager(rc.num_blocks, rc.page_size, rc.allow_block_sharing)
         self.scheduler = Scheduler(rc, self.blocks)
@@ -101,8 +106,12 @@ class Engine:
     def step(self, data: bytes = b"") -> list[Request]:
         """Run one step; returns the requests that got a token or ended (overlapped: in the step it collected).
         `data` (outputs owed to the workers) rides with the plan, or with a PUBLISH plan when nothing can run."""
-        batch, events = self.scheduler.schedule()
-        for req in events:  # validation refuses these at add time; a request built by hand can still get here
+        # proposals need every earlier token on the host: a running request that may speculate collects first
+        events = self.flush() if self.spec and self.in_flight and self.spec.wants_host_tokens(
+            self.scheduler.running) else []
+        batch, failed = self.scheduler.schedule()
+        events += failed
+        for req in failed:  # validation refuses these at add time; a request built by hand can still get here
             need = self.blocks.blocks_for(req.num_computed + 1)
             self.end(req, RequestStatus.FAILED, f"request {req.request_id} needs {need} or more KV pages of "
                      f"{self.rc.page_size} tokens; the cache holds {self.rc.num_blocks}", Code.EXCEEDS_KV_CACHE)
@@ -111,10 +120,12 @@ class Engine:
             if data:
                 self.send(Command.PUBLISH, data)
             return events
+        rows = self.scheduler.batch
+        drafts = self.spec.draft(batch.reqs, batch.num_tokens, rows, self.blocks, self.rc.max_batch_tokens - sum(
+            batch.num_tokens), self.scheduler.keep_free) if self.spec else {}
         batch = decode_first(batch)
         burst = self.scheduler.burst_length(batch) if self.rc.overlap else 1  # allocates its pages: before _plan
-        rows = self.scheduler.batch
-        plan, slots = self._plan(batch)
+        plan, slots = self._plan(batch, drafts)
         plan.data = data
         plan.swap_out, plan.swap_in = self.scheduler.host.take()
         plan.page_copies = self.scheduler.forks.take()
@@ -130,6 +141,8 @@ class Engine:
         self.num_burst_forwards += burst - 1
         self._send(plan)
         logits = self.runner.launch(plan)
+        if self.spec is not None and self.spec.model is not None:  # the draft's cache follows every target step
+            self.spec.model.mirror(plan)
         rows.computed[slots] += plan.q_lens + (plan.burst - 1)
         self.num_prompt_tokens += int(np.maximum(0, np.minimum(plan.kv_lens, rows.prompt_len[slots])
                                                  - (plan.kv_lens - plan.q_lens)).sum())
@@ -138,12 +151,19 @@ class Engine:
             events += self.flush()
             self._register(batch.reqs, slots)
             out = logits.value()
+            scored = [r for r, m in zip(batch.reqs, scoring.tolist()) if m]
+            speculated = np.fromiter([r in drafts for r in scored], bool, len(scored))
             if scoring.any():  # after the sampled rows' logits, every position of the scored rows
-                score_prompts(out[len(sampled):], [r for r, m in zip(batch.reqs, scoring.tolist()) if m],
-                              plan.kv_lens[scoring] - plan.q_lens[scoring], plan.kv_lens[scoring])
+                prompt_logits, spec_logits = split_scored(out[len(sampled):], plan.q_lens[scoring], speculated)
+                prompt = ~speculated
+                score_prompts(prompt_logits, [r for r, m in zip(scored, prompt.tolist()) if m],
+                              (plan.kv_lens[scoring] - plan.q_lens[scoring])[prompt], plan.kv_lens[scoring][prompt])
                 out = out[:len(sampled)]
             launched = self.sampler.launch(out, *self.sampler.rows(sampled))
             events += self._collect(sampled, launched, self.weight_version)
+            if drafts:
+                spec_reqs = [r for r, m in zip(scored, speculated.tolist()) if m]
+                events += self._apply_verified(spec_reqs, self.spec.verify(spec_logits, spec_reqs, drafts))
             self.step_no += 1
             return events
         rows.pending[sampled_slots] += plan.burst
@@ -300,9 +320,30 @@ class Engine:
             self.end(req, RequestStatus.FINISHED, reason="length")
         self.num_tokens_generated += n
 
-    def _plan(self, batch: Batch) -> tuple[StepPlan, np.ndarray]:
+    def _apply_verified(self, reqs: list[Request], draws: list[list[Draw]]) -> list[Request]:
+        """Append each speculating request's verified tokens through `_append` (cut at EOS and its limits as plain
+        decoding cuts; a failed draw fails it after the tokens before it); a live row's computed tokens go back to
+        its tokens less one and its pages past them are freed (speculation.py)."""
+        now, rows = time.perf_counter(), self.scheduler.batch
+        for req, mine in zip(reqs, draws):
+            if req.is_finished:  # ended meanwhile (a cancel): its tokens are dropped
+                continue
+            good = [d for d in mine if d.error is None]
+            if good:
+                lps = [d.logprob for d in good] if req.return_logprobs else None
+                self._append(req, [d.token for d in good], lps, now, self.weight_version,
+                             [d.top for d in good] if req.num_top_logprobs else None)
+            if len(good) < len(mine) and not req.is_finished:
+                self._apply([req], [mine[len(good)]], self.weight_version)
+            if not req.is_finished:
+                rows.computed[req.slot] = req.num_tokens - 1
+                self.blocks.trim(req, req.num_tokens)
+        return reqs
+
+    def _plan(self, batch: Batch, drafts: dict | None = None) -> tuple[StepPlan, np.ndarray]:
         """The STEP plan of a batch (decode rows first) and its rows' slots, from the persistent batch's arrays; a
-        token still in flight is input id -(1 + its row in the step in flight)."""
+        token still in flight is input id -(1 + its row in the step in flight). A speculating row (`drafts`: its
+        request's proposals) runs its last token and its proposals, every position scored (speculation.py)."""
         rows, reqs = self.scheduler.batch, batch.reqs
         slots = rows.slots(reqs)
         q = np.asarray(batch.num_tokens, np.int64)
@@ -329,13 +370,17 @@ class Engine:
                     continue
                 a, b, k = int(start[i]), int(stop[i]), int(known[i])
                 chunk = token_slice(reqs[i], a, min(b, k))
-                if b > k:  # its pending token (the scheduler runs it alone, as a one-token decode)
+                if drafts and reqs[i] in drafts:
+                    chunk = chunk + drafts[reqs[i]].tolist()
+                elif b > k:  # its pending token (the scheduler runs it alone, as a one-token decode)
                     chunk = chunk + [-1 - int(row_of[slots[i]])]
                 parts.append(np.asarray(chunk, np.int64))
         input_ids = np.concatenate(parts).astype(np.int32)
         flags = (stop == known + pending) * SAMPLE_LAST
         if rows.scores[slots].any():  # prompt logprobs: every position of these rows comes back (prompt_scores.py)
             flags = flags + scored_rows(rows.scores[slots], start, p) * SCORE_ALL
+        if drafts:  # speculating rows: every position's logits come back to be verified (speculation.py)
+            flags = flags + np.fromiter([r in drafts for r in reqs], bool, len(reqs)) * SCORE_ALL
         plan = StepPlan(command=Command.STEP, step=self.step_no, weight_version=self.weight_version,
                         input_ids=input_ids, q_lens=q.astype(np.int32), kv_lens=stop.astype(np.int32),
                         sample=flags.astype(np.int32), block_tables=rows.table(slots))

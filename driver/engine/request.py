@@ -140,6 +140,7 @@ class Request:
     stale_policy: str = "end"
     stale_restarts: int = 0
     pauses: list[tuple[int, str]] = field(default_factory=list)
+    speculative: bool = True  # False: it never speculates, even when the engine does (docs/speculative.md)
 
     # tokens whose K/V are in the cache (or are being computed by the step in flight)
     num_computed = RowCount("computed")

@@ -84,7 +84,8 @@ class RequestDesk:
                                              priority=s.priority, top_logprobs=s.top_logprobs,
                                              max_weight_lag=s.max_weight_lag, stale_policy=s.stale_policy,
                                              num_return_sequences=s.n, prompt_logprobs=s.prompt_logprobs,
-                                             logprobs_mode=s.logprobs_mode, **s.sampling)
+                                             logprobs_mode=s.logprobs_mode, speculative=s.speculative,
+                                             **s.sampling)
             if s.stop:  # per-token outputs, so a stop string ends it at once (ticket.streaming: does the client
                 for r in (req, *req.children):  # get them); text already sent is never taken back: no stale restart
                     r.streaming = True

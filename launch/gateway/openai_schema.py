@@ -56,6 +56,7 @@ class _Common(BaseModel):
     # Lockstep's: the weight versions a request may span, and what an update beyond does (docs/weights.md, "Staleness")
     max_weight_lag: int | None = Field(None, ge=0)
     stale_policy: Literal["end", "restart"] | None = None
+    speculative: bool = True  # Lockstep's: false keeps it out of speculative decoding (docs/speculative.md)
     # vLLM's: what logprobs report (vLLM's engine setting, per request here; unset: the preset's, docs/http.md), and
     # each choice's prompt_token_ids and token_ids
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"] | None = None
@@ -130,7 +131,8 @@ class _Common(BaseModel):
                   "presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
                   "logit_bias": [[int(t), b] for t, b in self.logit_bias.items()] if self.logit_bias else None,
                   "structured_output": self.structured_output(), "max_weight_lag": self.max_weight_lag,
-                  "stale_policy": self.stale_policy, "logprobs_mode": self.logprobs_mode}
+                  "stale_policy": self.stale_policy, "logprobs_mode": self.logprobs_mode,
+                  "speculative": None if self.speculative else False}
         return {k: v for k, v in params.items() if v is not None}
 
 

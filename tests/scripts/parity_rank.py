@@ -16,17 +16,17 @@ import sys
 
 import cluster
 from tests.moe_updates import run_updates
-from tests.workloads import MODES, NEW_TOKENS, SCENARIOS, prompts_for
+from tests.workloads import MODES, NEW_TOKENS, SCENARIOS, mode_fields, prompts_for
 
 
 def run(model_dir: str, out_path: str, modes: list[str], scenarios: list[str], expert_parallel: bool,
         updates: str | None = None) -> None:
     model = cluster.load(model_dir, expert_parallel=expert_parallel)
     results = {}
-    for key, (fields, kind), mode_fields in [(f"{name}/{mode}", SCENARIOS[name], MODES[mode])
-                                             for name in scenarios for mode in modes]:
+    for key, (fields, kind), mode in [(f"{name}/{mode}", SCENARIOS[name], mode)
+                                      for name in scenarios for mode in modes]:
         prompts = prompts_for(kind, model.config.vocab_size)
-        config = cluster.ContinuousBatchingConfig(**fields, **mode_fields)
+        config = cluster.ContinuousBatchingConfig(**fields, **mode_fields(mode, model_dir))
         out = model.generate_batch(prompts, continuous_batching_config=config, max_new_tokens=NEW_TOKENS)
         results[key] = {"tokens": [o.generated_tokens for o in out.values()],
                          "status": [int(o.status) for o in out.values()], "stats": model.last_stats}
