@@ -71,7 +71,10 @@ class FakeHead:
 
 
 class FakeModel:
-    """What ModelRunner reads of a model: the layer count and the head; the forward is `SimulatedForward`."""
+    """What ModelRunner reads of a model: the layer count, the head, whether its cache holds values (per-head K/V, as
+    every family but MLA's); the forward is `SimulatedForward`."""
+
+    kv_values = True
 
     def __init__(self, shard: Shard, collective: str):
         self.config = type("Config", (), {"num_hidden_layers": 1})()
