@@ -298,6 +298,20 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def collect(out, procs: list) -> tuple:
+    """The next rank's message; SystemExit naming the rank as soon as one exits with an error (its traceback is on
+    stderr) rather than waiting for a message that will not come."""
+    import queue as queue_module
+
+    while True:
+        try:
+            return out.get(timeout=0.5)
+        except queue_module.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"rank {dead[0][0]} exited with status {dead[0][1]} (its traceback is above)")
+
+
 def run_tp(tp: int, configs: list[tuple[int, float, bool, int, bool]], warmup: int, steps: int, head: str,
            queue: bool) -> list[dict]:
     from launch.torchrun import free_port
@@ -309,7 +323,7 @@ def run_tp(tp: int, configs: list[tuple[int, float, bool, int, bool]], warmup: i
              for r in range(tp)]
     for p in procs:
         p.start()
-    got = [out.get(timeout=3600) for _ in range(tp)]
+    got = [collect(out, procs) for _ in range(tp)]
     for p in procs:
         p.join(timeout=60)
     _, results, sent = next(g for g in got if g[0] == "results")
