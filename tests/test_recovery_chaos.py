@@ -14,6 +14,7 @@ import tomllib
 
 import pytest
 
+import cluster
 from cluster.client import Client
 from cluster.outputs import RequestStatus
 from tests.clients import run_clients
@@ -104,10 +105,19 @@ def wait_gone(pid: int, limit_s: float) -> float | None:
 
 
 @pytest.fixture(scope="module")
-def reference(make_checkpoint, tmp_path_factory):
-    """The uninterrupted run: the same 64 requests, same ids and seeds, on a server nobody kills."""
-    with serve(make_checkpoint("llama"), tp=2, config=CONFIG, tmp_path=tmp_path_factory.mktemp("ref")) as s:
-        return all_requests(s.address)
+def reference(make_checkpoint):
+    """The uninterrupted run: the same 64 requests, same ids and seeds, in this process at TP=1 with per-request
+    sampling (serve's default) and no server to start: greedy tokens equal transformers' at every TP size, and the
+    counter sampler's seeded tokens do not depend on the TP size or the batch (tests/test_counter_sampler.py)."""
+    specs = [request(k, i) for k in range(CLIENTS) for i in range(PER_CLIENT)]
+    config = cluster.ContinuousBatchingConfig(per_request_processors=True)
+    with cluster.load(make_checkpoint("llama")).continuous_batching_context_manager(
+            continuous_batching_config=config) as m:
+        for spec in map(dict, specs):
+            spec.pop("streaming")
+            m.add_request(spec.pop("input_ids"), request_id=spec.pop("request_id"), **spec)
+        outs = {spec["request_id"]: m.get_result(spec["request_id"], timeout=300) for spec in specs}
+    return {rid: {"tokens": o.generated_tokens, "status": int(o.status)} for rid, o in outs.items()}
 
 
 @pytest.mark.slow
