@@ -104,20 +104,23 @@ def wait_gone(pid: int, limit_s: float) -> float | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def reference(make_checkpoint):
-    """The uninterrupted run: the same 64 requests, same ids and seeds, in this process at TP=1 with per-request
-    sampling (serve's default) and no server to start: greedy tokens equal transformers' at every TP size, and the
-    counter sampler's seeded tokens do not depend on the TP size or the batch (tests/test_counter_sampler.py)."""
+def in_process_reference(model_dir) -> dict[str, dict]:
+    """The uninterrupted run of every request (same ids and seeds) in this process at TP=1 with per-request sampling
+    (serve's default), no server to start: greedy tokens equal transformers' at every TP size, and the counter
+    sampler's seeded tokens do not depend on the TP size or the batch (tests/test_counter_sampler.py)."""
     specs = [request(k, i) for k in range(CLIENTS) for i in range(PER_CLIENT)]
     config = cluster.ContinuousBatchingConfig(per_request_processors=True)
-    with cluster.load(make_checkpoint("llama")).continuous_batching_context_manager(
-            continuous_batching_config=config) as m:
+    with cluster.load(model_dir).continuous_batching_context_manager(continuous_batching_config=config) as m:
         for spec in map(dict, specs):
             spec.pop("streaming")
             m.add_request(spec.pop("input_ids"), request_id=spec.pop("request_id"), **spec)
         outs = {spec["request_id"]: m.get_result(spec["request_id"], timeout=300) for spec in specs}
     return {rid: {"tokens": o.generated_tokens, "status": int(o.status)} for rid, o in outs.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(make_checkpoint):
+    return in_process_reference(make_checkpoint("llama"))
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ from launch.ray_launcher import start_ray_cluster  # noqa: E402
 from tests.conftest import REPO  # noqa: E402
 from tests.serving import fast_config  # noqa: E402
 from tests.test_ray import wait_until  # noqa: E402
-from tests.test_recovery_chaos import CLIENTS, PER_CLIENT, all_requests, assert_resumed_exactly  # noqa: E402
+from tests.test_recovery_chaos import (CLIENTS, PER_CLIENT, all_requests, assert_resumed_exactly,  # noqa: E402
+                                      in_process_reference)
 
 PRESET = tomllib.loads(fast_config(client_timeout_s=10.0))
 
@@ -30,7 +31,8 @@ PRESET = tomllib.loads(fast_config(client_timeout_s=10.0))
 @pytest.fixture(scope="module")
 def supervised(make_checkpoint):
     """A local Ray, the ranks as actors, `supervise` (max 3 restarts) in a thread, and the uninterrupted
-    reference run of every request on that cluster. Yields (handle, reference, restarts done)."""
+    reference run of every request (in this process: tests/test_recovery_chaos.py). Yields (handle, reference,
+    restarts done)."""
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
     # a port of ZeroMQ's choosing: the restarted group must bind the one the first group got
@@ -41,7 +43,7 @@ def supervised(make_checkpoint):
                                name="supervise", daemon=True)
     watcher.start()
     try:
-        yield handle, all_requests(handle.address), restarted
+        yield handle, in_process_reference(make_checkpoint("llama")), restarted
     finally:
         stop.set()
         watcher.join(120)
