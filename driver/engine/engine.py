@@ -151,18 +151,19 @@ class Engine:
             events += self.flush()
             self._register(batch.reqs, slots)
             out = logits.value()
-            scored = [r for r, m in zip(batch.reqs, scoring.tolist()) if m]
-            speculated = np.fromiter([r in drafts for r in scored], bool, len(scored))
+            spec_reqs, spec_logits = [], None
             if scoring.any():  # after the sampled rows' logits, every position of the scored rows
+                scored = [r for r, m in zip(batch.reqs, scoring.tolist()) if m]
+                speculated = np.fromiter([r in drafts for r in scored], bool, len(scored))
                 prompt_logits, spec_logits = split_scored(out[len(sampled):], plan.q_lens[scoring], speculated)
                 prompt = ~speculated
                 score_prompts(prompt_logits, [r for r, m in zip(scored, prompt.tolist()) if m],
                               (plan.kv_lens[scoring] - plan.q_lens[scoring])[prompt], plan.kv_lens[scoring][prompt])
+                spec_reqs = [r for r, m in zip(scored, speculated.tolist()) if m]
                 out = out[:len(sampled)]
             launched = self.sampler.launch(out, *self.sampler.rows(sampled))
             events += self._collect(sampled, launched, self.weight_version)
             if drafts:
-                spec_reqs = [r for r, m in zip(scored, speculated.tolist()) if m]
                 events += self._apply_verified(spec_reqs, self.spec.verify(spec_logits, spec_reqs, drafts))
             self.step_no += 1
             return events
