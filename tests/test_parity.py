@@ -12,7 +12,7 @@ import pytest
 import cluster
 from cluster.outputs import RequestStatus
 from tests.conftest import hf_greedy, read_json, run_ranks, transformers_greedy
-from tests.workloads import MODES, NEW_TOKENS, SCENARIOS, mode_fields, prompts_for
+from tests.workloads import MODE_SCENARIOS, MODES, NEW_TOKENS, SCENARIOS, mode_fields, prompts_for, runs_of
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -51,7 +51,8 @@ TP1_RUNS = [(arch, mode) for arch in ARCHS for mode in MODES if mode == "overlap
 def test_tp1_matches_transformers(arch, mode, make_checkpoint):
     model_dir = make_checkpoint(arch)
     model = cluster.load(model_dir)
-    for name, (fields, kind) in SCENARIOS.items():
+    for name, _ in runs_of([mode], SCENARIOS):
+        fields, kind = SCENARIOS[name]
         prompts = prompts_for(kind, model.config.vocab_size)
         config = cluster.ContinuousBatchingConfig(**fields, **mode_fields(mode, model_dir))
         out = model.generate_batch(prompts, continuous_batching_config=config, max_new_tokens=NEW_TOKENS)
@@ -70,12 +71,18 @@ SHORT_TP2 = {"gemma2": ("gemma2", {})}
 TP2_CASES = {a: (a, {}) for a in ARCHS} | {"llama-kv1": ("llama", {"num_key_value_heads": 1}),
                                            "gemma3": ("gemma3", {"sliding_window": 48})} | SHORT_TP2 | GENERIC_TP2
 # as at TP=1: every case overlapped, one architecture in every mode (the plan, its broadcast and multi-step decode's
-# token broadcast are the same code for every architecture; tests/test_gemma.py runs Gemma 3 at TP=1)
+# token broadcast are the same code for every architecture; tests/test_gemma.py runs Gemma 3 at TP=1), each mode in
+# its scenarios (tests/workloads.py MODE_SCENARIOS)
 TP2_RUNS = [(case, mode) for case in TP2_CASES for mode in MODES if mode == "overlap" or case == MODE_ARCH]
+# the other native cases at TP=2: their sharded layers through prefill chunks and shared pages (each runs every
+# scenario at TP=1; preemption and the host pool are the same scheduling and page code for every architecture)
+NATIVE_TP2_SCENARIOS = ("chunked", "sharing")
 
 
-def tp2_scenarios(case: str) -> tuple[str, ...]:
-    return GENERIC_SCENARIOS if case in GENERIC_TP2 or case in SHORT_TP2 else tuple(SCENARIOS)
+def tp2_scenarios(case: str, mode: str = "overlap") -> tuple[str, ...]:
+    if case in GENERIC_TP2 or case in SHORT_TP2:
+        return GENERIC_SCENARIOS
+    return MODE_SCENARIOS[mode] if case == MODE_ARCH else NATIVE_TP2_SCENARIOS
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +106,7 @@ def test_tp2_matches_transformers(case, mode, tp2_outputs):
     rank1 = read_json(out_path + ".rank1")
     model_dir = dirs[case]
     vocab = cluster.load(model_dir).config.vocab_size
-    for name in tp2_scenarios(case):
+    for name in tp2_scenarios(case, mode):
         r, kind = results[f"{name}/{mode}"], SCENARIOS[name][1]
         assert r["stats"]["model_impl"] == ("generic" if case in GENERIC_TP2 else "native")
         check_scenario(name, r["tokens"], r["status"], r["stats"], hf_greedy(model_dir, prompts_for(kind, vocab)),

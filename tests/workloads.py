@@ -58,6 +58,19 @@ MODES = {"serial": dict(use_async_batching=False), "overlap": dict(use_async_bat
          "draft": dict(speculative={"method": "draft", "model": SELF, "num_speculative_tokens": 3})}
 
 
+# the scenarios each mode runs: overlapped (the default) runs all of them; every other mode the ones where its code
+# meets the scheduler's (chunks, shared pages, preemption; multi-step decode's decode-only batches beside shared
+# pages and preemption). The host pool (`offload`) swaps the same pages in every mode: overlapped only.
+MODE_SCENARIOS = {"overlap": tuple(SCENARIOS), "serial": ("chunked", "sharing", "preempt"),
+                  "burst": ("sharing", "preempt"), "spec": ("chunked", "sharing", "preempt"),
+                  "draft": ("chunked", "sharing", "preempt")}
+
+
+def runs_of(modes, scenarios) -> list[tuple[str, str]]:
+    """(scenario, mode) pairs to run: each scenario of `scenarios` in each mode of `modes` that runs it."""
+    return [(name, mode) for name in scenarios for mode in modes if name in MODE_SCENARIOS[mode]]
+
+
 def mode_fields(mode: str, model_dir) -> dict:
     """MODES[mode] with the checkpoint's directory for SELF."""
     fields = dict(MODES[mode])

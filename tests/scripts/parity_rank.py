@@ -1,5 +1,5 @@
 """One torchrun launch of the TP parity test for several checkpoints: every rank runs every scenario of every
-checkpoint through generate_batch in every mode of tests/workloads.py MODES (serial, overlapped, multi-step decode);
+checkpoint through generate_batch in every mode of tests/workloads.py MODES that runs it (MODE_SCENARIOS);
 rank 0 writes the outputs, rank 1 its own tokens. One launch for all of them
 saves a process start, an import of torch and a group rendezvous per checkpoint.
 
@@ -16,7 +16,7 @@ import sys
 
 import cluster
 from tests.moe_updates import run_updates
-from tests.workloads import MODES, NEW_TOKENS, SCENARIOS, mode_fields, prompts_for
+from tests.workloads import MODES, NEW_TOKENS, SCENARIOS, mode_fields, prompts_for, runs_of
 
 
 def run(model_dir: str, out_path: str, modes: list[str], scenarios: list[str], expert_parallel: bool,
@@ -24,7 +24,7 @@ def run(model_dir: str, out_path: str, modes: list[str], scenarios: list[str], e
     model = cluster.load(model_dir, expert_parallel=expert_parallel)
     results = {}
     for key, (fields, kind), mode in [(f"{name}/{mode}", SCENARIOS[name], mode)
-                                      for name in scenarios for mode in modes]:
+                                      for name, mode in runs_of(modes, scenarios)]:
         prompts = prompts_for(kind, model.config.vocab_size)
         config = cluster.ContinuousBatchingConfig(**fields, **mode_fields(mode, model_dir))
         out = model.generate_batch(prompts, continuous_batching_config=config, max_new_tokens=NEW_TOKENS)
