@@ -45,56 +45,6 @@ def _ending(call) -> tuple[BaseException | None, float]:
 
 
 @pytest.mark.slow
-def test_killed_driver_ends_every_waiting_call_with_server_gone(make_checkpoint, tmp_path):
-    with serve(make_checkpoint("llama"), tp=2, config=CONFIG, tmp_path=tmp_path) as s:
-        # resume=False: this is the failure a client sees when it does not resume (tests/test_recovery_chaos.py)
-        blocking, streaming = Client(s.address, timeout=60, resume=False), Client(s.address, timeout=60, resume=False)
-        rids = [blocking.submit([1, 5, k], max_new_tokens=LONG) for k in range(4)]
-        stream = streaming.stream([1, 7, 7], max_new_tokens=LONG)
-        assert len(next(stream).generated_tokens) == 1  # tokens are flowing
-        deadline = time.monotonic() + 20  # bounds every wait (today's client would wait for `timeout`)
-        ended: dict[str, tuple[BaseException | None, float]] = {}
-        async_streaming = threading.Event()
-
-        def wait_results() -> None:
-            for r in rids:
-                ended[r] = _ending(lambda r=r: blocking.result(r, timeout=max(0.1, deadline - time.monotonic())))
-
-        def drain_stream() -> None:
-            ended["stream"] = _ending(lambda: [None for _ in stream])
-
-        async def drain_async_stream() -> None:
-            c = AsyncClient(s.address, timeout=60, resume=False)
-            items = c.stream([1, 6, 7], max_new_tokens=LONG)
-            await items.__anext__()
-            async_streaming.set()
-            async for _ in items:
-                pass
-
-        def async_stream() -> None:
-            ended["async stream"] = _ending(lambda: asyncio.run(asyncio.wait_for(
-                drain_async_stream(), max(0.1, deadline - time.monotonic()))))
-
-        threads = [threading.Thread(target=f, daemon=True) for f in (wait_results, drain_stream, async_stream)]
-        for t in threads:
-            t.start()
-        assert async_streaming.wait(10)
-        time.sleep(0.5)
-        os.kill(rank_pid(s, 0), signal.SIGKILL)
-        killed = time.monotonic()
-        for t in threads:
-            t.join(30)
-        assert set(ended) == {*rids, "stream", "async stream"}
-        print("ended after the kill (s):", {name: round(when - killed, 2) for name, (_, when) in ended.items()})
-        for name, (error, when) in ended.items():
-            assert isinstance(error, ClientError) and error.code == "server_gone", (name, repr(error))
-            assert s.address in error.message
-            assert when - killed < 10.0, (name, when - killed)
-        blocking.close()
-        streaming.close()
-
-
-@pytest.mark.slow
 def test_io_thread_exception_fails_every_waiting_call(server, monkeypatch):
     c = Client(server.address, timeout=30)
     rid = c.submit([1, 4, 4], max_new_tokens=LONG)
@@ -257,6 +207,56 @@ class StandInServer:
         self.thread.join(5)
         self.sock.close(0)
         self.ctx.term()
+
+
+@pytest.mark.slow
+def test_killed_driver_ends_every_waiting_call_with_server_gone(server):
+    """After every other test of the shared server: it kills the server's driver."""
+    # resume=False: this is the failure a client sees when it does not resume (tests/test_recovery_chaos.py)
+    blocking, streaming = Client(server.address, timeout=60, resume=False), Client(server.address, timeout=60, resume=False)
+    rids = [blocking.submit([1, 5, k], max_new_tokens=LONG) for k in range(4)]
+    stream = streaming.stream([1, 7, 7], max_new_tokens=LONG)
+    assert len(next(stream).generated_tokens) == 1  # tokens are flowing
+    deadline = time.monotonic() + 20  # bounds every wait (today's client would wait for `timeout`)
+    ended: dict[str, tuple[BaseException | None, float]] = {}
+    async_streaming = threading.Event()
+
+    def wait_results() -> None:
+        for r in rids:
+            ended[r] = _ending(lambda r=r: blocking.result(r, timeout=max(0.1, deadline - time.monotonic())))
+
+    def drain_stream() -> None:
+        ended["stream"] = _ending(lambda: [None for _ in stream])
+
+    async def drain_async_stream() -> None:
+        c = AsyncClient(server.address, timeout=60, resume=False)
+        items = c.stream([1, 6, 7], max_new_tokens=LONG)
+        await items.__anext__()
+        async_streaming.set()
+        async for _ in items:
+            pass
+
+    def async_stream() -> None:
+        ended["async stream"] = _ending(lambda: asyncio.run(asyncio.wait_for(
+            drain_async_stream(), max(0.1, deadline - time.monotonic()))))
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (wait_results, drain_stream, async_stream)]
+    for t in threads:
+        t.start()
+    assert async_streaming.wait(10)
+    time.sleep(0.5)
+    os.kill(rank_pid(server, 0), signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(30)
+    assert set(ended) == {*rids, "stream", "async stream"}
+    print("ended after the kill (s):", {name: round(when - killed, 2) for name, (_, when) in ended.items()})
+    for name, (error, when) in ended.items():
+        assert isinstance(error, ClientError) and error.code == "server_gone", (name, repr(error))
+        assert server.address in error.message
+        assert when - killed < 10.0, (name, when - killed)
+    blocking.close()
+    streaming.close()
 
 
 @pytest.mark.slow

@@ -37,8 +37,9 @@ def abandon(address: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(make_checkpoint, tmp_path_factory):
-    # without a tokenizer (same weights as make_checkpoint("llama")): text submits are refused with no_tokenizer
-    with serve(make_checkpoint("llama", tokenizer=False), tp=2, config=FAST,
+    # without a tokenizer (same weights as make_checkpoint("llama")): text submits are refused with no_tokenizer;
+    # no restart: the module's last test kills a rank and watches the server end
+    with serve(make_checkpoint("llama", tokenizer=False), tp=2, config=FAST, extra=["--max-restarts", "0"],
                tmp_path=tmp_path_factory.mktemp("srv")) as s:
         yield s
 
@@ -177,27 +178,6 @@ def test_pause_resume_and_health(server, make_checkpoint):
 
 
 @pytest.mark.slow
-def test_killed_worker_fails_every_request_naming_it(make_checkpoint, tmp_path):
-    # no restart, no resume: the failure itself (its recovery: tests/test_recovery_chaos.py)
-    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path, extra=["--max-restarts", "0"]) as s:
-        c = Client(s.address, timeout=60, resume=False)
-        rids = [c.submit([1, 5, k], max_new_tokens=900) for k in range(6)]
-        time.sleep(1.0)
-        os.kill(rank_pid(s, 1), signal.SIGKILL)
-        t0 = time.monotonic()
-        errors = []
-        for r in rids:
-            with pytest.raises(ClientError) as e:
-                c.result(r)
-            errors.append(e.value)
-        took = time.monotonic() - t0
-        assert all(e.code == "rank_failed" and "rank 1" in e.message for e in errors), errors[0]
-        assert took < 5.0  # within cpu_group_timeout
-        assert s.wait(60) != 0
-        assert "exitcode  : 3" in s.log or "exitcode: 3" in s.log
-
-
-@pytest.mark.slow
 def test_cli_submit_and_stats(server):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-m", "launch.cli", "submit", "--address", server.address, "--input-ids",
@@ -232,3 +212,24 @@ def test_the_router_in_front_of_two_replicas(server):
             assert stats["router"]["prefix_routed"] >= 1 and stats["router"]["affinity_entries"] >= 1
     finally:
         router.close()
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_every_request_naming_it(server):
+    """Last in the module: it ends the shared server. No restart (the server's --max-restarts 0), no resume: the
+    failure itself (its recovery: tests/test_recovery_chaos.py)."""
+    c = Client(server.address, timeout=60, resume=False)
+    rids = [c.submit([1, 5, k], max_new_tokens=900) for k in range(6)]
+    time.sleep(1.0)
+    os.kill(rank_pid(server, 1), signal.SIGKILL)
+    t0 = time.monotonic()
+    errors = []
+    for r in rids:
+        with pytest.raises(ClientError) as e:
+            c.result(r)
+        errors.append(e.value)
+    took = time.monotonic() - t0
+    assert all(e.code == "rank_failed" and "rank 1" in e.message for e in errors), errors[0]
+    assert took < 5.0  # within cpu_group_timeout
+    assert server.wait(60) != 0
+    assert "exitcode  : 3" in server.log or "exitcode: 3" in server.log
