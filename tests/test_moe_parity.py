@@ -1,6 +1,6 @@
 """Mixture-of-experts families at TP=2 (real processes): token-identical to transformers' generate under chunked
 prefill, prefix sharing and preemption, with tensor-parallel experts (every rank a slice of every expert) and with
-expert parallelism (every rank E / 2 whole experts; chunked prefill), overlapped (the scheduling modes are the dense parity's:
+expert parallelism (every rank E / 2 whole experts), overlapped (the scheduling modes are the dense parity's:
 tests/test_parity.py); both ranks agree. In the same launch,
 weight updates of expert tensors (tests/moe_updates.py: a full update in transformers' fused layout, then partial
 ones by checkpoint, handle and push, naming experts as published and as fused) serve exactly transformers' tokens on
@@ -33,23 +33,16 @@ CASES = [(arch, placement) for arch in MOE_ARCHS for placement in PLACEMENTS
 SINK_CASES = [("gpt_oss", placement) for placement in PLACEMENTS]
 CHECKPOINTS = MOE_CHECKPOINTS | {"gpt_oss": GPT_OSS}
 SCENARIOS_OF = {arch: TP1_SCENARIOS for arch in MOE_ARCHS} | {"gpt_oss": ("sharing", "preempt")}
-# expert parallelism changes where experts live, not the scheduling: one scenario each (the first of the family's),
-# its chunked prefills and decodes through every expert, beside the same family's tensor-parallel case in all of them
-
-
-def scenarios_of(arch: str, placement: str) -> tuple[str, ...]:
-    return SCENARIOS_OF[arch][:1] if placement == "ep" else SCENARIOS_OF[arch]
 
 
 @pytest.fixture(scope="module")
 def moe_tp2_outputs(make_checkpoint, moe_update_sources, tmp_path_factory):
     """Every case in one torchrun launch (tests/scripts/parity_rank.py); each test reads its own files."""
     prefix = tmp_path_factory.mktemp("moe_parity") / "out"
-    specs = [f"{arch}-{placement}={make_checkpoint(arch, **MOE_CHECKPOINTS[arch])}={','.join(MODES)}="
-             f"{','.join(scenarios_of(arch, placement))}=updates:{moe_update_sources(arch)}"
-             + (",ep" if placement == "ep" else "") for arch, placement in CASES]
+    specs = [f"{arch}-{placement}={make_checkpoint(arch, **MOE_CHECKPOINTS[arch])}={','.join(MODES)}={','.join(TP1_SCENARIOS)}"
+             f"=updates:{moe_update_sources(arch)}" + (",ep" if placement == "ep" else "") for arch, placement in CASES]
     specs += [f"{arch}-{placement}={make_checkpoint(arch, **CHECKPOINTS[arch])}={','.join(MODES)}="
-              f"{','.join(scenarios_of(arch, placement))}" + ("=ep" if placement == "ep" else "")
+              f"{','.join(SCENARIOS_OF[arch])}" + ("=ep" if placement == "ep" else "")
               for arch, placement in SINK_CASES]
     proc = run_ranks("parity_rank.py", [str(prefix), *specs], timeout=900)
     return prefix, proc
@@ -64,7 +57,7 @@ def test_tp2_matches_transformers(arch, placement, moe_tp2_outputs, make_checkpo
     results, rank1 = read_json(out_path), read_json(out_path + ".rank1")
     model_dir = make_checkpoint(arch, **CHECKPOINTS[arch])
     vocab = cluster.load(model_dir).config.vocab_size
-    for name in scenarios_of(arch, placement):
+    for name in SCENARIOS_OF[arch]:
         want = hf_greedy(model_dir, prompts_for(SCENARIOS[name][1], vocab))
         for mode in MODES:
             r = results[f"{name}/{mode}"]
