@@ -16,14 +16,15 @@ def lockstep(*args, timeout=240, cwd=REPO):
                           timeout=timeout, cwd=cwd, env=None)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch,model_type", [("llama", "llama"), ("qwen3", "qwen3")])
 def test_make_model_writes_a_loadable_checkpoint(tmp_path, arch, model_type):
+    """The command's own entry point, in this process (the command as a process: test_same_seed_same_weights)."""
     from transformers import AutoModelForCausalLM
 
+    from launch.cli import main
+
     out = tmp_path / arch
-    proc = lockstep("make-model", str(out), "--arch", arch, "--seed", "3", "--set", "num_key_value_heads=1")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["make-model", str(out), "--arch", arch, "--seed", "3", "--set", "num_key_value_heads=1"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == model_type and config["num_key_value_heads"] == 1
     assert (out / "model.safetensors").exists()
@@ -34,8 +35,11 @@ def test_make_model_writes_a_loadable_checkpoint(tmp_path, arch, model_type):
 
 @pytest.mark.slow
 def test_same_seed_same_weights(tmp_path):
-    for name in ("a", "b"):
-        assert lockstep("make-model", str(tmp_path / name), "--seed", "5").returncode == 0
+    """`lockstep make-model` as a process, and the same seed again in this process: the same bytes."""
+    from launch.make_model import make_model
+
+    assert lockstep("make-model", str(tmp_path / "a"), "--seed", "5").returncode == 0
+    make_model(tmp_path / "b", arch="llama", size="tiny", seed=5)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
 
 
