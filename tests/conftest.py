@@ -29,13 +29,15 @@ from launch.make_model import make_model  # noqa: E402
 from launch.torchrun import free_port  # noqa: E402
 from tests.workloads import NEW_TOKENS  # noqa: E402
 from tests.process_guard import pytest_runtest_protocol  # noqa: E402,F401  (the fast tier starts no process)
+from tests.ray_session import ray_head, ray_module  # noqa: E402,F401  (the Ray modules' one Ray)
 
 _MODELS: dict[tuple, Path] = {}
 
 # Each module's tests run on one xdist worker (pyproject: `--dist loadgroup`, a group a module), so its shared server
 # starts once; the Ray modules share one group, since local Ray clusters started at once on one host confuse each
-# other (a job of one failed to find an actor of its own cluster). Groups go out longest first (seconds on a clean
-# run here), the rest in file order, so the workers finish together. Refresh from `--durations` when they drift.
+# other (a job of one failed to find an actor of its own cluster), and so one Ray (tests/ray_session.py). Groups go
+# out longest first (seconds on a clean run here), the rest in file order, so the workers finish together. Refresh
+# from `--durations` when they drift.
 RAY_MODULES = ("test_replicas", "test_ray", "test_recovery_ray")
 # one group: one server (`http_server`)
 HTTP_MODULES = ("test_http", "test_http_openai", "test_http_samples", "test_http_trl", "test_lm_eval")

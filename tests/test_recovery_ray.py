@@ -19,9 +19,8 @@ ray = pytest.importorskip("ray")
 from cluster.client.client import Client  # noqa: E402
 from cluster.outputs import RequestStatus  # noqa: E402
 from launch.ray_launcher import start_ray_cluster  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
+from tests.ray_session import wait_until  # noqa: E402
 from tests.serving import fast_config  # noqa: E402
-from tests.test_ray import wait_until  # noqa: E402
 from tests.test_recovery_chaos import (CLIENTS, PER_CLIENT, all_requests, assert_resumed_exactly,  # noqa: E402
                                       in_process_reference)
 
@@ -29,12 +28,10 @@ PRESET = tomllib.loads(fast_config(client_timeout_s=10.0))
 
 
 @pytest.fixture(scope="module")
-def supervised(make_checkpoint):
-    """A local Ray, the ranks as actors, `supervise` (max 3 restarts) in a thread, and the uninterrupted
-    reference run of every request (in this process: tests/test_recovery_chaos.py). Yields (handle, reference,
-    restarts done)."""
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
+def supervised(ray_module, make_checkpoint):
+    """On the Ray the Ray modules share (tests/ray_session.py): the ranks as actors, `supervise` (max 3 restarts) in
+    a thread, and the uninterrupted reference run of every request (in this process: tests/test_recovery_chaos.py).
+    Yields (handle, reference, restarts done)."""
     # a port of ZeroMQ's choosing: the restarted group must bind the one the first group got
     handle = start_ray_cluster(make_checkpoint("llama"), tp=2, config=PRESET, address="tcp://127.0.0.1:*",
                                ready_timeout=300)
@@ -48,7 +45,6 @@ def supervised(make_checkpoint):
         stop.set()
         watcher.join(120)
         handle.shutdown()
-        ray.shutdown()
 
 
 def kill_actor_mid_generation(handle, rank: int, more_tokens: int, done: list) -> None:

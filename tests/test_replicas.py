@@ -1,11 +1,13 @@
 """Issue 13: data-parallel replicas on Ray behind one router (launch/router/replicas.py, launch/router/router.py).
 
-On a local Ray with 4 CPUs, 2 replicas of TP=1 behind one address: REQUESTS requests from CLIENTS clients
-(half streaming) all token-identical to transformers' greedy generate; one replica's actor killed with ray.kill
-mid-load: every request still completes, token-identical (resumed on the other replica), and the dead replica
-comes back and is taken in again; a weight update across both replicas under load loses no request and leaves
-both on the new version; a bad checkpoint changes neither; shared-prefix prompts go to the replica holding
-the prefix (the router's and the replicas' own prefix counters show it).
+On the local Ray the Ray modules share (tests/ray_session.py: 4 CPUs, the dashboard), 2 replicas of TP=1 behind
+one address: REQUESTS requests from CLIENTS clients (half streaming) all token-identical to transformers' greedy
+generate; one replica's actor killed with ray.kill mid-load: every request still completes, token-identical (resumed
+on the other replica), and the dead replica comes back and is taken in again; a weight update across both replicas
+under load loses no request and leaves both on the new version; a bad checkpoint changes neither; shared-prefix
+prompts go to the replica holding the prefix (the router's and the replicas' own prefix counters show it). Last, a
+TP=2 replica next to a TP=1 one behind one router: MIXED_REQUESTS requests, all exact, both routed (the main test's
+checks on a smaller load: its TP=2 replica serves several times slower here).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from launch.torchrun import free_port  # noqa: E402
 from cluster.outputs import RequestStatus  # noqa: E402
 from launch.router.replicas import start_replicas  # noqa: E402
 from tests.conftest import REPO, hf_greedy  # noqa: E402
-from tests.test_ray import wait_until  # noqa: E402
+from tests.ray_session import wait_until  # noqa: E402
 from tests.workloads import mixed_prompts, shared_prefix_prompts  # noqa: E402
 
 REQUESTS = 500  # the issue's count
+MIXED_REQUESTS = 64  # the TP=2 + TP=1 fleet's: two rounds of the clients' 32 in flight
 CLIENTS = 4
 NEW = 8
 PAGE = 16
@@ -46,19 +49,7 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def ray_head():
-    """A local Ray head with its dashboard (the job submission server) on a free loopback port."""
-    context = ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
-                       log_to_driver=False,
-                       runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
-    try:
-        yield f"http://{context.dashboard_url}"
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def fleet(ray_head, make_checkpoint):
+def fleet(ray_module, make_checkpoint):
     handle = start_replicas(make_checkpoint("llama"), tp=1, replicas=2, config=PRESET, address="tcp://127.0.0.1:*",
                             ready_timeout=300, service_name=SERVICE)
     try:
@@ -270,11 +261,11 @@ def submit_job(jobs, entry: str, timeout: float = 90.0) -> str:
 
 
 @pytest.mark.slow
-def test_a_ray_job_takes_the_service_handle_and_gets_correct_outputs(ray_head, fleet, make_checkpoint):
+def test_a_ray_job_takes_the_service_handle_and_gets_correct_outputs(ray_module, fleet, make_checkpoint):
     """A script submitted with Ray's JobSubmissionClient finds the ServiceHandle actor by name and generates."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    jobs = JobSubmissionClient(ray_head)
+    jobs = JobSubmissionClient(ray_module)
     ps = prompts()[:4]
     entry = " ".join(shlex.quote(a) for a in (sys.executable, str(REPO / "tests" / "scripts" / "replicas_job.py"),
                                               SERVICE, json.dumps(ps), str(NEW)))
@@ -290,18 +281,19 @@ def test_a_ray_job_takes_the_service_handle_and_gets_correct_outputs(ray_head, f
 
 
 @pytest.mark.slow
-def test_one_tp2_replica_next_to_one_tp1(ray_head, fleet, make_checkpoint):
-    """Last: the 2 x TP=1 fleet makes room for a TP=2 replica and a TP=1 one behind one router."""
+def test_one_tp2_replica_next_to_one_tp1(fleet, make_checkpoint):
+    """Last: the 2 x TP=1 fleet makes room for a TP=2 replica and a TP=1 one behind one router; MIXED_REQUESTS
+    requests (the main test's checks on a smaller load) all exact, and both replicas take some."""
     fleet.shutdown()
     mixed = start_replicas(make_checkpoint("llama"), tp=[2, 1], config=PRESET, address="tcp://127.0.0.1:*",
                            ready_timeout=300)
     try:
-        results = run_load(mixed.address, n=REQUESTS, tag="m")
+        results = run_load(mixed.address, n=MIXED_REQUESTS, tag="m")
         with mixed.client() as c:
             health, stats = c.health(), c.stats()
     finally:
         mixed.shutdown()
-    assert_all_exact(results, make_checkpoint("llama"), n=REQUESTS)
+    assert_all_exact(results, make_checkpoint("llama"), n=MIXED_REQUESTS)
     assert [r["world_size"] for r in health["replicas"]] == [2, 1] and health["world_size"] == 3
     assert all(r["routed"] > 0 for r in stats["replicas"]), stats["replicas"]
 
