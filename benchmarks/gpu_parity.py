@@ -4,7 +4,8 @@
     python benchmarks/gpu_parity.py --model DIR --make-arch qwen3_moe --label MoE --no-bursts ...   # the MoE row
 
 --make-arch ARCH writes a tiny checkpoint of ARCH (launch.make_model, seed 0) at --model first when none is there;
---label prefixes every check's name; --no-bursts leaves check 4 out (the MoE row: parity, graphs on = off).
+--label prefixes every check's name; --no-bursts leaves check 4 out (the MoE row: parity, graphs on = off);
+--no-tokenizer makes that checkpoint without a tokenizer (the checks feed token ids: the CPU dry run's saving).
 
 1. float32 greedy parity: Lockstep's generate_batch and transformers' generate (one prompt at a time, no
    padding) give identical tokens, EOS disabled so every request runs to --new-tokens.
@@ -54,9 +55,20 @@ def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def free_device(device: str) -> None:
-    gc.collect()
+    """Hand a finished run's GPU memory back before the next run loads its model (on the CPU reference counting
+    frees it: no collection, which costs a tiny dry run's step more than its model's forwards)."""
     if device.startswith("cuda"):
+        gc.collect()
         torch.cuda.empty_cache()
+
+
+def kv_blocks(device: str, prompts, new_tokens: int, burst: int) -> int | None:
+    """The KV pages of a run: on a GPU None (the runner sizes its cache from the free memory, as a user's run
+    does); on the CPU the pages these requests take, one spare each (the CPU default, 512 pages, is zeroed at
+    every run: a tiny dry run's step paid more for that than for its forwards)."""
+    if device.startswith("cuda"):
+        return None
+    return sum(-(-(len(p) + new_tokens + burst) // PAGE) + 1 for p in prompts)
 
 
 def lockstep_run(model_dir: str, device: str, dtype: str, prompts, new_tokens: int, graphs: bool | None = None,
@@ -77,8 +89,9 @@ def lockstep_run(model_dir: str, device: str, dtype: str, prompts, new_tokens: i
 
     model.build_runner = recording_build
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=new_tokens)
-    cb = cluster.ContinuousBatchingConfig(page_size=PAGE, use_cuda_graph=graphs, return_logprobs=logprobs,
-                                          decode_burst=burst, use_async_batching=True if burst > 1 else None)
+    cb = cluster.ContinuousBatchingConfig(page_size=PAGE, num_blocks=kv_blocks(device, prompts, new_tokens, burst),
+                                          use_cuda_graph=graphs, return_logprobs=logprobs, decode_burst=burst,
+                                          use_async_batching=True if burst > 1 else None)
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
                                max_new_tokens=new_tokens)
     tokens = [list(o.generated_tokens) for o in out.values()]
@@ -221,11 +234,13 @@ def main() -> int:
     p.add_argument("--make-arch", default=None, help="write a tiny checkpoint of this arch at --model if missing")
     p.add_argument("--label", default="", help="prefix of every check's name, e.g. MoE")
     p.add_argument("--no-bursts", action="store_true", help="leave out check 4 (multi-step decode)")
+    p.add_argument("--no-tokenizer", action="store_true", help="--make-arch writes no tokenizer")
     args = p.parse_args()
     if args.make_arch and not Path(args.model, "config.json").exists():
         from launch.make_model import make_model
 
-        make_model(args.model, arch=args.make_arch, size="tiny", seed=0)
+        make_model(args.model, arch=args.make_arch, size="tiny", seed=0,
+                   tokenizer=False if args.no_tokenizer else None)
     if args.device.startswith("cuda"):  # the same arithmetic for both engines: no TF32 in float32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False

@@ -61,7 +61,7 @@ skip() { printf '%s\t200\t0\t%s\n' "$1" "skipped: $2" >>"$OUT/steps.tsv"; echo "
 if [ "$DRY" -eq 1 ]; then
   DEVICE=cpu; SIZE=tiny; NGPU=0; SCALE=3
   PARITY_ARGS=(--prompts 2 --new-tokens 4)
-  MOE_ARGS=(--prompts 2 --new-tokens 4)
+  MOE_ARGS=(--prompts 2 --new-tokens 4 --no-tokenizer)  # the checks feed token ids: no BPE training a step
   BENCH_ARGS=(--pairs 1 --num-prompts 4 --min-len 8 --max-len 16 --new-tokens 4 --dtype float32)
 else
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
@@ -79,9 +79,10 @@ echo "gpu_proof: device $DEVICE, $NGPU GPU(s), out $OUT"
 # 1. install: only lockstep itself (no deps), plus missing light deps from wheels/, never torch/transformers
 step install 40 "$PY" benchmarks/gpu_install.py --out "$OUT/install.json" $([ "$DRY" -eq 1 ] && echo --dry-run)
 
-# 2. a small model, made here (no network)
+# 2. a small model, made here (no network); the dry run's without a tokenizer (no step reads one)
 MODEL="$OUT/model-$SIZE"
-step make-model 30 "$PY" -m launch.cli make-model "$MODEL" --arch llama --size "$SIZE" --seed 0
+step make-model 30 "$PY" -m launch.cli make-model "$MODEL" --arch llama --size "$SIZE" --seed 0 \
+  $([ "$DRY" -eq 1 ] && echo --no-tokenizer)
 
 # 3. correctness on this device: float32 parity, bfloat16 closeness, graphs on vs off
 step parity 100 "$PY" benchmarks/gpu_parity.py --model "$MODEL" --device "$DEVICE" --json "$OUT/parity.json" \

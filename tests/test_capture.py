@@ -8,8 +8,15 @@ import pytest
 import torch
 
 import cluster
+import worker.attention
 from cluster.config import ContinuousBatchingConfig
 from cluster.plan import StepPlan
+
+# the SDPA fallback's chunk budget of the mixed_in_chunks case: on the tiny qwen3 checkpoint the mixed plan's two
+# decodes take a chunk each and its 20-token prefill (32 padded queries) six, so every layer's attention loops
+# over several chunks of both kinds; a smaller budget (one query a chunk: 34 chunks a layer) only unrolls a
+# longer graph to trace, with nothing more to check
+CHUNKED_BUDGET = 26 * 1024
 
 
 def decode_plan(n: int, kv_len: int, page: int) -> StepPlan:
@@ -33,21 +40,43 @@ def runner(make_checkpoint):
     return r
 
 
+def recording(calls: list[tuple]):
+    """worker.attention.chunk_shape, appending each call's (arguments, result) to `calls`."""
+    shape = worker.attention.chunk_shape
+
+    def chunk_shape(*args):
+        calls.append((args, shape(*args)))
+        return calls[-1][1]
+
+    return chunk_shape
+
+
+def chunk_counts(calls: list[tuple]) -> list[int]:
+    """How many chunks each recorded chunk_shape((b, nq, ...), (rb, qc)) call splits its attention into."""
+    return [-(-args[0] // rb) * -(-args[1] // qc) for args, (rb, qc) in calls]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["decode", "mixed", "decode_bucket", "mixed_in_chunks"])
-def test_forward_compiles_with_fullgraph(runner, kind):
+def test_forward_compiles_with_fullgraph(runner, kind, monkeypatch):
     plan = decode_plan(4, 37, 16) if kind.startswith("decode") else mixed_plan(16)
-    # the graph bucket's layout (full KV width) and the SDPA fallback split into many chunks must compile too
-    runner.rc.attn_chunk_elements = 4096 if kind == "mixed_in_chunks" else 1 << 22
+    # the graph bucket's layout (full KV width) and the SDPA fallback split into several chunks must compile too
+    runner.rc.attn_chunk_elements = CHUNKED_BUDGET if kind == "mixed_in_chunks" else 1 << 22
     ids, meta, n = runner.prepare(plan, bucket=4 if kind == "decode_bucket" else None)
+    calls = []
+    monkeypatch.setattr(worker.attention, "chunk_shape", recording(calls))  # in the eager run only
     with torch.inference_mode():
         eager = runner.model(ids, meta, runner.cache.k, runner.cache.v)
+        monkeypatch.undo()
         torch._dynamo.reset()
         compiled = torch.compile(runner.model.forward, fullgraph=True, backend="aot_eager")
         out = compiled(ids, meta, runner.cache.k, runner.cache.v)
     assert out.shape == eager.shape and out.shape[0] >= n
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     runner.rc.attn_chunk_elements = 1 << 22
+    if kind == "mixed_in_chunks":  # every layer's decode and prefill attention went through several chunks
+        counts = chunk_counts(calls)
+        assert counts and min(counts) >= 2 and max(counts) >= 3, counts
 
 
 def test_static_buffers_keep_storage(runner):

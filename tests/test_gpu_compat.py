@@ -310,7 +310,9 @@ def test_summary_fails_on_a_failed_check_or_a_slow_ratio(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_proof_cpu_dry_run(tmp_path):
-    """The whole proof, tiny, on the CPU, with what the GPU image lacks hidden from every step."""
+    """The whole proof, tiny, on the CPU, with what the GPU image lacks hidden from every step. The dry run's
+    checkpoints carry no tokenizer (every step feeds token ids) and its runs size their KV cache to their
+    requests: the same steps and checks, without BPE training and a 512-page cache zeroed at every run."""
     out = tmp_path / "proof"
     r = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), "--cpu-dry-run", "--out", str(out)],
                        env=image_env(tmp_path), capture_output=True, text=True, timeout=300)
