@@ -213,7 +213,7 @@ class StandInServer:
 def test_killed_driver_ends_every_waiting_call_with_server_gone(server):
     """After every other test of the shared server: it kills the server's driver."""
     # resume=False: this is the failure a client sees when it does not resume (tests/test_recovery_chaos.py)
-    blocking, streaming = Client(server.address, timeout=60, resume=False), Client(server.address, timeout=60, resume=False)
+    blocking, streaming = (Client(server.address, timeout=60, resume=False) for _ in range(2))
     rids = [blocking.submit([1, 5, k], max_new_tokens=LONG) for k in range(4)]
     stream = streaming.stream([1, 7, 7], max_new_tokens=LONG)
     assert len(next(stream).generated_tokens) == 1  # tokens are flowing

@@ -62,18 +62,23 @@ def test_tp1_matches_transformers(arch, mode, make_checkpoint):
 
 
 # the generic path (worker/generic/) for the architectures whose config declares a base_model_tp_plan, in two
-# scenarios, both of them prefill chunked at 128 tokens (tests/test_generic.py runs them at TP=1, in this process)
-GENERIC_TP2 = {"granite": ("granite", {}), "olmo2": ("olmo2", {}), "phi3-window": ("phi3", {"sliding_window": 48}),
-               "cohere": ("cohere", {})}
+# scenarios, both of them prefill chunked at 128 tokens (tests/test_generic.py runs them, and Granite, whose
+# multipliers are scalars every rank applies alike, at TP=1, in this process): OLMo 2's q/k norms over all heads,
+# Phi-3's fused projections and window, Cohere's parallel block
+GENERIC_TP2 = {"olmo2": ("olmo2", {}), "phi3-window": ("phi3", {"sliding_window": 48}), "cohere": ("cohere", {})}
 GENERIC_SCENARIOS = ("sharing", "preempt")
 # Gemma 2 (its scores capped, every other layer windowed at 32) in the generic path's two scenarios
 SHORT_TP2 = {"gemma2": ("gemma2", {})}
-TP2_CASES = {a: (a, {}) for a in ARCHS} | {"llama-kv1": ("llama", {"num_key_value_heads": 1}),
-                                           "gemma3": ("gemma3", {"sliding_window": 48})} | SHORT_TP2 | GENERIC_TP2
-# as at TP=1: every case overlapped, one architecture in every mode (the plan, its broadcast and multi-step decode's
-# token broadcast are the same code for every architecture; tests/test_gemma.py runs Gemma 3 at TP=1), each mode in
-# its scenarios (tests/workloads.py MODE_SCENARIOS)
-TP2_RUNS = [(case, mode) for case in TP2_CASES for mode in MODES if mode == "overlap" or case == MODE_ARCH]
+# Mistral's window is a mask every rank applies alike to its heads: Gemma 3's and Phi-3's windows run at TP=2
+TP2_CASES = {a: (a, {}) for a in ARCHS if a != "mistral"} | {"llama-kv1": ("llama", {"num_key_value_heads": 1}),
+                                                             "gemma3": ("gemma3", {"sliding_window": 48})}
+TP2_CASES |= SHORT_TP2 | GENERIC_TP2
+# as at TP=1: every case overlapped, one architecture in the other modes (the plan, its broadcast and multi-step
+# decode's token broadcast are the same code for every architecture; tests/test_gemma.py runs Gemma 3 at TP=1), each
+# mode in its scenarios (tests/workloads.py MODE_SCENARIOS), but in series: the workers run the same plans either way,
+# and the driver's serial step runs at TP=2 under speculation (a speculating row's step is serial)
+TP2_MODES = [mode for mode in MODES if mode != "serial"]
+TP2_RUNS = [(case, mode) for case in TP2_CASES for mode in TP2_MODES if mode == "overlap" or case == MODE_ARCH]
 # the other native cases at TP=2: their sharded layers through prefill chunks and shared pages (each runs every
 # scenario at TP=1; preemption and the host pool are the same scheduling and page code for every architecture)
 NATIVE_TP2_SCENARIOS = ("chunked", "sharing")
