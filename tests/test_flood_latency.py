@@ -124,6 +124,10 @@ def test_a_flood_does_not_delay_another_clients_requests(make_checkpoint):
     alone, behind = sum(t for t, _ in base), sum(t for t, _ in flooded)
     print(f"4 interactive requests (s, steps) beside a steady load of {ROWS - 1}: {base} ({alone:.2f} s); beside a "
           f"{FLOOD}-request flood: {flooded} ({behind:.2f} s); load average {os.getloadavg()}")
-    for (_, alone_steps), (_, behind_steps) in zip(base, flooded):
-        assert behind_steps <= 2 * alone_steps, (base, flooded)  # each admitted within a step or two, as alone
+    # the bar for each request: within 2x of the same request beside the steady load, in seconds or in the
+    # driver's steps. Steps do not count the host's business, but they do count its share of it: a full suite on two
+    # cores once starved the hand-off of the first request (35 steps against 15, 4.26 s against 3.77). A request
+    # queued behind the flood's running ones waits out their 64 tokens: 4x the steps and the seconds.
+    for (alone_s, alone_steps), (behind_s, behind_steps) in zip(base, flooded):
+        assert behind_steps <= 2 * alone_steps or behind_s <= 2 * alone_s, (base, flooded)
     assert behind < max(BAR_S, 2 * alone), (base, flooded)  # the bar, or 2x the baseline on a busy host
