@@ -47,13 +47,14 @@ def weights_record_path(run_dir: str | None) -> str:
 def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, address: str | None = None,
                stop_event: threading.Event | None = None, *, on_started: Callable[[], None] | None = None,
                on_ready: Callable[[str], None] | None = None, state_file: str | None = None,
-               http: str | None = None) -> int:
+               http: str | None = None, interrupted: threading.Event | None = None) -> int:
     """Serve as this rank until `stop_event` is set or the step loop ends; returns the exit code. Every rank of the
     group calls it (torchrun's environment set): it joins the process groups and runs the loop's collectives. It
     neither installs signal handlers nor exits (a Ray actor's thread can do neither). `on_started` runs on every
     rank once the loop runs (so a signal during loading still interrupts the load); `on_ready(address)` on rank 0.
     `state_file`: the weights record (driver/frontdoor/served_weights.py); `http`: HOST:PORT of the OpenAI gateway
-    rank 0 runs as a child process (launch/gateway/child.py)."""
+    rank 0 runs as a child process (launch/gateway/child.py); `interrupted`: set with `stop_event` when the stop is a
+    user's interrupt (SIGINT), so rank 0 stops at once instead of first giving a dead rank's report time to arrive."""
     import cluster
     from cluster.config import ContinuousBatchingConfig, expert_parallel, model_impl, read_preset
     from driver.frontdoor.served_weights import WeightsRecord, restore
@@ -96,8 +97,9 @@ def serve_rank(model_dir: str, preset: dict | str | os.PathLike | None = None, a
     while not stop.wait(0.2) and manager.is_running():
         pass
     if model.groups.is_driver and manager.is_running():
-        # stopped by a signal; when the launcher sends it because a rank died, let the loop notice and name it
-        deadline = time.monotonic() + 3.0
+        # stopped by a signal; when the launcher sends it because a rank died (torchrun: SIGTERM to the survivors),
+        # let the loop notice and name it; a user's interrupt has nothing to wait for
+        deadline = time.monotonic() + (0.0 if interrupted is not None and interrupted.is_set() else 3.0)
         while manager.is_running() and time.monotonic() < deadline:
             time.sleep(0.05)
         if manager.is_running():
@@ -162,14 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s rank" + os.environ.get("RANK", "0")
                         + " %(levelname)s %(message)s")
 
-    stop = threading.Event()
+    stop, interrupted = threading.Event(), threading.Event()
+
+    def on_signal(sig: int, _frame) -> None:
+        if sig == signal.SIGINT:
+            interrupted.set()
+        stop.set()
 
     def install_signal_handlers() -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
 
     code = serve_rank(args.model, args.config, args.address, stop, on_started=install_signal_handlers,
-                      state_file=args.state_file, http=args.http)
+                      state_file=args.state_file, http=args.http, interrupted=interrupted)
     os._exit(code)  # daemon threads may sit in a broken collective: leave without joining them
 
 

@@ -258,7 +258,7 @@ def test_served_seeded_tokens_do_not_depend_on_the_batch(tp1_tokens):
 def test_seeded_tokens_are_the_same_at_tp1_and_tp2(make_checkpoint, tmp_path, tp1_tokens):
     proc = run_ranks("sampling_rank.py", ["mixed", str(make_checkpoint("llama")), str(tmp_path / "rec")], timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    tp2 = read_json(f"{tmp_path / 'rec'}.rank0")["tokens"]
+    tp2 = read_json(f"{tmp_path / 'rec'}.rank0")["mixed"]["tokens"]
     assert tp2 == tp1_tokens["all"]
 
 

@@ -83,13 +83,20 @@ def test_logprobs_match_transformers_scores_tp1(make_checkpoint):
                           model_dir)
 
 
-@pytest.mark.slow
-def test_logprobs_match_transformers_scores_tp2(make_checkpoint, tmp_path):
-    model_dir = make_checkpoint("llama")
-    proc = run_ranks("sampling_rank.py", ["logprobs", str(model_dir), str(tmp_path / "rec")], timeout=240)
+@pytest.fixture(scope="module")
+def tp2_records(make_checkpoint, tmp_path_factory) -> tuple[dict, dict]:
+    """One torchrun launch of tests/scripts/sampling_rank.py for the module's TP=2 tests: its `logprobs` and
+    `publish` modes, in that order; (rank 0's record, rank 1's)."""
+    rec = tmp_path_factory.mktemp("sampling") / "rec"
+    proc = run_ranks("sampling_rank.py", ["logprobs,publish", str(make_checkpoint("llama")), str(rec)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    rec = read_json(f"{tmp_path / 'rec'}.rank0")
-    assert_logprobs_match(rec["tokens"], rec["logprobs"], rec["prompts"], model_dir)
+    return read_json(f"{rec}.rank0"), read_json(f"{rec}.rank1")
+
+
+@pytest.mark.slow
+def test_logprobs_match_transformers_scores_tp2(make_checkpoint, tp2_records):
+    rec = tp2_records[0]["logprobs"]
+    assert_logprobs_match(rec["tokens"], rec["logprobs"], rec["prompts"], make_checkpoint("llama"))
 
 
 # ---------------------------------------------------------------- a sampling error fails its own request only
@@ -142,11 +149,7 @@ def test_sampler_returns_each_rows_failure():
 
 # ---------------------------------------------------------------- outputs owed to workers on a no-forward step
 @pytest.mark.slow
-def test_results_owed_to_a_worker_survive_a_step_with_only_impossible_requests(make_checkpoint, tmp_path):
-    proc = run_ranks("sampling_rank.py", ["publish", str(make_checkpoint("llama")), str(tmp_path / "rec")],
-                     timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    driver_finals = read_json(f"{tmp_path / 'rec'}.rank0")["finals"]
-    worker_finals = read_json(f"{tmp_path / 'rec'}.rank1")["finals"]
+def test_results_owed_to_a_worker_survive_a_step_with_only_impossible_requests(tp2_records):
+    driver_finals, worker_finals = (record["publish"]["finals"] for record in tp2_records)
     assert driver_finals == {"short": int(cluster.RequestStatus.FINISHED), "too_big": int(cluster.RequestStatus.FAILED)}
     assert worker_finals == driver_finals  # on base rank 1 never hears of "short"

@@ -1,5 +1,5 @@
-"""One rank of the sampling tests at TP=2. Every rank runs the same mode; rank 0 (and rank 1 where it reads
-results) writes a JSON record next to `out`.
+"""One rank of the sampling tests at TP=2: `sampling_rank.py MODE[,MODE...] DIR OUT`. Every rank runs the same
+modes, in order; each rank writes its record (mode -> what the mode returns) to OUT.rank<r>.
 
 - `logprobs DIR OUT`: greedy generate_batch with return_logprobs; rank 0 records tokens and logprobs.
 - `mixed DIR OUT`: the seeded requests of MIXED (one target and seven others, each with its own sampling
@@ -97,8 +97,9 @@ def publish(model) -> dict:
 
 
 if __name__ == "__main__":
-    mode, model_dir, out_path = sys.argv[1:4]
+    modes, model_dir, out_path = sys.argv[1:4]
     model = cluster.load(model_dir)
-    record = {"logprobs": logprobs, "publish": publish, "mixed": mixed}[mode](model)
+    runs = {"logprobs": logprobs, "publish": publish, "mixed": mixed}
+    record = {mode: runs[mode](model) for mode in modes.split(",")}
     with open(f"{out_path}.rank{model.groups.rank}", "w") as f:
         json.dump(record, f)
