@@ -36,14 +36,15 @@ _MODELS: dict[tuple, Path] = {}
 # Each module's tests run on one xdist worker (pyproject: `--dist loadgroup`, a group a module), so its shared server
 # starts once; the Ray modules share one group, since local Ray clusters started at once on one host confuse each
 # other (a job of one failed to find an actor of its own cluster), and so one Ray (tests/ray_session.py). Groups go
-# out longest first (seconds on a clean run here), the rest in file order, so the workers finish together. Refresh
-# from `--durations` when they drift.
+# out longest first (their seconds on a fresh clone, cold caches), the rest in file order, so the workers finish
+# together. Refresh from `--durations` when they drift.
 RAY_MODULES = ("test_replicas", "test_ray", "test_recovery_ray")
 # one group: one server (`http_server`)
 HTTP_MODULES = ("test_http", "test_http_openai", "test_http_samples", "test_http_trl", "test_lm_eval")
-LONGEST_FIRST = (*RAY_MODULES, "test_parity", "test_moe_parity", "test_recovery_chaos", "test_flood_latency", "test_gpu_compat", "test_compile",
-                 "test_chaos_loop", "test_overlap", "test_http", "test_weight_push", "test_serving_security",
-                 "test_chaos_client", "test_chaos_frontend", "test_cli", "test_transformers_script", "test_serving")
+LONGEST_FIRST = (*RAY_MODULES, "test_parity", "test_compile", "test_moe_parity", "test_recovery_chaos",
+                 "test_chaos_loop", "test_gpu_compat", "test_chaos_frontend", "test_weight_push", "test_flood_latency",
+                 "test_serving_security", "test_pause_modes", "test_speculative", "test_moe", "test_host_all_reduce",
+                 "test_overlap", "test_serving", "test_http")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
