@@ -7,24 +7,15 @@ Ray is imported inside the fixtures: conftest imports this file, and most test p
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from launch.torchrun import free_port
+from tests.serving import wait_until  # the Ray modules import it from here too
 
 REPO = Path(__file__).resolve().parents[1]
 RAY_CPUS = 4  # test_replicas: a TP=2 replica next to a TP=1 one (3 CPUs); test_recovery_ray and test_ray: 2
-
-
-def wait_until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def cpus_free() -> bool:

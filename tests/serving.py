@@ -50,3 +50,13 @@ def rank_pid(server: LocalServer, rank: int, timeout: float = 10) -> int:
                 return int(pid)
         time.sleep(0.2)
     raise AssertionError(f"rank {rank} not found")
+
+
+def wait_until(check, timeout: float, what: str) -> None:
+    """Poll `check()` every 0.2 s until it is true; AssertionError naming `what` past `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout}s: {what}")

@@ -20,7 +20,7 @@ from cluster.client import Client
 from cluster.outputs import RequestStatus
 from tests.clients import run_clients
 from tests.conftest import hf_greedy
-from tests.serving import fast_config, rank_pid, serve
+from tests.serving import fast_config, rank_pid, serve, wait_until
 
 CONFIG = fast_config(client_timeout_s=10.0)
 CLIENTS, PER_CLIENT = 4, 16
@@ -119,25 +119,20 @@ def in_process_reference(model_dir) -> dict[str, dict]:
     return {rid: {"tokens": o.generated_tokens, "status": int(o.status)} for rid, o in outs.items()}
 
 
-def wait_restarted(server, count: int, limit_s: float = 120) -> None:
-    """Poll the server's health until its group has restarted `count` times."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            with Client(server.address, resume=False, server_timeout_s=1.0) as c:
-                if c.health(timeout=2.0)["restart_count"] >= count:
-                    return
-        except Exception:  # noqa: BLE001  (the group is down or not serving yet)
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"the group did not restart {count} time(s) within {limit_s} s")
+def restart_count(server) -> int:
+    """The server's group restarts so far, or -1 while the group is down or not serving yet."""
+    try:
+        with Client(server.address, resume=False, server_timeout_s=1.0) as c:
+            return c.health(timeout=2.0)["restart_count"]
+    except Exception:  # noqa: BLE001  (no answer: down or starting)
+        return -1
 
 
 def kill_worker_then_driver(server, at_tokens: int, done: list) -> None:
     """SIGKILL rank 1 once the server generated `at_tokens` tokens, wait for the group's restart, then SIGKILL rank 0
     once the restarted group generated as many."""
     kill_mid_generation(server, 1, at_tokens)
-    wait_restarted(server, 1)
+    wait_until(lambda: restart_count(server) >= 1, 120, "the group restarted")
     kill_mid_generation(server, 0, at_tokens)
     done.append("killed rank 1, then rank 0")
 
