@@ -21,6 +21,7 @@ from cluster.client.client import AsyncClient, Client, ClientError
 from cluster.errors import RequestLost
 from cluster.outputs import RequestStatus
 from launch.torchrun import free_port
+from tests.client_procs import exit_or_sleep
 from tests.clients import run_clients
 from tests.conftest import REPO, hf_greedy
 from tests.serving import fast_config, rank_pid, serve
@@ -303,18 +304,11 @@ def test_a_server_restarted_at_the_same_address_loses_what_the_old_one_held(resu
         fake.close()
 
 
-def _exit_or_sleep(code: int | None) -> int:
-    if code is not None:
-        os._exit(code)
-    time.sleep(120)
-    return 0
-
-
 @pytest.mark.slow
 def test_run_clients_fails_at_once_when_a_child_dies():
     t0 = time.monotonic()
     with pytest.raises(AssertionError, match="exit code 3"):
-        run_clients(_exit_or_sleep, [(3,), (None,)], timeout=100)
+        run_clients(exit_or_sleep, [(3,), (None,)], timeout=100)
     assert time.monotonic() - t0 < 60  # not the sleeper's 120 s nor the 100 s timeout
 
 

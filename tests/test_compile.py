@@ -1,7 +1,8 @@
 """The seed's compile settings, applied: default_compile_level resolves as transformers resolves it, explicit
 CompileConfigs are read, the decode and varlen forwards run compiled (warm-up compiles every decode bucket),
 a compile failure is a typed error naming the config, and greedy outputs stay token-identical to transformers'
-generate with compile on (TP=1 with inductor, TP=2 through dynamo with the cheaper aot_eager backend)."""
+generate with compile on (TP=1 with inductor, TP=2 through dynamo with the cheaper aot_eager backend; both on a
+one-layer llama)."""
 
 from __future__ import annotations
 
@@ -172,18 +173,25 @@ def short_prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+def one_layer(make_checkpoint):
+    """The parity tests' checkpoint: the tiny llama with one layer. Tracing and lowering cost grows with the layers,
+    while the ops (and so the kernels inductor generates) are those of every layer."""
+    return make_checkpoint("llama", num_hidden_layers=1)
+
+
 @pytest.mark.slow
-def test_tp1_inductor_matches_transformers(tiny, make_checkpoint):
+def test_tp1_inductor_matches_transformers(make_checkpoint):
     """default_compile_level=1 (inductor), as a user would set it. One sequence at a time, prompts of at most
     32 tokens and 24 new ones: every step has a shape the warm-up compiled, so the test pays for two compiles."""
-    prompts = short_prompts(tiny.config.vocab_size, (3, 17, 30))
-    out = tiny.generate_batch(prompts, max_new_tokens=24, persistent_manager=True,
-                              continuous_batching_config=ContinuousBatchingConfig(
-                                  page_size=16, num_blocks=16, max_requests_per_batch=1, default_compile_level=1))
-    manager = tiny.persistent_manager
+    model = cluster.load(one_layer(make_checkpoint))
+    prompts = short_prompts(model.config.vocab_size, (3, 17, 30))
+    out = model.generate_batch(prompts, max_new_tokens=24, persistent_manager=True,
+                               continuous_batching_config=ContinuousBatchingConfig(
+                                   page_size=16, num_blocks=16, max_requests_per_batch=1, default_compile_level=1))
+    manager = model.persistent_manager
     try:
         compiled = manager.runner.forwards.compiled
-        assert [o.generated_tokens for o in out.values()] == hf_greedy(make_checkpoint("llama"), prompts, 24)
+        assert [o.generated_tokens for o in out.values()] == hf_greedy(one_layer(make_checkpoint), prompts, 24)
         assert {n: len(f.compile_s) for n, f in compiled.items()} == {"decode": 1, "varlen": 1}
         assert compiled["decode"].settings.backend == "inductor"
     finally:
@@ -194,7 +202,7 @@ def test_tp1_inductor_matches_transformers(tiny, make_checkpoint):
 def test_tp2_compiled_matches_transformers(make_checkpoint, tmp_path):
     """TP=2: the all-reduces inside the compiled forwards (dynamo, AOT autograd), two sequences at a time with
     mixed steps; both ranks compile the same shapes and produce transformers' tokens."""
-    model_dir = make_checkpoint("llama")
+    model_dir = one_layer(make_checkpoint)
     prompts = short_prompts(cluster.load(model_dir).config.vocab_size, (5, 20, 30))
     fields = dict(page_size=16, num_blocks=32, max_requests_per_batch=2, decode_compile_config=AOT,
                   varlen_compile_config=AOT)

@@ -18,57 +18,12 @@ import pytest
 import cluster
 from cluster.client import Client
 from cluster.outputs import RequestStatus
+from tests.client_procs import CLIENTS, PER_CLIENT, one_client, request
 from tests.clients import run_clients
 from tests.conftest import hf_greedy
 from tests.serving import fast_config, rank_pid, serve, wait_until
 
 CONFIG = fast_config(client_timeout_s=10.0)
-CLIENTS, PER_CLIENT = 4, 16
-
-
-def request(client_no: int, i: int) -> dict:
-    """Request i of client `client_no`: streaming on even i, seeded sampling on every other pair, mixed lengths."""
-    params = {"request_id": f"c{client_no}-r{i}", "max_new_tokens": 12 + (17 * i + 29 * client_no) % 40,
-              "eos_token_id": -1, "streaming": i % 2 == 0}
-    if (i // 2) % 2 == 0:
-        params |= {"do_sample": True, "temperature": 0.8, "top_k": 40, "seed": 1000 * client_no + i}
-    return {"input_ids": [1, 3 + client_no, 7 + i, 11 + (i * client_no) % 50], **params}
-
-
-def one_client(address: str, client_no: int) -> dict:
-    """A client process: its 16 requests at once; per request the final tokens, versions and resume count, and
-    whether its stream (if it streamed) delivered every token once, in order."""
-    results: dict[str, dict] = {}
-    with Client(address, timeout=300, server_timeout_s=3.0, resume_timeout_s=180) as c:
-        def run(spec: dict) -> None:
-            try:
-                attempt(dict(spec))
-            except Exception as e:  # noqa: BLE001  (reported with the request, so the test says which failed)
-                results[spec["request_id"]] = {"error": f"{type(e).__name__}: {e}", "status": -1}
-
-        def attempt(spec: dict) -> None:
-            rid, ids = spec.pop("request_id"), spec.pop("input_ids")
-            if spec.pop("streaming"):
-                seen: list[int] = []
-                ok = True
-                for out in c.stream(ids, request_id=rid, **spec):
-                    ok &= out.generated_tokens[:len(seen)] == seen and len(out.generated_tokens) > len(seen)
-                    seen = out.generated_tokens
-                results[rid] = {"tokens": out.generated_tokens, "versions": out.weight_versions,
-                                "resumes": out.resumes, "status": int(out.status), "stream_ok": ok}
-            else:
-                out = c.generate(ids, request_id=rid, **spec)
-                results[rid] = {"tokens": out.generated_tokens, "versions": out.weight_versions,
-                                "resumes": out.resumes, "status": int(out.status), "stream_ok": True}
-
-        threads = [threading.Thread(target=run, args=(request(client_no, i),)) for i in range(PER_CLIENT)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    return results
-
-
 def all_requests(address: str) -> dict[str, dict]:
     merged: dict[str, dict] = {}
     for part in run_clients(one_client, [(address, k) for k in range(CLIENTS)], timeout=600):

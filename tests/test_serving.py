@@ -13,26 +13,13 @@ import pytest
 
 from cluster.client.client import AsyncClient, Client, ClientError
 from cluster.outputs import RequestStatus
+from tests.client_procs import abandon, hammer
 from tests.clients import run_clients
 from tests.conftest import REPO, hf_greedy
 from tests.serving import fast_config, rank_pid, serve
 from tests.workloads import mixed_prompts
 
 FAST = fast_config(client_timeout_s=2.0)
-
-
-def hammer(address: str, client_no: int, n: int) -> int:
-    """One client process: n concurrent requests; how many finished."""
-    with Client(address, timeout=300) as c:
-        rids = [c.submit([1, 3 + client_no, 5 + i % 50], max_new_tokens=4) for i in range(n)]
-        return sum(c.result(r).status == RequestStatus.FINISHED for r in rids)
-
-
-def abandon(address: str) -> None:
-    """A client that submits a long request and dies without saying goodbye."""
-    c = Client(address)
-    c.submit([1, 2, 3], max_new_tokens=800)
-    os._exit(0)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,6 @@ def test_same_script_same_tokens(make_checkpoint):
     assert len(runs["lockstep"]["batch"]) == 3 and runs["lockstep"]["after_pause"]
 
     # the example is meant for torchrun: run it from its real path, two ranks
-    tp2 = run_ranks(str(SCRIPT), ["lockstep", path])
+    tp2 = run_ranks(str(SCRIPT), ["lockstep", path], torchrun=True)  # as its users run it
     assert tp2.returncode == 0, tp2.stdout[-3000:]
     assert last_json(tp2.stdout) == runs["transformers"]
