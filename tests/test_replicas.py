@@ -38,8 +38,9 @@ CLIENTS = 4
 NEW = 8
 PAGE = 16
 SERVICE = "lockstep-test-replicas"
+# cpu_group_timeout: as tests/test_ray.py's (Ray's niceness 15 on a busy machine)
 PRESET = {"continuous_batching": {"page_size": PAGE, "max_batch_tokens": 256, "max_requests_per_batch": 64,
-                                  "cpu_group_timeout": 5.0},
+                                  "cpu_group_timeout": 15.0},
           "serve": {"client_timeout_s": 10.0},
           "router": {"health_every_s": 0.3, "server_timeout_s": 3.0}}
 
