@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 from safetensors.torch import load_file
 
@@ -50,6 +51,17 @@ def outcome(update, *args) -> dict:
     except Exception as e:  # the test checks the type's name and code, so this also runs on older code
         return {"raised": type(e).__name__, "code": getattr(e, "code", None), "rank": getattr(e, "rank", None),
                 "message": str(e)}
+
+
+def barrier(out: str, name: str, rank: int, world: int = 2, timeout: float = 60.0) -> None:
+    """Every rank writes `<out>.<name>.rank<N>` and waits until all have: a barrier that uses no process
+    group (the manager's loop owns those while it runs)."""
+    open(f"{out}.{name}.rank{rank}", "w").close()
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(f"{out}.{name}.rank{r}") for r in range(world)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name}: not every rank arrived in {timeout:.0f}s")
+        time.sleep(0.01)
 
 
 def main(dir_a: str, dir_b: str, out: str) -> None:
@@ -93,12 +105,16 @@ def main(dir_a: str, dir_b: str, out: str) -> None:
         save()
         rec["silent"] = outcome(m.update_weights, dir_b)
         save()
-        # 4. rank 1 holds another weight version than the driver: it votes against, naming both numbers
+        # 4. rank 1 holds another weight version than the driver: it votes against, naming both numbers.
+        # The driver's call starts the update on every rank, so rank 1 changes its version before the driver
+        # calls, and changes it back before the driver's next update (file barriers: the groups are the loop's).
         if rank == 1:
             m.updates.version = 7
+        barrier(out, "version_set", rank)
         rec["version"] = outcome(m.update_weights, dir_b)
         if rank == 1:
             m.updates.version = 0
+        barrier(out, "version_reset", rank)
         generate(m, "still_a")
         save()
         # 5. an update that goes through; every rank's version moves to 1
