@@ -4,12 +4,13 @@ against a generation of one token for the same prompts, on one manager (TP=1, in
     python benchmarks/scoring.py --model models/tiny [--requests 32] [--min-len 64] [--max-len 256] [--runs 3]
 
 Both modes submit the same prompts with `max_new_tokens=1` (greedy, EOS off) at once; `scoring` adds
-`prompt_logprobs=0`. Prefix caching is off, so both compute every prompt token. Printed per mode: the median wall
-time of --runs runs, the steps and the prompt tokens the engine computed (equal: a scoring request costs one
-prefill, no decode step), and the ratio of the wall times. `flops x` is the ratio of the arithmetic each mode needs:
-a scoring request must project every prompt position onto the vocabulary (a log-softmax needs every logit), where a
-generation projects only its last, so scoring's wall time at or under `flops x` means it adds nothing beyond that
-projection (with a vocabulary small beside the layers, both tend to 1). A missing checkpoint is made first (llama,
+`prompt_logprobs=0`. Prefix caching is off, so both compute every prompt token. The modes alternate run by run
+(G, S, G, S ...). Printed: each pair's ratio; then per mode the median wall time of --runs runs, the steps and the
+prompt tokens the engine computed (equal: a scoring request costs one prefill, no decode step), and the ratio of
+the median wall times. `flops x` is the ratio of the arithmetic each mode needs: a scoring request must project
+every prompt position onto the vocabulary (a log-softmax needs every logit), where a generation projects only its
+last, so scoring's wall time at or under `flops x` means it adds nothing beyond that projection (with a vocabulary
+small beside the layers, as in most served models, both tend to 1). A missing checkpoint is made first (llama,
 tiny, seed 0)."""
 
 from __future__ import annotations
@@ -77,10 +78,13 @@ def main() -> None:
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
                for _ in range(args.requests)]
-    results = {}
-    for mode in MODES:
-        runs = [run(model, prompts, mode) for _ in range(args.runs)]
-        results[mode] = (statistics.median(r[0] for r in runs), runs[-1][1], runs[-1][2])
+    runs: dict[str, list] = {mode: [] for mode in MODES}
+    for _ in range(args.runs):  # the modes alternate, so a machine that drifts shifts both alike
+        for mode in MODES:
+            runs[mode].append(run(model, prompts, mode))
+    pairs = [s[0] / g[0] for g, s in zip(runs["generate_1"], runs["scoring"])]
+    print("scoring / generate_1, each pair: " + ", ".join(f"{r:.2f}" for r in pairs))
+    results = {mode: (statistics.median(r[0] for r in rs), rs[-1][1], rs[-1][2]) for mode, rs in runs.items()}
     base = results[MODES[0]][0]
     need = {"generate_1": arithmetic(model.config, prompts, len(prompts)),
             "scoring": arithmetic(model.config, prompts, sum(map(len, prompts)))}

@@ -52,14 +52,18 @@ def score_prompts(logits: torch.Tensor, reqs: list[Request], start: np.ndarray, 
         first += b - a
     if not owners:
         return
-    # log p = logit - logsumexp(logits), read where needed: no [positions, vocab] log-softmax is made (the logits
-    # of a scored row's positions are the one cost a scoring request adds to its prefill)
+    # log p = logit - logsumexp(logits), read where needed: no [positions, vocab] log-softmax and no copy of the
+    # scored positions' logits is made (a row's last position, which predicts no prompt token, is reduced with the
+    # others and dropped from the [positions] results): the projection is the one cost scoring adds to a prefill
     rows = on_device(positions, torch.int64, logits.device)
-    picked = logits.index_select(0, rows) if len(positions) < logits.shape[0] else logits
-    norm = torch.logsumexp(picked, dim=-1)
-    chosen = (picked.gather(1, on_device(targets, torch.int64, logits.device)[:, None])[:, 0] - norm).tolist()
-    k = max(min(req.prompt_logprobs or 0, picked.shape[-1]) for req in reqs)
-    top_values, top_ids = picked.topk(k, dim=-1) if k else (picked[:, :0], picked[:, :0].long())
+    norm = torch.logsumexp(logits, dim=-1).index_select(0, rows)
+    chosen = (logits[rows, on_device(targets, torch.int64, logits.device)] - norm).tolist()
+    k = max(min(req.prompt_logprobs or 0, logits.shape[-1]) for req in reqs)
+    if k:
+        top_values, top_ids = logits.topk(k, dim=-1)
+        top_values, top_ids = top_values.index_select(0, rows), top_ids.index_select(0, rows)
+    else:
+        top_values, top_ids = logits[:0, :0].new_empty(len(positions), 0), rows.new_empty(len(positions), 0)
     values, ids = (top_values - norm[:, None]).tolist(), top_ids.tolist()
     for n, ((req, at), lp) in enumerate(zip(owners, chosen)):
         want = req.prompt_logprobs or 0
