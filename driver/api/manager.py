@@ -253,9 +253,10 @@ class ContinuousBatchingManager:
             if any(r.request_id in self.requests for r in group):
                 raise RequestRejected(f"request {rid}: a request with this id (or one of its samples') is already "
                                       f"in flight", Code.DUPLICATE_REQUEST_ID, rid)
-            queued = sum(1 for r in self.requests.values() if r.status == RequestStatus.PENDING)
-            if self.config.max_queue_size and queued >= self.config.max_queue_size:
-                raise QueueFull(f"request {rid}: the queue is full (max_queue_size={self.config.max_queue_size})",
+            limit = self.config.max_queue_size  # the live requests are scanned only under a limit (each submit's
+            # scan made a big generate_batch's feeding quadratic in its requests)
+            if limit and sum(1 for r in self.requests.values() if r.status == RequestStatus.PENDING) >= limit:
+                raise QueueFull(f"request {rid}: the queue is full (max_queue_size={limit})",
                                 request_id=rid)
             self.requests.update((r.request_id, r) for r in group if not r.is_finished)
             self.inbox.put(("add", req))
