@@ -1,6 +1,6 @@
 """Acceptance of issue 11 with real processes: `lockstep serve` at TP=2, 64 requests in flight from 4 client
 processes (half streaming, half seeded sampling, mixed lengths), a worker and then the driver killed with
-SIGKILL mid-generation.
+SIGKILL mid-generation, on a MoE model (Qwen3-MoE, tensor-parallel experts, routing that varies: issue 32).
 The group restarts by itself and the clients resume: every request completes token-identical to the same
 request in an uninterrupted run, and every stream delivers each token once, in order. On the code before
 issue 11 every one of these requests failed with rank_failed (or server_gone) instead."""
@@ -22,8 +22,12 @@ from tests.client_procs import CLIENTS, PER_CLIENT, one_client, request
 from tests.clients import run_clients
 from tests.conftest import hf_greedy
 from tests.serving import fast_config, rank_pid, serve, wait_until
+from tests.test_moe import MOE_CHECKPOINTS, assert_routing_varies
 
 CONFIG = fast_config(client_timeout_s=10.0)
+MOE = "qwen3_moe"  # make-model's: 4 layers, layer 1 dense, 8 experts top 2 (launch/make_model.py)
+
+
 def all_requests(address: str) -> dict[str, dict]:
     merged: dict[str, dict] = {}
     for part in run_clients(one_client, [(address, k) for k in range(CLIENTS)], timeout=600):
@@ -95,11 +99,12 @@ def kill_worker_then_driver(server, at_tokens: int, done: list) -> None:
 @pytest.mark.slow
 def test_killed_ranks_cost_seconds_not_requests(make_checkpoint, tmp_path):
     """A worker, then (once the group is back) the driver, SIGKILLed mid-generation in one run of the server, which
-    serves an update's weights (seed 1's checkpoint, version 1): the group restarts by itself each time, from the
-    checkpoint it last loaded, and every one of the 64 requests finishes token for token as in the uninterrupted run
-    of those weights, its stream without a token twice or one skipped, resumed once for each kill it was in flight
-    for (issue 11's acceptance, its two ranks in one run)."""
-    dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
+    serves an update's weights (seed 1's checkpoint, version 1) of a MoE model: the group restarts by itself each
+    time, from the checkpoint it last loaded, and every one of the 64 requests finishes token for token as in the
+    uninterrupted run of those weights (TP=1, in this process), its stream without a token twice or one skipped,
+    resumed once for each kill it was in flight for (issue 11's acceptance, its two ranks in one run); the group
+    restarted last routed the tokens it ran to more than half the experts of each MoE layer (issue 32)."""
+    dir_a, dir_b = (make_checkpoint(MOE, seed=seed, **MOE_CHECKPOINTS[MOE]) for seed in (0, 1))
     reference = in_process_reference(dir_b)
     assert len(reference) == CLIENTS * PER_CLIENT and all(r["status"] == RequestStatus.FINISHED
                                                           for r in reference.values())
@@ -117,10 +122,12 @@ def test_killed_ranks_cost_seconds_not_requests(make_checkpoint, tmp_path):
         failed = {rid: r["error"] for rid, r in got.items() if "error" in r}
         assert not failed, f"{len(failed)} requests failed, e.g. {sorted(failed.items())[:2]}"
         with Client(s.address) as c:
-            health = c.health()
+            health, routed = c.health(), c.stats()["experts_routed"]  # counted since the second restart's load
     assert health["ok"] and health["restart_count"] == 2, health
     assert health["weights"] == {"version": 1, "source": "checkpoint", "path": str(dir_b), "lost_version": None}
     assert_resumed_exactly(got, reference, kills=2, version=1)
+    assert sorted(routed, key=int) == ["0", "2", "3"], routed  # the MoE layers: layer 1 is dense
+    assert_routing_varies(list(routed.values()))
 
 
 def assert_resumed_exactly(got: dict, reference: dict, kills: int = 1, version: int = 0) -> None:

@@ -71,7 +71,7 @@ def test_a_moe_model_resumes_exactly(make_checkpoint):
     """The same on a MoE model (Qwen3-MoE, routing that varies: tests/test_moe.py): the prefill of the prompt and the
     resumed tokens routes them to the experts their decode steps chose, so the rest is the uninterrupted run's, greedy
     and seeded. What a restart adds (the group reloads the served checkpoint with the preset's expert placement, the
-    clients resubmit) is not the model's: tests/test_recovery_chaos.py runs it on Llama."""
+    clients resubmit) runs on Qwen3-MoE at TP=2 in tests/test_recovery_chaos.py."""
     import cluster
 
     model = cluster.load(make_checkpoint("qwen3_moe"))
