@@ -9,7 +9,7 @@ from torch import nn
 
 from worker import packed_linear
 from worker.layers import linear, wide_linear
-from worker.packed_linear import PACKED_ROWS, forget_packed, packed_product
+from worker.packed_linear import MIN_PACKED_ROWS, PACKED_ROWS, forget_packed, packed_product
 
 
 
@@ -24,8 +24,11 @@ def test_equal_to_the_plain_product_for_every_row_count_up_to_the_packed_one():
     for rows in range(1, PACKED_ROWS + 1):
         x = torch.randn(rows, 64)
         got = packed_product(x, w)
-        assert got is not None and got.shape == (rows, 300) and got.is_contiguous()
-        torch.testing.assert_close(got, x @ w.detach().t(), rtol=1e-5, atol=1e-4)
+        if rows < MIN_PACKED_ROWS:  # one row: the matrix-vector product, below
+            assert got is None
+        else:
+            assert got is not None and got.shape == (rows, 300) and got.is_contiguous()
+            torch.testing.assert_close(got, x @ w.detach().t(), rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(linear(x, w, torch.ones(300)), x @ w.detach().t() + 1, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(wide_linear(x, w), x @ w.detach().t(), rtol=1e-5, atol=1e-4)
 
@@ -57,6 +60,7 @@ def test_an_in_place_change_is_seen_at_the_next_product():
 def test_it_steps_aside_where_it_does_not_apply():
     w = torch.randn(64, 16)
     assert packed_product(torch.randn(PACKED_ROWS + 1, 16), w) is None  # a prefill's rows: the usual product
+    assert packed_product(torch.randn(1, 16), w) is None  # one decode row: gemv, nothing to pack or pad
     assert packed_product(torch.randn(2, 16, dtype=torch.float64), w.double()) is None
     assert packed_product(torch.randn(2, 16), w.t().contiguous().t()) is None  # not a row-major weight
     assert packed_product(torch.randn(2, 16), torch.empty(0, 16)) is None  # released weights
