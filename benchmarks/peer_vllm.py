@@ -180,7 +180,7 @@ def run_vllm(args, w: Workload, tp: int, prompts, warm, work: Path, tag: str) ->
                            args.timeout)
     except PeerRunError as e:
         error = json.loads(res.read_text()).get("error") if res.exists() else None
-        raise PeerRunError(error or str(e)) from None
+        raise PeerRunError(f"{e}\n{error}" if error else str(e)) from None  # the log's tail, then the traceback
     r = json.loads(res.read_text())
     return dict(engine="vllm", counts=r["counts"], tokens=r["tokens"], wall=r["wall"], load_s=r["load_s"],
                 warm_s=r["warm_s"], setup_s=None, process_s=took, config=r["config"], version=r["version"],
@@ -226,7 +226,8 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def _num(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
+    """`x` in `fmt`; None as "-" in the same width."""
+    return format(x, fmt) if x is not None else "-".rjust(int(fmt.split(".")[0] or 0))
 
 
 def run_lines(runs: list[dict]) -> list[str]:

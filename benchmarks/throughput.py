@@ -193,10 +193,12 @@ def run_transformers(args, prompts, warm) -> dict:
     hook = model.register_forward_pre_hook(
         lambda *_: first_forward.append(time.perf_counter()) if not first_forward else None)
 
+    # only the fields asked for: make_cb_config refuses a field the installed release lacks, by name
+    extra = {k: v for k, v in (("allow_block_sharing", False if args.no_prefix_caching else None),
+                               ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
     cb = lambda: make_cb_config(transformers.ContinuousBatchingConfig, page_size=args.page_size,  # noqa: E731
                                 max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
-                                use_cuda_graph=args.use_cuda_graph, allow_block_sharing=not args.no_prefix_caching,
-                                max_requests_per_batch=args.max_requests_per_batch)
+                                use_cuda_graph=args.use_cuda_graph, **extra)
 
     managers = []  # to report the config the manager resolved (its defaults filled in)
     init = model.init_continuous_batching
