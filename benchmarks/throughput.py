@@ -119,7 +119,9 @@ def run_lockstep(args, prompts, warm, impl: str = "auto") -> dict:
     import cluster
     from worker.runner import ModelRunner
 
+    t_load = time.perf_counter()
     model = cluster.load(args.model, dtype=args.dtype, device=args.device, model_impl=impl)
+    t_warm = time.perf_counter()
     rec = {"on": False, "plans": [], "times": [], "runner": None}
     first_forward: list[float] = []
     original = ModelRunner.launch
@@ -138,12 +140,15 @@ def run_lockstep(args, prompts, warm, impl: str = "auto") -> dict:
     cb = lambda: cluster.ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens,  # noqa: E731
                                                   num_blocks=args.num_blocks, page_size=args.page_size,
                                                   use_cuda_graph=args.use_cuda_graph,
-                                                  default_compile_level=args.compile_level)
+                                                  default_compile_level=args.compile_level,
+                                                  max_requests_per_batch=args.max_requests_per_batch,
+                                                  allow_block_sharing=not args.no_prefix_caching)
 
     ModelRunner.launch = recording_launch
     try:
         model.generate_batch(warm, generation_config=gen_config(8), continuous_batching_config=cb(),
                              max_new_tokens=8)
+        load_warm = (t_warm - t_load, time.perf_counter() - t_warm)  # cluster.load, then the warm-up call
         rec["on"] = True
         out, wall, setup = timed_call(model, prompts, args, cb, first_forward)
         rec["on"] = False
@@ -153,15 +158,15 @@ def run_lockstep(args, prompts, warm, impl: str = "auto") -> dict:
     runner, plans = rec["runner"], rec["plans"]
     barrier()
     t0 = time.perf_counter()
-    for plan in plans:
+    for plan in ([] if args.no_replay else plans):
         runner.execute(plan)
-    replay = time.perf_counter() - t0
+    replay = float("nan") if args.no_replay else time.perf_counter() - t0
     barrier()
     rc = runner.rc
     result = dict(engine="lockstep-generic" if impl == "generic" else "lockstep", counts=[len(o.generated_tokens) for o in out.values()], wall=wall, setup=setup,
                   tokens=[list(o.generated_tokens) for o in out.values()], notes=list(rc.notes),
                   threads=torch.get_num_threads(), steps=len(plans), exec_s=sum(rec["times"]), replay_s=replay,
-                  query_tokens=sum(int(p.q_lens.sum()) for p in plans),
+                  query_tokens=sum(int(p.q_lens.sum()) for p in plans), load_s=load_warm[0], warm_s=load_warm[1],
                   config=f"max_batch_tokens={rc.max_batch_tokens} max_requests_per_batch={rc.max_requests_per_batch} "
                          f"num_blocks={rc.num_blocks} page_size={rc.page_size} q_padding={rc.q_padding} "
                          f"kv_padding={rc.kv_padding}")
@@ -188,9 +193,12 @@ def run_transformers(args, prompts, warm) -> dict:
     hook = model.register_forward_pre_hook(
         lambda *_: first_forward.append(time.perf_counter()) if not first_forward else None)
 
+    # only the fields asked for: make_cb_config refuses a field the installed release lacks, by name
+    extra = {k: v for k, v in (("allow_block_sharing", False if args.no_prefix_caching else None),
+                               ("max_requests_per_batch", args.max_requests_per_batch)) if v is not None}
     cb = lambda: make_cb_config(transformers.ContinuousBatchingConfig, page_size=args.page_size,  # noqa: E731
                                 max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
-                                use_cuda_graph=args.use_cuda_graph)
+                                use_cuda_graph=args.use_cuda_graph, **extra)
 
     managers = []  # to report the config the manager resolved (its defaults filled in)
     init = model.init_continuous_batching
@@ -266,8 +274,9 @@ def report(args, pairs: list[list[dict]]) -> bool:
                 f"tokens):")
             say(f"  execute() in the run, rank 0: {r['exec_s']:.2f} s = {100 * r['exec_s'] / r['wall']:.0f}% of "
                 f"wall -> {tokens / r['exec_s']:.1f} tok/s if nothing else took time")
-            say(f"  replay of the same plans    : {r['replay_s']:.2f} s -> {tokens / r['replay_s']:.1f} tok/s "
-                f"(pad into static buffers + sharded forward + logits gather, back to back)")
+            if not math.isnan(r["replay_s"]):  # --no-replay
+                say(f"  replay of the same plans    : {r['replay_s']:.2f} s -> {tokens / r['replay_s']:.1f} tok/s "
+                    f"(pad into static buffers + sharded forward + logits gather, back to back)")
     return all_exact
 
 
@@ -304,6 +313,11 @@ def main() -> int:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV pages of --page-size tokens, passed to both engines (default: enough for every request at "
                         "once; 0: each engine's own default, which for transformers on CPU is 60%% of RAM per rank)")
+    p.add_argument("--max-requests-per-batch", type=int, default=None,
+                   help="passed to both engines' ContinuousBatchingConfig (default: each engine's own)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="both engines' allow_block_sharing=False (no prefix cache)")
+    p.add_argument("--no-replay", action="store_true", help="skip the replay of Lockstep's plans after its timed run")
     p.add_argument("--page-size", type=int, default=PAGE,
                    help="tokens a KV page, passed to both engines' ContinuousBatchingConfig (vLLM's default: 16)")
     p.add_argument("--cpu-offload", type=float, default=None, metavar="GIB",
