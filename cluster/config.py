@@ -24,7 +24,8 @@ LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw
 CPU_KV_CACHE_BYTES = 1 << 30  # KV budget on a CPU rank when num_blocks is None (1 GiB)
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
 DEFAULT_MAX_REQUESTS_PER_BATCH = {"cpu": 128, "cuda": 1024}
-DEFAULT_Q_PADDING = {"cpu": 32, "cuda": 64}  # tokens; used when q_padding_interval_size == 0
+DEFAULT_Q_PADDING = {"cpu": 8, "cuda": 64}  # tokens; used when q_padding_interval_size == 0 (CPU: a 5-token
+# speculative verify or a short last prefill chunk runs 8 rows, not 32: eager CPU products cost by the row)
 DEFAULT_KV_PADDING = {"cpu": 64, "cuda": 256}  # tokens; used when kv_padding_interval_size == 0
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' max_length default, when nothing else says
 SCHEDULERS = ("fifo", "prefill_first")

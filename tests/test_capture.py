@@ -102,5 +102,6 @@ def test_shapes_are_padded_to_buckets(runner):
     assert ids.shape[0] == 4  # decode batches pad to a power of two
     assert meta.dec_kv_slots.shape[1] % runner.rc.kv_padding == 0
     ids, meta, n = runner.prepare(mixed_plan(16))
-    assert ids.shape[0] == 2 + runner.rc.q_padding  # 2 decodes + 20 prefill tokens padded to q_padding
+    q = runner.rc.q_padding  # 2 decodes + 20 prefill tokens padded to a multiple of q_padding
+    assert ids.shape[0] == 2 + -(-20 // q) * q and (ids.shape[0] - 2) % q == 0
     assert n == 3 and meta.logits_idx.shape[0] == 4
