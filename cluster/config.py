@@ -24,8 +24,10 @@ LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw
 CPU_KV_CACHE_BYTES = 1 << 30  # KV budget on a CPU rank when num_blocks is None (1 GiB)
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
 DEFAULT_MAX_REQUESTS_PER_BATCH = {"cpu": 128, "cuda": 1024}
-DEFAULT_Q_PADDING = {"cpu": 8, "cuda": 64}  # tokens; used when q_padding_interval_size == 0 (CPU: a 5-token
-# speculative verify or a short last prefill chunk runs 8 rows, not 32: eager CPU products cost by the row)
+DEFAULT_Q_PADDING = {"cpu": 32, "cuda": 64}  # tokens; used when q_padding_interval_size == 0
+# the eager CPU forward's (no varlen compile): a 5-token speculative verify or a short last prefill chunk runs 8
+# rows, not 32, as eager products cost by the row; a compiled forward keeps 32 (fewer shapes, fewer recompiles)
+EAGER_CPU_Q_PADDING = 8
 DEFAULT_KV_PADDING = {"cpu": 64, "cuda": 256}  # tokens; used when kv_padding_interval_size == 0
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' max_length default, when nothing else says
 SCHEDULERS = ("fifo", "prefill_first")
@@ -264,7 +266,8 @@ def resolve_config(cfg: ContinuousBatchingConfig, *, device_kind: str, max_model
     return ResolvedConfig(
         device_kind=device_kind, page_size=page, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_requests, max_model_len=max_model_len, max_blocks_per_request=max_blocks,
-        q_padding=cfg.q_padding_interval_size or DEFAULT_Q_PADDING[device_kind],
+        q_padding=cfg.q_padding_interval_size or (EAGER_CPU_Q_PADDING if device_kind == "cpu" and varlen_compile is None
+                                                  else DEFAULT_Q_PADDING[device_kind]),
         kv_padding=cfg.kv_padding_interval_size or DEFAULT_KV_PADDING[device_kind],
         use_cuda_graph=graphs, attention=attention, scheduler_type=cfg.scheduler_type,
         allow_block_sharing=cfg.allow_block_sharing,

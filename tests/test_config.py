@@ -68,6 +68,13 @@ def test_sizes_and_paddings_resolve():
     assert rc.safety_margin == 0.1
 
 
+def test_the_cpu_pads_an_eager_forwards_queries_less_than_a_compiled_ones():
+    # a 5-token speculative verify runs 8 rows eagerly; a compiled varlen forward keeps 32 (fewer shapes to compile)
+    assert resolved().q_padding == 8
+    assert resolved(default_compile_level=1).q_padding == 32
+    assert resolved(default_compile_level=1, q_padding_interval_size=16).q_padding == 16
+
+
 def test_cache_sized_from_memory_when_num_blocks_is_none():
     default = resolved(page_size=16)
     assert default.num_blocks * 16 * 4096 <= 1 << 30
