@@ -30,8 +30,8 @@ _generation = 0  # moved by `weights_changed`: every packed copy made before is 
 
 
 def packed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x W^T for x [T, in] with MIN_PACKED_ROWS <= T <= PACKED_ROWS on the CPU in float32, through W packed for MKL; None where that
-    does not apply (the caller then multiplies as usual)."""
+    """x W^T for x [T, in] with MIN_PACKED_ROWS <= T <= PACKED_ROWS on the CPU in float32, through W packed for
+    MKL; None where that does not apply (the caller then multiplies as usual)."""
     if not (_MKL and x.device.type == "cpu" and x.dim() == 2 and MIN_PACKED_ROWS <= x.shape[0] <= PACKED_ROWS
             and x.dtype == weight.dtype == torch.float32 and weight.numel() > 0 and weight.is_contiguous()
             and not torch.compiler.is_compiling()):
