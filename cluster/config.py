@@ -15,19 +15,17 @@ from typing import Any
 from cluster.compile_settings import CompileSettings, compile_decision
 from cluster.speculative import SpeculativeConfig, is_int as _is_int
 
-# Defaults where the seed says "inferred" and there is no GPU memory to infer from.
 # ContinuousBatchingConfig's fields that transformers' class does not have
 LOCKSTEP_FIELDS = ("decode_burst", "max_weight_lag", "stale_policy", "logprobs_mode", "speculative")
 STALE_POLICIES = ("end", "restart")  # what an update does to a request beyond its max_weight_lag (docs/weights.md)
 # vLLM's: which figures a token's logprobs (and top_logprobs) report (driver/engine/logprobs_mode.py)
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
+# Defaults where the seed says "inferred" and there is no GPU memory to infer from.
 CPU_KV_CACHE_BYTES = 1 << 30  # KV budget on a CPU rank when num_blocks is None (1 GiB)
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "cuda": 4096}
 DEFAULT_MAX_REQUESTS_PER_BATCH = {"cpu": 128, "cuda": 1024}
-DEFAULT_Q_PADDING = {"cpu": 32, "cuda": 64}  # tokens; used when q_padding_interval_size == 0
-# the eager CPU forward's (no varlen compile): a 5-token speculative verify or a short last prefill chunk runs 8
-# rows, not 32, as eager products cost by the row; a compiled forward keeps 32 (fewer shapes, fewer recompiles)
-EAGER_CPU_Q_PADDING = 8
+DEFAULT_Q_PADDING = {"cpu": 32, "cuda": 64}  # tokens, when q_padding_interval_size == 0 (fewer shapes to compile)
+EAGER_CPU_Q_PADDING = 8  # the eager CPU forward's: a 5-token speculative verify runs 8 rows, not 32 (cost by the row)
 DEFAULT_KV_PADDING = {"cpu": 64, "cuda": 256}  # tokens; used when kv_padding_interval_size == 0
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' max_length default, when nothing else says
 SCHEDULERS = ("fifo", "prefill_first")

@@ -125,3 +125,12 @@ def test_import_cluster_and_its_client_stay_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["[]", "True True"], out.stdout
+
+
+MAX_LINES = 400  # one concept a file (DEVELOPERS' style rule), benchmarks and tests included
+
+
+def test_no_python_file_is_over_the_line_limit():
+    files = [p for d in (*PACKAGES, "tests", "configs") for p in (REPO / d).rglob("*.py")]
+    long = {str(p.relative_to(REPO)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines (split by concept): {long}"
