@@ -33,9 +33,12 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 from benchmarks.peer_vllm_env import SPEC, VenvError, ensure_venv  # noqa: E402
 from benchmarks.throughput import ensure_model, make_prompts  # noqa: E402
 from launch.torchrun import torchrun_command  # noqa: E402
+from worker import kv_cache  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "peer_vllm_worker.py"
 WARM_PROMPTS, WARM_NEW_TOKENS = 4, 8  # throughput.py's warm-up: the first 4 prompts cut to --min-len, 8 tokens
@@ -81,10 +84,10 @@ def num_blocks(w: Workload, page: int) -> int:
 
 
 def kv_bytes_per_token(cfg: dict, dtype: str) -> int:
+    """One token's K and V over every layer (worker/kv_cache.py's count), from a checkpoint's config.json."""
     heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * (
-        4 if dtype == "float32" else 2)
+    return kv_cache.kv_bytes_per_token(cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads),
+                                       cfg.get("head_dim") or cfg["hidden_size"] // heads, getattr(torch, dtype))
 
 
 def kvcache_gib(w: Workload, page: int, cfg: dict, dtype: str) -> int:

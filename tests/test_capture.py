@@ -9,7 +9,7 @@ import torch
 
 import cluster
 import worker.attention
-from cluster.config import ContinuousBatchingConfig
+from cluster.config import ContinuousBatchingConfig, round_up
 from cluster.plan import StepPlan
 
 # the SDPA fallback's chunk budget of the mixed_in_chunks case: on the tiny qwen3 checkpoint the mixed plan's two
@@ -103,5 +103,5 @@ def test_shapes_are_padded_to_buckets(runner):
     assert meta.dec_kv_slots.shape[1] % runner.rc.kv_padding == 0
     ids, meta, n = runner.prepare(mixed_plan(16))
     q = runner.rc.q_padding  # 2 decodes + 20 prefill tokens padded to a multiple of q_padding
-    assert ids.shape[0] == 2 + -(-20 // q) * q and (ids.shape[0] - 2) % q == 0
+    assert ids.shape[0] == 2 + round_up(20, q)
     assert n == 3 and meta.logits_idx.shape[0] == 4

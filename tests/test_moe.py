@@ -54,7 +54,7 @@ def assert_routing_varies(histograms: list[list[int]], layers: int | None = None
     few experts, would make a MoE test prove little). `histograms`: per MoE layer, the tokens routed to each
     expert (`routed_histograms`, or the values of `stats()["experts_routed"]`); `layers`: how many MoE layers."""
     used = [[e for e, n in enumerate(layer) if n] for layer in histograms]
-    assert len(used) == layers if layers is not None else used, f"MoE layers counted: {len(used)}, not {layers}"
+    assert used and (layers is None or len(used) == layers), f"MoE layers counted: {len(used)}, not {layers}"
     assert all(len(u) > len(layer) // 2 for u, layer in zip(used, histograms)), used
 
 
