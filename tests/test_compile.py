@@ -116,7 +116,7 @@ def test_warm_up_compiles_every_bucket_and_steps_take_their_forward(tiny, monkey
         eager = tiny.model(ids, meta, runner.cache.k, runner.cache.v)
     logits = runner.execute(plan)
     assert (decode.graphs, varlen.graphs) == (2, 2)
-    # the runner's decode products use MKL-packed weights (worker/packed_linear.py), the direct call plain ones: the
+    # the runner's products use oneDNN-packed weights (worker/packed_linear.py), the direct call the same: the
     # last bits may differ (they do with the installed wheels; bitwise equal when this test was written)
     torch.testing.assert_close(logits, tiny.model.lm_head.gather(eager)[:2].float(), rtol=0, atol=1e-5)
     # a prefill of a new shape goes to the varlen forward and compiles there

@@ -29,6 +29,7 @@ from torch import nn
 
 from cluster.errors import UnsupportedModel
 from worker.layers import Shard, expect_shape
+from worker.packed_linear import packed_product
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,15 @@ def sort_by_expert(experts: torch.Tensor, placement: ExpertPlacement) -> tuple[t
     return order, torch.cumsum(counts, 0) - counts, counts
 
 
-def _silu_gated(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = nn.functional.linear(x, gate_up).chunk(2, dim=-1)
-    return nn.functional.linear(nn.functional.silu(gate) * up, down)
+def expert_product(x: torch.Tensor, stacked: torch.Tensor, e: int) -> torch.Tensor:
+    """x stacked[e]^T: through expert e's packed weight on the CPU (worker/packed_linear.py), else F.linear."""
+    y = packed_product(x, stacked, index=e)
+    return nn.functional.linear(x, stacked[e]) if y is None else y
+
+
+def _silu_gated(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e: int) -> torch.Tensor:
+    gate, up = expert_product(x, gate_up, e).chunk(2, dim=-1)
+    return expert_product(nn.functional.silu(gate) * up, down, e)
 
 
 class Experts(nn.Module):
@@ -96,7 +103,7 @@ class Experts(nn.Module):
 
     def expert(self, xs: torch.Tensor, e: int) -> torch.Tensor:
         """Local expert `e`'s output for its rows `xs` [n, H] (this rank's part of it), unweighted."""
-        return _silu_gated(xs, self.gate_up[e], self.down[e])
+        return _silu_gated(xs, self.gate_up, self.down, e)
 
     def grouped_kernel(self) -> dict[str, Any]:
         """`grouped_experts`' weight arguments (worker/triton_experts.py) for this layout and activation."""

@@ -50,31 +50,32 @@ def weight_first(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) for x [T, in]. On the CPU, for up to WEIGHT_FIRST_MAX_ROWS rows, computed as (W x^T)^T: at
-    decode batch sizes MKL's sgemm runs that product much faster than F.linear's x W^T (2 cores, 64 rows: 768 ->
-    4096 in 4.7 ms against 8.6, 2048 -> 768 in 1.9 against 3.2), and about as fast from 256 rows on. The result
-    is then a transposed view: an op that needs contiguous rows (a collective, attention's kernel) makes them.
-    Up to PACKED_ROWS rows, MKL's product with the weight packed ahead of time (worker/packed_linear.py) instead.
-    Elsewhere, F.linear (cuBLAS picks its own layouts)."""
+    """x W^T (+ b) for x [T, in]. On the CPU in float32, oneDNN's product with the weight packed ahead of time
+    (worker/packed_linear.py), in contiguous rows. Otherwise on the CPU (bfloat16), for up to WEIGHT_FIRST_MAX_ROWS
+    rows, computed as (W x^T)^T: at decode batch sizes MKL's sgemm runs that product much faster than F.linear's
+    x W^T (2 cores, 64 rows: 768 -> 4096 in 4.7 ms against 8.6, 2048 -> 768 in 1.9 against 3.2), and about as fast
+    from 256 rows on; the result is then a transposed view: an op that needs contiguous rows (a collective,
+    attention's kernel) makes them. Elsewhere, F.linear (cuBLAS picks its own layouts)."""
+    y = packed_product(x, weight, bias)
+    if y is not None:
+        return y
     if not weight_first(x):
         return nn.functional.linear(x, weight, bias)
-    y = packed_product(x, weight)
-    if y is None:
-        y = torch.mm(weight, x.t()).t()
+    y = torch.mm(weight, x.t()).t()
     return y if bias is None else y + bias
 
 
 def wide_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T in contiguous rows, for a wide W (the LM head's vocab shard). On the CPU, for up to
-    WEIGHT_FIRST_MAX_ROWS rows, weight-first in chunks of WIDE_CHUNK output features, each copied into its rows
-    while it is still in cache: 64 rows of a 32000-wide head and their argmax in 40 ms, against 84 for F.linear
-    and 57 for one weight-first product (whose transposed result is too large to read back quickly). Up to
-    PACKED_ROWS rows, the packed weight's product (worker/packed_linear.py), in contiguous rows already."""
-    if not weight_first(x):
-        return nn.functional.linear(x, weight)
+    """x W^T in contiguous rows, for a wide W (the LM head's vocab shard). On the CPU in float32, the packed
+    weight's product (worker/packed_linear.py). Otherwise on the CPU, for up to WEIGHT_FIRST_MAX_ROWS rows,
+    weight-first in chunks of WIDE_CHUNK output features, each copied into its rows while it is still in cache:
+    64 rows of a 32000-wide head and their argmax in 40 ms, against 84 for F.linear and 57 for one weight-first
+    product (whose transposed result is too large to read back quickly)."""
     packed = packed_product(x, weight)
     if packed is not None:
         return packed
+    if not weight_first(x):
+        return nn.functional.linear(x, weight)
     out, xt = x.new_empty(x.shape[0], weight.shape[0]), x.t()
     for start in range(0, weight.shape[0], WIDE_CHUNK):
         out[:, start:start + WIDE_CHUNK].copy_(torch.mm(weight[start:start + WIDE_CHUNK], xt).t())
