@@ -16,7 +16,7 @@ from enum import IntEnum
 import numpy as np
 
 PLAN_MAGIC = 0x10C5
-HEADER_LEN = 18
+HEADER_LEN = 20
 MIN_INLINE = 512  # int32 payload words the first frame of a control group has room for (then NEXT_INLINE's)
 STATE_PERIOD_S = 0.05  # how stale the driver lets its copy of the workers' state rows get during STEP plans
 
@@ -52,6 +52,8 @@ class H(IntEnum):
     GATHER_STATE = 15  # 1: after the broadcasts every rank's state row is gathered on the driver (StepPlan.gather)
     NEXT_INLINE = 16  # the int32 payload words the next plan's frame has room for (cluster/dist.py `inline_words`)
     NUM_PAGE_COPIES = 17  # KV page -> KV page copies after the swap-outs, before the swap-ins (n samples: forks)
+    NUM_SCORED = 18  # rows flagged SCORE_PROMPT: each has its `score_next` at the payload's end
+    SCORE_TOP = 19  # the k of the prompt scores' top-k (StepPlan.score_top)
 
 
 class S(IntEnum):
@@ -66,13 +68,18 @@ class S(IntEnum):
 STATE_MAGIC = 0x5747
 
 SAMPLE_LAST = 1  # StepPlan.sample flag: the row's last position's logits are sampled
-SCORE_ALL = 2  # StepPlan.sample flag: the logits of all the row's positions come back too (prompt logprobs)
+SCORE_ALL = 2  # StepPlan.sample flag: the logits of all the row's positions come back too (speculative verify rows)
+# StepPlan.sample flag: every position of the row is scored against its next token on the vocabulary shards (prompt
+# logprobs): only each position's log-normaliser, target logit and top-k come back (worker/prompt_scoring.py)
+SCORE_PROMPT = 4
 
 
-def logits_rows(sample: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sampled rows, scored rows) of a plan: the gathered logits hold one row per sampled row (its last position),
-    then every position of each scored row, in row order."""
-    return np.flatnonzero(sample & SAMPLE_LAST), np.flatnonzero(sample & SCORE_ALL)
+def logits_rows(sample: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sampled rows, SCORE_ALL rows, SCORE_PROMPT rows) of a plan: the forward's head rows are one per sampled row
+    (its last position), then every position of each SCORE_ALL row, then every position of each SCORE_PROMPT row,
+    each group in row order; the gathered logits hold the first two groups."""
+    return (np.flatnonzero(sample & SAMPLE_LAST), np.flatnonzero(sample & SCORE_ALL),
+            np.flatnonzero(sample & SCORE_PROMPT))
 
 
 @dataclass
@@ -84,13 +91,18 @@ class StepPlan:
     q_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [B] tokens run this step
     kv_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [B] context after the step
     # [B] flags: SAMPLE_LAST (its last position's logits are sampled), SCORE_ALL (every position's logits come back
-    # after the sampled rows', for prompt logprobs: driver/engine/prompt_scores.py)
+    # after the sampled rows', for speculative verify rows), SCORE_PROMPT (every position scored on the vocabulary
+    # shards, for prompt logprobs: driver/engine/prompt_scores.py)
     sample: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [B, NB]
     swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [n, 2] (page, host slot)
     swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # [m, 2] (host slot, page)
     # [c, 2] (source page, destination page): a forked child's copy of its parent's partly filled last page
     page_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
+    # [number of SCORE_PROMPT rows] int32, in row order: the token the row's last position is scored against (its
+    # other positions': the row's next input id), -1 for none (the prompt's last position)
+    score_next: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    score_top: int = 0  # the k of each SCORE_PROMPT position's top-k (the step's largest prompt_logprobs)
     data: bytes = b""
     # overlapped scheduling: every rank broadcasts this step's sampled tokens on the device group after its
     # forward; the NEXT step's input id -(1 + j) reads sampled row j of this step
@@ -129,18 +141,21 @@ class StepPlan:
         h[H.NUM_PAGE_COPIES] = self.page_copies.shape[0]
         h[[H.SHARE_TOKENS, H.BURST, H.ARGMAX_ON_SHARDS]] = self.share_tokens, self.burst, self.argmax_on_shards
         h[H.GATHER_STATE] = self.gather
+        h[[H.NUM_SCORED, H.SCORE_TOP]] = self.score_next.shape[0], self.score_top
         h[H.PAYLOAD_LEN] = payload_len(h)
         return h
 
     def payload(self) -> np.ndarray:
         return np.concatenate([self.input_ids, self.q_lens, self.kv_lens, self.sample,
                                self.block_tables.reshape(-1), self.swap_out.reshape(-1),
-                               self.swap_in.reshape(-1), self.page_copies.reshape(-1)]).astype(np.int32, copy=False)
+                               self.swap_in.reshape(-1), self.page_copies.reshape(-1),
+                               self.score_next]).astype(np.int32, copy=False)
 
 
 def payload_len(h: np.ndarray) -> int:
     t, b, nb = int(h[H.NUM_TOKENS]), int(h[H.NUM_SEQS]), int(h[H.TABLE_WIDTH])
-    return t + 3 * b + b * nb + 2 * (int(h[H.NUM_SWAP_OUT]) + int(h[H.NUM_SWAP_IN]) + int(h[H.NUM_PAGE_COPIES]))
+    return (t + 3 * b + b * nb + 2 * (int(h[H.NUM_SWAP_OUT]) + int(h[H.NUM_SWAP_IN]) + int(h[H.NUM_PAGE_COPIES]))
+            + int(h[H.NUM_SCORED]))
 
 
 def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> StepPlan:
@@ -151,11 +166,12 @@ def plan_from_parts(h: np.ndarray, payload: np.ndarray | None, data: bytes) -> S
     plan = StepPlan(command=Command(int(h[H.COMMAND])), step=int(h[H.STEP]),
                     weight_version=int(h[H.WEIGHT_VERSION]), data=data, share_tokens=bool(h[H.SHARE_TOKENS]),
                     burst=max(1, int(h[H.BURST])), argmax_on_shards=bool(h[H.ARGMAX_ON_SHARDS]),
-                    gather=bool(h[H.GATHER_STATE]))
+                    gather=bool(h[H.GATHER_STATE]), score_top=int(h[H.SCORE_TOP]))
     if payload is not None and payload.size:
-        n_out, n_in = int(h[H.NUM_SWAP_OUT]), int(h[H.NUM_SWAP_IN])
-        plan.input_ids, plan.q_lens, plan.kv_lens, plan.sample, tables, swap_out, swap_in, copies = np.split(
-            payload[:payload_len(h)], np.cumsum([t, b, b, b, b * nb, 2 * n_out, 2 * n_in]))
+        n_out, n_in, n_copies = int(h[H.NUM_SWAP_OUT]), int(h[H.NUM_SWAP_IN]), int(h[H.NUM_PAGE_COPIES])
+        (plan.input_ids, plan.q_lens, plan.kv_lens, plan.sample, tables, swap_out, swap_in, copies,
+         plan.score_next) = np.split(payload[:payload_len(h)],
+                                     np.cumsum([t, b, b, b, b * nb, 2 * n_out, 2 * n_in, 2 * n_copies]))
         plan.block_tables, plan.swap_out, plan.swap_in, plan.page_copies = (
             tables.reshape(b, nb), swap_out.reshape(n_out, 2), swap_in.reshape(n_in, 2), copies.reshape(-1, 2))
     return plan

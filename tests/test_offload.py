@@ -57,8 +57,8 @@ def two_full_requests(host_pages: int) -> tuple[Scheduler, Request, Request]:
 
 
 def test_plan_carries_swaps_after_the_arrays():
-    assert HEADER_LEN == 18 and (H.NUM_SWAP_OUT, H.NUM_SWAP_IN, H.ARGMAX_ON_SHARDS, H.GATHER_STATE,
-                                 H.NUM_PAGE_COPIES) == (12, 13, 14, 15, 17)
+    assert HEADER_LEN == 20 and (H.NUM_SWAP_OUT, H.NUM_SWAP_IN, H.ARGMAX_ON_SHARDS, H.GATHER_STATE,
+                                 H.NUM_PAGE_COPIES, H.NUM_SCORED, H.SCORE_TOP) == (12, 13, 14, 15, 17, 18, 19)
     plan = StepPlan(step=3, argmax_on_shards=True, input_ids=np.arange(5, dtype=np.int32), q_lens=np.array([2, 3], np.int32),
                     kv_lens=np.array([4, 3], np.int32), sample=np.array([1, 1], np.int32),
                     block_tables=np.array([[1, 2], [3, 0]], np.int32),

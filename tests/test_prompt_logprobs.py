@@ -1,7 +1,8 @@
 """Prompt logprobs (`prompt_logprobs`, driver/engine/prompt_scores.py): every prompt token's logprob and its
 position's top-k equal transformers' log-softmax of the prompt's logits (float32, 1e-4), in serial and overlapped
-steps, with chunked prefill, and for a prompt whose prefix another request left in the cache (it is recomputed);
-out of range is bad_field; n > 1 and resumed prompts are refused."""
+steps, with chunked prefill, for a prompt whose prefix another request left in the cache (it is recomputed), and
+for a family that post-processes its logits (native and generic); out of range is bad_field; n > 1 and resumed
+prompts are refused. At TP=2: tests/test_http_openai.py (echo + logprobs), tests/test_lm_eval.py."""
 
 from __future__ import annotations
 
@@ -64,6 +65,20 @@ def test_prompt_logprobs_equal_transformers(model_dir, overlap):
     assert scored.generated_tokens == first.generated_tokens == again.generated_tokens
     assert zero.prompt_logprobs[1:] == pytest.approx(ref[0][:19], abs=1e-4)
     assert all(list(t) == [] for t in zero.prompt_top_logprobs)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "granite"])
+def test_prompt_logprobs_score_the_familys_logits(make_checkpoint, arch):
+    """The shards score the logits sampling sees: Gemma 2's final softcap (a native family: `CausalLM.project`),
+    granite's logits scaling (the generic path: transformers' own forward gives the logits)."""
+    model_dir = make_checkpoint(arch)
+    ref = reference(model_dir, PROMPT)
+    model = cluster.load(model_dir)
+    cfg = cluster.ContinuousBatchingConfig(page_size=16, max_batch_tokens=16)
+    with model.continuous_batching_context_manager(continuous_batching_config=cfg) as m:
+        scored = m.get_result(m.add_request(PROMPT, max_new_tokens=1, eos_token_id=-1, prompt_logprobs=TOP),
+                              timeout=60)
+    check_against(scored, ref)
 
 
 def test_prompt_logprobs_batched_with_decodes(model_dir):

@@ -40,12 +40,14 @@ class CompileFailed(LockstepError, RuntimeError):
         self.config, self.settings, self.shape = config, settings, shape
 
 
-def _decode_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: list, v: list) -> torch.Tensor:
-    return model(ids, meta, k, v)
+def _decode_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: list, v: list,
+                  project: bool = True) -> torch.Tensor:
+    return model(ids, meta, k, v, project)
 
 
-def _varlen_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: list, v: list) -> torch.Tensor:
-    return model(ids, meta, k, v)
+def _varlen_entry(model: torch.nn.Module, ids: torch.Tensor, meta: AttnMeta, k: list, v: list,
+                  project: bool = True) -> torch.Tensor:
+    return model(ids, meta, k, v, project)
 
 
 # one function (code object) each, so the two forwards keep separate dynamo caches and recompile counts
@@ -78,12 +80,14 @@ class CompiledForward:
                 f"prefill={tuple(meta.pre_q_pos.shape)}x{meta.pre_kv_slots.shape[-1]} "
                 f"logits={meta.logits_idx.shape[0]} cache_slots={k[0].shape[0] if k else 0}")
 
-    def __call__(self, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
-        shape = self.shape_key(ids, meta, k)
+    def __call__(self, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor], v: list[torch.Tensor],
+                 project: bool = True) -> torch.Tensor:
+        """`project` False (prompt scoring): the head's inputs, a graph of its own (dynamo guards on it)."""
+        shape = self.shape_key(ids, meta, k) + ("" if project else " heads")
         first = shape not in self.compile_s
         start = time.perf_counter()
         try:
-            out = self.fn(self.model(), ids, meta, k, v)
+            out = self.fn(self.model(), ids, meta, k, v, project)
         except torch._dynamo.exc.TorchDynamoException as e:
             raise CompileFailed(self.config, self.settings, shape, e) from e
         if first:
@@ -116,9 +120,10 @@ class ForwardFn:
     def compiled(self) -> dict[str, CompiledForward]:
         return {f.name: f for f in (self.decode, self.varlen) if isinstance(f, CompiledForward)}
 
-    def __call__(self, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
-        """Every rank of the device group calls it (the forward all-reduces)."""
-        return (self.decode if meta.pre_q_pos.shape[0] == 0 else self.varlen)(ids, meta, k, v)
+    def __call__(self, ids: torch.Tensor, meta: AttnMeta, k: list[torch.Tensor], v: list[torch.Tensor],
+                 project: bool = True) -> torch.Tensor:
+        """Every rank of the device group calls it (the forward all-reduces). `project`: CausalLM.forward's."""
+        return (self.decode if meta.pre_q_pos.shape[0] == 0 else self.varlen)(ids, meta, k, v, project)
 
     def warm_up(self, plans: list[tuple[str, StepPlan]], prepare: Callable[[StepPlan], tuple[torch.Tensor, AttnMeta]],
                 k: list[torch.Tensor], v: list[torch.Tensor]) -> None:

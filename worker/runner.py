@@ -13,13 +13,14 @@ import torch.distributed as dist
 from cluster.config import ResolvedConfig
 from cluster.device_lists import on_device
 from cluster.dist import DRIVER
-from cluster.plan import StepPlan, logits_rows
+from cluster.plan import SCORE_PROMPT, StepPlan, logits_rows
 from worker.attention import AttnMeta
 from worker.compiled import ForwardFn
 from worker.graphs import (CudaGraphFactory, DecodeGraphs, GraphFactory, GraphKey, decode_buckets, decode_widths,
                            tensor_addresses)
 from worker.kv_cache import KVCache
 from worker.models.decoder import CausalLM
+from worker.prompt_scoring import ScoredLogits, score_on_shards, score_targets
 from worker.shard_argmax import ShardArgmax
 from worker.step_inputs import StaticBuffers, prepare_step
 from worker.stream import Handle, InlineStream, Stream
@@ -122,14 +123,14 @@ class ModelRunner:
         Called after a weight update (which must copy in place): refuse to serve on any. Local to this rank."""
         return [] if self.graphs is None else self.graphs.changed_addresses(self.graph_reads())
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | ShardArgmax | None:
+    def execute(self, plan: StepPlan) -> torch.Tensor | ShardArgmax | ScoredLogits | None:
         """Run one step and wait for it. Every rank calls it with the same plan; the driver gets [sampled seqs +
-        scored positions, vocab] logits (cluster.plan.logits_rows), or with `argmax_on_shards` every rank the greedy
-        tokens (ShardArgmax)."""
+        SCORE_ALL positions, vocab] logits (cluster.plan.logits_rows), with SCORE_PROMPT rows those and their
+        positions' scores (ScoredLogits), or with `argmax_on_shards` every rank the greedy tokens (ShardArgmax)."""
         return self.launch(plan).value()
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> Handle[torch.Tensor | ShardArgmax | None]:
+    def launch(self, plan: StepPlan) -> Handle[torch.Tensor | ShardArgmax | ScoredLogits | None]:
         """Prepare the plan's inputs on the host and queue its (first) forward on the stream; the handle's result
         is what `execute` returns. Every rank calls it alike, then, with `share_tokens`, `share_burst`."""
         if not self.forwards.warmed:  # the first time: compile what the compile configs ask for
@@ -138,11 +139,13 @@ class ModelRunner:
         self._burst = (plan, run)  # what share_burst queues the rest of a burst with
         return self.stream.submit(lambda: run(True))
 
-    def _prepared(self, plan: StepPlan) -> Callable[[bool], torch.Tensor | ShardArgmax | None]:
+    def _prepared(self, plan: StepPlan) -> Callable[[bool], torch.Tensor | ShardArgmax | ScoredLogits | None]:
         """Lay the plan out (at its graph's shapes when one holds it); returns the function that runs its
-        first forward (KV page copies and shared token ids first) or, for a burst, a later one (`_advance` first)."""
-        key = None
-        if self.graphs is not None:
+        first forward (KV page copies and shared token ids first) or, for a burst, a later one (`_advance` first).
+        SCORE_PROMPT rows (prompt logprobs; never in a graph) leave the forward as the head's inputs and are scored
+        on the vocabulary shards after the logits gather (worker/prompt_scoring.py)."""
+        key, scores = None, bool((plan.sample & SCORE_PROMPT).any())
+        if self.graphs is not None and not scores:
             self.capture_graphs()
             if plan.num_decode == plan.num_seqs:  # the gather's keys: each row's context and the burst's later ones
                 need = 0 if self.rc.paged_kernels else int(plan.kv_lens.max(initial=0)) + plan.burst - 1
@@ -151,10 +154,12 @@ class ModelRunner:
             self.graph_stats["eager_steps"] += plan.burst
         ids, meta, n = self.prepare(plan, *(key or (None, None)))
         refs = bool(plan.num_tokens) and int(plan.input_ids.min()) < 0
+        targets = on_device(score_targets(plan), torch.int64, self.device) if scores else None
+        projected = n - (0 if targets is None else targets.shape[0])  # rows whose logits the gather returns
         rows = None if key is None else on_device(np.concatenate(logits_rows(plan.sample, plan.q_lens)), torch.int64,
                                                   self.device)  # a decode row's positions: its own row
 
-        def run(first: bool) -> torch.Tensor | ShardArgmax | None:
+        def run(first: bool) -> torch.Tensor | ShardArgmax | ScoredLogits | None:
             if first:
                 self.cache.apply_swaps(plan.swap_out, plan.swap_in, plan.page_copies)  # KV page copies first
                 if refs:
@@ -163,6 +168,9 @@ class ModelRunner:
                 self._advance(ids, meta, plan.num_seqs)
             if key is not None:
                 local = self.graphs.replay(key, static_inputs(ids, meta))[rows]
+            elif targets is not None:
+                heads = self.forward_fn(ids, meta, project=False)[:n]
+                local = self.model.project(heads[:projected])
             else:
                 local = self.forward_fn(ids, meta)[:n]
             if plan.argmax_on_shards:  # every rank gets the tokens: the next forward reads them from shared_tokens
@@ -171,6 +179,10 @@ class ModelRunner:
                     self.shared_tokens[:n].copy_(chosen.tokens)
                 return chosen
             logits = self.model.lm_head.gather(local)
+            if targets is not None:  # every rank, after the gather (docs/architecture.md, the lockstep rules)
+                found = score_on_shards(self.model.project, self.model.lm_head, heads[projected:], targets,
+                                        plan.score_top)
+                return None if logits is None or found is None else ScoredLogits(logits.float(), found)
             return None if logits is None else logits.float()
 
         return run
@@ -193,9 +205,10 @@ class ModelRunner:
             meta.dec_kv_slots[:b].scatter_(1, pos[:, None], slot[:, None])
             meta.slot_mapping[:b].copy_(slot)
 
-    def forward_fn(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        """This rank's logits shard for meta's rows, eager or compiled (benchmarks/control_plane.py stands in)."""
-        return self.forwards(ids, meta, self.cache.k, self.cache.v)
+    def forward_fn(self, ids: torch.Tensor, meta: AttnMeta, project: bool = True) -> torch.Tensor:
+        """This rank's logits shard for meta's rows (`project` False: the head's inputs, CausalLM.forward), eager or
+        compiled (benchmarks/control_plane.py stands in)."""
+        return self.forwards(ids, meta, self.cache.k, self.cache.v, project)
 
     def _resolve_ids(self, ids: torch.Tensor) -> None:
         """Replace, in place on the device, every id -(1 + j) by the previous step's sampled token j."""

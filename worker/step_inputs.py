@@ -157,9 +157,11 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
         q_pos[p, i] = pos[bd:]
         pre_slots[:bp] = kv_slots(tables[bd:], kv_lens[bd:], lp_pad, page, scratch)
 
-    sampled, scored = logits_rows(plan.sample, q_lens)
-    # the sampled rows' last positions, then every position of each scored row (prompt logprobs)
-    picked = np.concatenate([where[cu[1:][sampled] - 1]] + [where[cu[r]:cu[r + 1]] for r in scored.tolist()])
+    sampled, full, prompt = logits_rows(plan.sample, q_lens)
+    # the sampled rows' last positions, then every position of each SCORE_ALL row (speculative verify), then of
+    # each SCORE_PROMPT row (prompt logprobs)
+    picked = np.concatenate([where[cu[1:][sampled] - 1]] + [where[cu[r]:cu[r + 1]] for r in full.tolist()]
+                            + [where[cu[r]:cu[r + 1]] for r in prompt.tolist()])
     if bucket is not None:  # every bucket row's logits; the sampled rows are picked after the replay
         logits_dev = buf.put(np.arange(bucket))
     else:

@@ -57,7 +57,8 @@ class DraftModel:
         """Run the target's STEP plan on the draft (no logits: nothing of it is sampled), so its cache holds the
         same tokens' K/V. The plan's input ids are all tokens (the engine runs in series)."""
         self.runner.execute(dataclasses.replace(plan, sample=np.zeros_like(plan.sample), share_tokens=False,
-                                                burst=1, argmax_on_shards=False))
+                                                burst=1, argmax_on_shards=False, score_next=plan.score_next[:0],
+                                                score_top=0))
 
     def propose(self, last: list[int], known: np.ndarray, k: np.ndarray, tables: np.ndarray) -> list[np.ndarray]:
         """Each row's k[i] greedy tokens after its `last` token (at position known[i] - 1, `tables` its block table

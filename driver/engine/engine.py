@@ -17,14 +17,15 @@ from cluster.config import ResolvedConfig
 from cluster.dist import Groups, send_plan
 from cluster.errors import Code
 from cluster.outputs import FINISH_REASONS, RequestStatus
-from cluster.plan import SAMPLE_LAST, SCORE_ALL, STATE_PERIOD_S, Command, S, StepPlan
+from cluster.plan import SAMPLE_LAST, SCORE_ALL, SCORE_PROMPT, STATE_PERIOD_S, Command, S, StepPlan
 from driver.engine.block_manager import BlockManager, token_slice
-from driver.engine.prompt_scores import score_prompts, scored_rows
+from driver.engine.prompt_scores import carry_targets, record_scores, scored_rows
 from driver.engine.request import Request
 from driver.engine.sampler import Draw, Launched, Sampler
 from driver.engine.scheduler import Batch, Scheduler
 from driver.engine.draft_model import DraftModel
-from driver.engine.speculation import speculator_for, split_scored
+from driver.engine.speculation import speculator_for
+from worker.prompt_scoring import ScoredLogits
 from worker.runner import ModelRunner
 from worker.stream import Handle
 
@@ -132,9 +133,10 @@ class Engine:
         sampling = (plan.sample & SAMPLE_LAST).astype(bool)
         sampled = batch.reqs if sampling.all() else [r for r, m in zip(batch.reqs, sampling.tolist()) if m]
         sampled_slots = slots[sampling]
-        # a step that scores prompt positions runs in series with its logits gathered (prompt_scores.py); its rows
-        # never burst (a scored row does not sample unless its query holds prompt positions: not a one-token decode)
-        scoring = (plan.sample & SCORE_ALL).astype(bool)
+        # a step that scores positions (prompt logprobs: prompt_scores.py; speculative verify rows) runs in series
+        # with its logits gathered; its rows never burst (a scored row does not sample unless its query holds prompt
+        # positions, or speculates: not a plain one-token decode)
+        scoring = (plan.sample & (SCORE_ALL | SCORE_PROMPT)).astype(bool)
         plan.share_tokens = self.rc.overlap and bool(sampled) and not scoring.any()
         plan.burst = burst  # > 1 only when every row samples (so share_tokens is set)
         plan.argmax_on_shards = bool(sampled) and bool(rows.plain[sampled_slots].all()) and not scoring.any()
@@ -151,16 +153,11 @@ class Engine:
             events += self.flush()
             self._register(batch.reqs, slots)
             out = logits.value()
-            spec_reqs, spec_logits = [], None
-            if scoring.any():  # after the sampled rows' logits, every position of the scored rows
-                scored = [r for r, m in zip(batch.reqs, scoring.tolist()) if m]
-                speculated = np.fromiter([r in drafts for r in scored], bool, len(scored))
-                prompt_logits, spec_logits = split_scored(out[len(sampled):], plan.q_lens[scoring], speculated)
-                prompt = ~speculated
-                score_prompts(prompt_logits, [r for r, m in zip(scored, prompt.tolist()) if m],
-                              (plan.kv_lens[scoring] - plan.q_lens[scoring])[prompt], plan.kv_lens[scoring][prompt])
-                spec_reqs = [r for r, m in zip(scored, speculated.tolist()) if m]
-                out = out[:len(sampled)]
+            if isinstance(out, ScoredLogits):  # prompt logprobs, scored on the vocabulary shards
+                out = record_scores(out, plan, batch.reqs)
+            if drafts:  # after the sampled rows' logits, every position of the speculating (SCORE_ALL) rows
+                spec_reqs = [r for r in batch.reqs if r in drafts]
+                out, spec_logits = out[:len(sampled)], out[len(sampled):]
             launched = self.sampler.launch(out, *self.sampler.rows(sampled))
             events += self._collect(sampled, launched, self.weight_version)
             if drafts:
@@ -378,13 +375,16 @@ class Engine:
                 parts.append(np.asarray(chunk, np.int64))
         input_ids = np.concatenate(parts).astype(np.int32)
         flags = (stop == known + pending) * SAMPLE_LAST
-        if rows.scores[slots].any():  # prompt logprobs: every position of these rows comes back (prompt_scores.py)
-            flags = flags + scored_rows(rows.scores[slots], start, p) * SCORE_ALL
+        scores = rows.scores[slots].any()  # prompt logprobs: these rows' positions are scored (prompt_scores.py)
+        if scores:
+            flags = flags + scored_rows(rows.scores[slots], start, p) * SCORE_PROMPT
         if drafts:  # speculating rows: every position's logits come back to be verified (speculation.py)
             flags = flags + np.fromiter([r in drafts for r in reqs], bool, len(reqs)) * SCORE_ALL
         plan = StepPlan(command=Command.STEP, step=self.step_no, weight_version=self.weight_version,
                         input_ids=input_ids, q_lens=q.astype(np.int32), kv_lens=stop.astype(np.int32),
                         sample=flags.astype(np.int32), block_tables=rows.table(slots))
+        if scores:
+            carry_targets(plan, reqs, self.runner.model.lm_head.vocab_size)
         return plan, slots
 
 

@@ -1,6 +1,6 @@
 """Speculative decoding on rank 0 (docs/speculative.md): a speculating decode row carries its last token and up to k
 proposed tokens into one forward; the target's choice at each of those 1 + k positions comes back (the plan's
-SCORE_ALL flag, as prompt logprobs do) and decides how many proposals stand.
+SCORE_ALL flag: every position's full logits, gathered) and decides how many proposals stand.
 
 Acceptance: position i's choice is exactly the token plain decoding would draw there, given the row's tokens so far
 and proposals 0..i-1: the sampler's `pick` at token index + i (greedy: the argmax; sampling: the argmax of the
@@ -224,18 +224,3 @@ class Speculator:
         s.accepted_tokens += accepted
         for p in range(accepted):
             s.accepted_per_pos[p] += 1
-
-
-def split_scored(logits: torch.Tensor, q_lens: np.ndarray, speculating: np.ndarray) -> tuple[torch.Tensor,
-                                                                                            torch.Tensor]:
-    """The scored rows' logits (every position of each, in row order; `q_lens` theirs) split into the prompt-scoring
-    rows' and the speculating rows' (`speculating`: per scored row)."""
-    owner = np.repeat(speculating, q_lens)
-    if owner.all() or not owner.any():
-        empty = logits[:0]
-        return (empty, logits) if owner.all() else (logits, empty)
-
-    def rows_of(mask: np.ndarray) -> torch.Tensor:
-        return logits.index_select(0, torch.as_tensor(np.flatnonzero(mask), device=logits.device))
-
-    return rows_of(~owner), rows_of(owner)

@@ -148,11 +148,17 @@ class GenericLM(CausalLM):
                 f"{linears}; {self.q_heads} query and {self.kv_heads} KV heads of {self.head_dim} a rank")
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, k_caches: list[torch.Tensor],
-                v_caches: list[torch.Tensor]) -> torch.Tensor:
+                v_caches: list[torch.Tensor], project: bool = True) -> torch.Tensor:
         """This rank's logits shard for meta's rows: transformers' forward over the step's tokens as one sequence of
-        [1, T], its positions given, attention through the pages (every rank calls it: the layers' collectives)."""
+        [1, T], its positions given, attention through the pages (every rank calls it: the layers' collectives).
+        Whatever `project` says: transformers applies its head, and any post-processing of the logits its family
+        does, inside its forward, so the head's inputs here are the logits themselves (`project` passes them on)."""
         return self._run(input_ids[None], meta.positions[None], meta.logits_idx,
                          GenericStep(meta, k_caches, v_caches))[0]
+
+    def project(self, heads: torch.Tensor) -> torch.Tensor:
+        """The logits `forward` gave, unchanged (see `forward`)."""
+        return heads
 
     def target(self, name: str) -> Target | None:
         return self._targets.get(name)

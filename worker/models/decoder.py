@@ -122,10 +122,11 @@ class CausalLM(nn.Module):
     # -- the forward -------------------------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, k_caches: list[torch.Tensor],
-                v_caches: list[torch.Tensor]) -> torch.Tensor:
+                v_caches: list[torch.Tensor], project: bool = True) -> torch.Tensor:
         """Every rank of the device group calls it: two all-reduces a layer, one for the embedding.
         The per-step metadata (rope cos/sin at the step's positions, the decode masks, which tokens are real) is
-        computed once here."""
+        computed once here. `project` False: the head's inputs of meta's rows (the final norm's output), which
+        `project` turns into logits later, a few rows at a time (prompt scoring: worker/prompt_scoring.py)."""
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -134,7 +135,13 @@ class CausalLM(nn.Module):
         real = meta.slot_mapping < meta.scratch_slot
         for layer, rope, kc, vc in zip(self.layers, ropes, k_caches, v_caches):
             h = layer(h, meta, rope, masks, real, kc, vc)
-        logits = self.lm_head(self.norm(h.index_select(0, meta.logits_idx)))
+        heads = self.norm(h.index_select(0, meta.logits_idx))
+        return self.project(heads) if project else heads
+
+    def project(self, heads: torch.Tensor) -> torch.Tensor:
+        """This rank's logits shard of rows of the head's inputs (`forward` with project=False): the LM head, then
+        the family's post-processing of logits (the final softcap), so every consumer sees the same logits."""
+        logits = self.lm_head(heads)
         if self.softcap is not None:  # transformers' order: divide, tanh, multiply
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
