@@ -123,6 +123,20 @@ class HostAllReduce:
             self._reduce_piece(flat[start:start + step])
         return x
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's x, [world, *x.shape] in rank order (a copy), or None (on every rank alike: the same shape
+        and dtype everywhere) when x does not fit one slot: the caller gathers otherwise. One exchange, no sums, so
+        the result is every rank's bits. Every rank of the group calls it, in the same order as `all_reduce`."""
+        size = x.numel() * x.element_size()
+        if size > self.slot_bytes:
+            return None
+        self.seq += 1
+        slots = self.banks[self.seq & 1, :, :size].view(x.dtype)  # [world, n]
+        slots[self.rank].copy_(x.reshape(-1))
+        self.seqs[self.rank] = self.seq
+        self._wait_all(self.seq)
+        return slots.clone().view(self.world, *x.shape)
+
     def _reduce_piece(self, piece: torch.Tensor) -> None:
         self.seq += 1
         size = piece.numel() * piece.element_size()

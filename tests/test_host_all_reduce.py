@@ -20,6 +20,7 @@ def test_sums_equal_gloo_and_leave_no_segment(tmp_path, nproc):
     # two ranks: a + b, exactly gloo's; more: the same sum in rank order, within rounding of gloo's ring order
     assert rec["same"] if nproc == 2 else rec["close"]
     assert rec["left"] == []  # unlinked once every rank mapped it
+    assert rec["gathered"] == [[r + 0.5] * 3 for r in range(nproc)] and rec["too_big"]  # `all_gather`
 
 
 @pytest.mark.slow

@@ -27,12 +27,25 @@ def test_equal_to_the_plain_product_for_every_row_count():
         x = torch.randn(rows, 64)
         want = x @ w.detach().t()
         got = packed_product(x, w)
-        assert got is not None and got.shape == (rows, 300) and got.is_contiguous()
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(packed_product(x, w, b), want + b, rtol=1e-5, atol=1e-4)
+        if rows == 1:  # a small weight's one-row product: MKL's matrix-vector product (below)
+            assert got is None
+        else:
+            assert got is not None and got.shape == (rows, 300) and got.is_contiguous()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(packed_product(x, w, b), want + b, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(linear(x, w, torch.ones(300)), want + 1, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(wide_linear(x, w), want, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(linear(x.t().contiguous().t(), w), want, rtol=1e-5, atol=1e-4)  # column-major x
+
+
+def test_one_row_is_packed_only_for_a_weight_big_enough_to_pay():
+    torch.manual_seed(3)
+    big = nn.Parameter(torch.randn(packed_linear.ONE_ROW_MIN_ELEMENTS // 256, 256), requires_grad=False)
+    x = torch.randn(1, 256)
+    got = packed_product(x, big)
+    assert got is not None and got.shape == (1, big.shape[0])
+    torch.testing.assert_close(got, x @ big.detach().t(), rtol=1e-5, atol=1e-4)
+    assert packed_product(x, big[:-1].contiguous()) is None
 
 
 def test_a_stacked_weight_packs_each_expert_apart():

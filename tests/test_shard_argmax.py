@@ -35,12 +35,13 @@ def test_one_shard_chooses_what_the_sampler_does():
 
 
 @pytest.mark.slow
-def test_two_ranks_choose_what_the_sampler_does_on_the_gathered_logits(tmp_path):
+@pytest.mark.parametrize("how", ["gloo", "host"])
+def test_two_ranks_choose_what_the_sampler_does_on_the_gathered_logits(tmp_path, how):
     out = tmp_path / "argmax.json"
-    proc = run_ranks("shard_argmax_rank.py", [str(out)], nproc=2, timeout=120)
+    proc = run_ranks("shard_argmax_rank.py", [str(out), how], nproc=2, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:]
     rec = read_json(out)
-    assert rec["gathered_width"] == VOCAB
+    assert rec["gathered_width"] == VOCAB and rec["host"] == (how == "host")
     tokens, invalid = sampler_choice(edge_logits(2))
     assert rec["pick_tokens"] == tokens and rec["pick_invalid"] == invalid  # the script's logits are these
     assert rec["tokens"] == [tokens, tokens]  # every rank holds the tokens

@@ -219,7 +219,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def argmax(self, local_logits: torch.Tensor) -> ShardArgmax:
         """Each row's greedy token, on every rank. Every rank of the device group calls it."""
         return shard_argmax(local_logits, self.start, self.vocab_size, self.shard.rank, self.shard.size,
-                            self.shard.group)
+                            self.shard.group, self.shard.host)
 
 
 class RMSNorm(nn.Module):

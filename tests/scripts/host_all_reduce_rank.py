@@ -49,6 +49,9 @@ def main(mode: str, out: str) -> None:
                     agree = agree and all(torch.equal(e, everyone[0]) for e in everyone)
                 count += 1
         rec.update(same=same, close=close, agree=agree, count=count)
+        if reducer is not None:  # the exchange without sums: every rank's bits, in rank order; a slot at most
+            rec["gathered"] = reducer.all_gather(torch.full((3,), rank + 0.5)).tolist()
+            rec["too_big"] = reducer.all_gather(torch.zeros(2048)) is None  # 8 KB against a 4 KB slot
     elif reducer is not None:
         last = rank == size - 1
         if last and mode == "dies":

@@ -29,31 +29,36 @@ def edge_logits(size: int) -> torch.Tensor:
     return x
 
 
-def main(out: str) -> None:
+def main(out: str, how: str) -> None:
+    from cluster.dist import init_groups
+    from cluster.host_all_reduce import HostAllReduce
     from driver.engine.logits_processing import SampleRow
     from driver.engine.request import SamplingParams
     from driver.engine.sampler import pick
     from worker.layers import ParallelLMHead, Shard
 
-    dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    head = ParallelLMHead(VOCAB, 4, Shard(rank, size, dist.group.WORLD), torch.float32)
+    groups = init_groups(cpu_group_timeout=60.0, device="cpu")
+    rank, size = groups.rank, groups.world_size
+    host = HostAllReduce.join(groups) if how == "host" else None
+    head = ParallelLMHead(VOCAB, 4, Shard(rank, size, groups.device_group, host), torch.float32)
     full = edge_logits(size)
     local = full[:, head.start:head.start + head.rows]
     chosen = head.argmax(local)
     every = [torch.empty_like(chosen.tokens) for _ in range(size)]
-    dist.all_gather(every, chosen.tokens)
+    dist.all_gather(every, chosen.tokens, group=groups.device_group)
     gathered = head.gather(local)
     if rank == 0:
         rows = [SampleRow(f"r{i}", SamplingParams(), 0, 0) for i in range(full.shape[0])]
         picks = pick(gathered, rows)
         record = {"tokens": [e.tolist() for e in every], "best": chosen.best.tolist(),
                   "pick_tokens": picks.tokens.tolist(), "pick_invalid": picks.invalid.tolist(),
-                  "gathered_width": gathered.shape[-1]}
+                  "gathered_width": gathered.shape[-1], "host": host is not None}
         with open(out, "w") as f:
             json.dump(record, f)
+    if host is not None:
+        host.close()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "gloo")
