@@ -228,16 +228,19 @@ def _cell(x: float | None, width: int = 9, fmt: str = ".1f") -> str:
 def table_lines(args, rows: list[dict]) -> list[str]:
     """The table: per rate, each engine's medians (ms), completed requests and start / warm-up seconds, then
     the ratio Lockstep / vLLM of each metric (median over runs) and whether TTFT p99 and TPOT p99 meet 0.8x."""
+    done_of = {(id(row), e): "/".join(str(n) for n in row[f"{e}_completed"]) + f" of {args.num_requests}"
+               for row in rows for e in ENGINES}  # "32 of 32"; with more runs "32/31/32 of 32"
+    wide = max(9, *map(len, done_of.values()))
     lines = [f"{'rate':>5} {'engine':<8} " + " ".join(f"{n:>9}" for n, _ in METRICS)
-             + f" {'tok/s':>7} {'done':>9} {'start s':>8} {'warm s':>7}"]
+             + f" {'tok/s':>7} {'done':>{wide}} {'start s':>8} {'warm s':>7}"]
     for row in rows:
         for e in ENGINES:
             m = row[e] or {}
-            done = "/".join(str(n) for n in row[f"{e}_completed"]) + f" of {args.num_requests}"
+            done = done_of[(id(row), e)]
             start = statistics.median(row[f"{e}_start_s"]) if row[f"{e}_start_s"] else None
             warm = statistics.median(row[f"{e}_warm_s"]) if row[f"{e}_warm_s"] else None
             lines.append(f"{row['rate']:>5g} {e:<8} " + " ".join(_cell(m.get(k)) for _, k in METRICS)
-                         + f" {_cell(m.get('tps'), 7)} {done:>9} {_cell(start, 8)} {_cell(warm, 7, '.2f')}")
+                         + f" {_cell(m.get('tps'), 7)} {done:>{wide}} {_cell(start, 8)} {_cell(warm, 7, '.2f')}")
         r = row["median_ratio"]
         verdict = "meets" if row["meets_bar"] else "misses"
         lines.append(f"{row['rate']:>5g} {'L/V':<8} " + " ".join(

@@ -178,6 +178,7 @@ def test_percentiles_ratios_medians_and_the_bar(tmp_path):
     lines = online.table_lines(args, [one, four])
     assert lines[0].split()[:4] == ["rate", "engine", "TTFT", "p50"]
     assert lines[1].split()[:3] == ["1", "lockstep", "30.0"] and "5/5/5 of 5" in lines[1]
+    assert lines[0].index("done") + 4 == lines[1].index("5/5/5 of 5") + 10  # the column widens to its cells
     assert "0.70x" in lines[3] and "0.90x" in lines[3] and "misses the bar" in lines[3]
     assert "same text by run: 4/5, 4/5, 4/5" in lines[3]
     assert lines[5].split()[2:6] == ["-"] * 4 and "error: vllm run 1" in lines[7]
