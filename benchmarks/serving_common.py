@@ -100,8 +100,15 @@ def client_message(target: Callable[..., None], args: tuple, timeout: float, wha
 
 
 def preset_toml(args) -> str:
-    lines = ["[continuous_batching]", f"page_size = {PAGE}", f"num_blocks = {args.num_blocks}",
-             "cpu_group_timeout = 120.0"]
+    """`lockstep serve`'s preset for a benchmark's arguments. `page_size`, `max_requests_per_batch` and
+    `prefix_caching` are optional on `args` (benchmarks/peer_vllm_serving.py sets them to match vLLM's server);
+    without them: PAGE, the server's default, and its default block sharing."""
+    lines = ["[continuous_batching]", f"page_size = {getattr(args, 'page_size', PAGE)}",
+             f"num_blocks = {args.num_blocks}", "cpu_group_timeout = 120.0"]
+    if getattr(args, "max_requests_per_batch", None):
+        lines.append(f"max_requests_per_batch = {args.max_requests_per_batch}")
+    if getattr(args, "prefix_caching", None) is False:
+        lines.append("allow_block_sharing = false")
     if args.model_samples:  # greedy must then be asked per request, which needs per-request processors
         lines.append("per_request_processors = true")
     if args.max_batch_tokens:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -146,12 +147,7 @@ def run_transformers_serve(args, texts, warm_texts, arrivals) -> dict:
                             bodies_for(args, texts, {"generation_config": gen}, args.new_tokens),
                             bodies_for(args, warm_texts, {"generation_config": warm_gen}, WARM_TOKENS), arrivals)
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_group(proc)
     if os.environ.get("BENCH_DEBUG"):
         say("transformers serve log:\n" + "".join(log)[-4000:])
     others, wall = window.others()
@@ -160,12 +156,28 @@ def run_transformers_serve(args, texts, warm_texts, arrivals) -> dict:
             "others": (others, wall)}
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: list[str]) -> None:
+def stop_group(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    """Stop a server started in its own session: SIGINT to its group, `grace_s` for it to exit, then SIGKILL to
+    whatever of the group is left (the server itself past the grace, or a child it left behind: vLLM's engine
+    process would otherwise hold the cores through the next engine's run)."""
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: list[str],
+                 what: str = "transformers serve") -> None:
+    """Poll `url`/health until it answers 200; RuntimeError naming `what`, with its log's tail, if the process
+    exits first or `timeout` s pass."""
     u = urlparse(url)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("transformers serve exited:\n" + "".join(log)[-3000:])
+            raise RuntimeError(f"{what} exited (status {proc.returncode}):\n" + "".join(log)[-3000:])
         try:
             conn = http.client.HTTPConnection(u.hostname, u.port, timeout=2)
             conn.request("GET", "/health")
@@ -174,7 +186,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: list[str
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"transformers serve not healthy within {timeout}s:\n" + "".join(log)[-3000:])
+    raise RuntimeError(f"{what} not healthy within {timeout}s:\n" + "".join(log)[-3000:])
 
 
 if __name__ == "__main__":
