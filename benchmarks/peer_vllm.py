@@ -259,6 +259,16 @@ def summary_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def add_engine_settings(p: argparse.ArgumentParser) -> None:
+    """The settings both engines take alike (docs/benchmarks.md, "Settings"): also peer_vllm_serving.py's."""
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens a step, both engines")
+    p.add_argument("--max-seqs", type=int, default=256, help="requests a step (max_num_seqs), both engines")
+    p.add_argument("--page-size", type=int, default=128, help="KV page (vLLM: block) size in tokens, both engines")
+    p.add_argument("--prefix-caching", action="store_true", help="leave both engines' prefix caches on")
+    p.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without torch.compile")
+
+
 def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="models/small", help="checkpoint directory (llama/small made if missing)")
@@ -267,12 +277,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--quick", action="store_true", help="the small versions of the workloads, one pair")
     p.add_argument("--pairs", type=int, default=None, help="Lockstep, vLLM runs alternating (default 3; --quick 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens a step, both engines")
-    p.add_argument("--max-seqs", type=int, default=256, help="requests a step (max_num_seqs), both engines")
-    p.add_argument("--page-size", type=int, default=128, help="KV page (vLLM: block) size in tokens, both engines")
-    p.add_argument("--prefix-caching", action="store_true", help="leave both engines' prefix caches on")
-    p.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without torch.compile")
+    add_engine_settings(p)
     p.add_argument("--compile-level", type=int, default=0, choices=[0, 1, 2, 3], help="Lockstep's compile level")
     p.add_argument("--venv", default=None, help="vLLM's venv (benchmarks/peer_vllm_env.py's default)")
     p.add_argument("--spec", default=SPEC, help="vLLM's pip spec, if the venv must be made")

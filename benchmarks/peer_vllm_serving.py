@@ -265,12 +265,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--new-tokens", type=int, default=None, help="tokens each request generates (default 64; "
                                                                   "--quick 32)")
     p.add_argument("--seed", type=int, default=0, help="prompts' and arrivals' seed")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens a step, both engines")
-    p.add_argument("--max-seqs", type=int, default=256, help="requests a step (max_num_seqs), both engines")
-    p.add_argument("--page-size", type=int, default=128, help="KV page (vLLM: block) size in tokens, both engines")
-    p.add_argument("--prefix-caching", action="store_true", help="leave both engines' prefix caches on")
-    p.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without torch.compile")
+    from benchmarks.peer_vllm import add_engine_settings  # imports torch: the main process only
+
+    add_engine_settings(p)
     p.add_argument("--venv", default=None, help="vLLM's venv (benchmarks/peer_vllm_env.py's default)")
     p.add_argument("--spec", default=SPEC, help="vLLM's pip spec, if the venv must be made")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds a server may take to answer /health")
