@@ -46,13 +46,20 @@ class HostReduceLost(dist.DistBackendError):
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether the process runs: a killed one that its launcher has not reaped yet (a zombie, which still answers
+    kill(pid, 0)) is gone, so a waiting rank sees a SIGKILLed peer within CHECK_S, as gloo's closed sockets show it,
+    not only after torchrun's next poll (which also SIGTERMs the survivors)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, another user's
         pass
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # the state, after the command's name
+    except (OSError, IndexError):  # no /proc (not Linux): kill(pid, 0) said it runs
+        return True
 
 
 class HostAllReduce:

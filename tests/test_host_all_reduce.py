@@ -45,3 +45,31 @@ def test_a_lost_peer_is_a_collective_error_not_a_hang(tmp_path, mode):
         assert "process gone" in rec["message"] and rec["waited_s"] < 5
     else:  # the group's timeout is 2 s
         assert "did not reach" in rec["message"] and 2 <= rec["waited_s"] < 6
+
+
+@pytest.mark.slow
+def test_a_killed_peer_not_yet_reaped_counts_as_gone():
+    """A SIGKILLed rank stays a zombie until its launcher reaps it, and a zombie still answers kill(pid, 0): the
+    waiting ranks must see it gone at once (as gloo's broken sockets do), not after the launcher's poll, which
+    also SIGTERMs the survivors and so races the driver's failing of every request."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from cluster.host_all_reduce import _pid_alive
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert _pid_alive(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # dead, not reaped: poll() is never called until the end
+            with open(f"/proc/{child.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        assert not _pid_alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
