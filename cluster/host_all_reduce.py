@@ -134,26 +134,25 @@ class HostAllReduce:
         """Every rank's x, [world, *x.shape] in rank order (a copy), or None (on every rank alike: the same shape
         and dtype everywhere) when x does not fit one slot: the caller gathers otherwise. One exchange, no sums, so
         the result is every rank's bits. Every rank of the group calls it, in the same order as `all_reduce`."""
-        size = x.numel() * x.element_size()
-        if size > self.slot_bytes:
+        if x.numel() * x.element_size() > self.slot_bytes:
             return None
-        self.seq += 1
-        slots = self.banks[self.seq & 1, :, :size].view(x.dtype)  # [world, n]
-        slots[self.rank].copy_(x.reshape(-1))
-        self.seqs[self.rank] = self.seq
-        self._wait_all(self.seq)
-        return slots.clone().view(self.world, *x.shape)
+        return self._exchange(x.reshape(-1)).clone().view(self.world, *x.shape)
 
     def _reduce_piece(self, piece: torch.Tensor) -> None:
-        self.seq += 1
-        size = piece.numel() * piece.element_size()
-        slots = self.banks[self.seq & 1, :, :size].view(piece.dtype)  # [world, n]
-        slots[self.rank].copy_(piece)
-        self.seqs[self.rank] = self.seq
-        self._wait_all(self.seq)
+        slots = self._exchange(piece)
         torch.add(slots[0], slots[1], out=piece)
         for r in range(2, self.world):
             piece.add_(slots[r])
+
+    def _exchange(self, flat: torch.Tensor) -> torch.Tensor:
+        """Post `flat` (one slot's worth at most) in this rank's slot of the next call's bank and wait for every
+        rank's: that bank's slots [world, n], valid until this rank's call after next."""
+        self.seq += 1
+        slots = self.banks[self.seq & 1, :, :flat.numel() * flat.element_size()].view(flat.dtype)  # [world, n]
+        slots[self.rank].copy_(flat)
+        self.seqs[self.rank] = self.seq
+        self._wait_all(self.seq)
+        return slots
 
     def _wait_all(self, seq: int) -> None:
         seqs = self.seqs
