@@ -1,5 +1,5 @@
-"""The paged SDPA fallback's workspace is bounded: a batch of long contexts gathers its keys in chunks
-under the configured element budget (measured with the profiler's allocator events), never the whole
+"""The paged SDPA fallback's workspace is bounded: a batch of long contexts gathers its keys in chunks (or a
+sequence at a time) under the configured element budget (measured with the profiler's allocator events), never the whole
 batch's contexts at once, with outputs unchanged; and flash-attn's path reached on the CPU through a stand-in with
 the real functions' signatures and documented semantics (its softcap, its log-sum-exp, which the path folds the
 sinks in through), against the paged SDPA path, and its varlen metadata built on the host."""
@@ -57,9 +57,13 @@ def setup(make_checkpoint):
     return model, runner
 
 
-def attention_of(runner, plan, budget):
+def attention_of(runner, plan, budget, grid=False):
+    """The first layer's attention over `plan`; `grid`: prefill through the padded query grid (`_prefill_sdpa`,
+    a compiled forward's) instead of sequence by sequence (`_prefill_runs`, the eager CPU forward's)."""
     runner.rc.attn_chunk_elements = budget
     ids, meta, _ = runner.prepare(plan)
+    if grid:
+        meta.pre_runs = None
     attn = runner.model.layers[0].self_attn
     q = torch.randn(ids.shape[0], attn.hq, attn.d, generator=torch.Generator().manual_seed(1))
     k, v = runner.cache.k[0], runner.cache.v[0]
@@ -69,19 +73,19 @@ def attention_of(runner, plan, budget):
 def test_long_context_attention_stays_under_the_bound(setup):
     model, runner = setup
     plan = long_context_plan(8, 8)
-    whole, attn = attention_of(runner, plan, 1 << 40)  # one chunk: the whole batch gathered at once
+    whole, attn = attention_of(runner, plan, 1 << 40, grid=True)  # one chunk: the whole batch gathered at once
     dense_peak, reference = peak_bytes(whole)
-    chunked, _ = attention_of(runner, plan, BUDGET)
-    peak, out = peak_bytes(chunked)
-    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     # the keys and values of the 8 prefill sequences alone, gathered densely
     gathered = 2 * 8 * 1024 * attn.hkv * attn.d * 4
     assert dense_peak > gathered  # the measurement sees the gather
-    assert peak < gathered / 3, f"peak {peak} bytes for a batch whose dense gather is {gathered}"
 
     from worker.attention import attention_workspace_bytes
 
-    assert peak <= attention_workspace_bytes(runner.rc, attn.hq, attn.hkv, attn.d, model.dtype)
+    for grid in (True, False):  # in chunks of the grid; a sequence at a time
+        peak, out = peak_bytes(attention_of(runner, plan, BUDGET, grid)[0])
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+        assert peak < gathered / 3, f"peak {peak} bytes for a batch whose dense gather is {gathered}"
+        assert peak <= attention_workspace_bytes(runner.rc, attn.hq, attn.hkv, attn.d, model.dtype)
 
 
 def test_bound_holds_whatever_the_batch(setup):
@@ -91,8 +95,8 @@ def test_bound_holds_whatever_the_batch(setup):
     runner.rc.attn_chunk_elements = BUDGET
     attn = runner.model.layers[0].self_attn
     bound = attention_workspace_bytes(runner.rc, attn.hq, attn.hkv, attn.d, model.dtype)
-    peaks = [peak_bytes(attention_of(runner, long_context_plan(d, p), BUDGET)[0])[0]
-             for d, p in [(16, 0), (0, 16), (1, 1), (4, 12)]]
+    peaks = [peak_bytes(attention_of(runner, long_context_plan(d, p), BUDGET, grid)[0])[0]
+             for d, p in [(16, 0), (0, 16), (1, 1), (4, 12)] for grid in (True, False)]
     assert max(peaks) <= bound
     # the bound grows with the longest context the config allows, not with the batch
     runner.rc.attn_chunk_elements = 1

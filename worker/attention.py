@@ -49,6 +49,9 @@ class AttnMeta:
     dec_tail: torch.Tensor | None = None
     dec_tail_at: list[int] | None = None
     unit: int = 1
+    # `row_views` steps only: each real prefill sequence as (first token among the prefill tokens, query count,
+    # cached prefix length), so `_prefill_runs` attends each unpadded, the causal square through SDPA's is_causal
+    pre_runs: list[tuple[int, int, int]] | None = None
     # the step's path (ResolvedConfig.attention): "flash_attn" and "triton_paged" read dec_block_table, pre_flash
     attention: str = "paged_sdpa"
 
@@ -249,6 +252,39 @@ def _prefill_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out[:-1]
 
 
+def _prefill_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                  window: int | None, scale: float, terms: ScoreTerms) -> torch.Tensor:
+    """q: [Tp, Hq, D] -> [Tp, Hq, D], the eager CPU prefill (`meta.pre_runs`): each sequence on its own, unpadded.
+    A sequence with nothing cached before its queries, under full attention and plain scores, is a causal square:
+    SDPA's `is_causal`, whose CPU kernel skips the key blocks above the diagonal and builds no mask. Others take an
+    additive mask over their own keys, queries in chunks sized as `_prefill_sdpa`'s. Padding queries return zeros."""
+    hq, d = q.shape[1], q.shape[2]
+    out = q.new_zeros(q.shape)
+    for i, (start, m, prefix) in enumerate(meta.pre_runs or ()):
+        length = prefix + m
+        slots = meta.pre_kv_slots[i, :length]
+        k = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        v = k if v_cache is k_cache else v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        if not prefix and window is None and terms.plain:
+            res = F.scaled_dot_product_attention(q[start:start + m].transpose(0, 1).unsqueeze(0), k, v,
+                                                 is_causal=True, scale=scale, enable_gqa=True)
+            out[start:start + m] = res[0].transpose(0, 1)
+            continue
+        _, qc = chunk_shape(1, m, length, hq, k.shape[1], d, meta.chunk_elements)
+        for c in range(0, m, qc):
+            n = min(qc, m - c)
+            q_pos = torch.arange(prefix + c, prefix + c + n, device=q.device)
+            bias = _bias(_visible(length, q_pos, window), q.dtype)[None, None]  # [1, 1, n, L]
+            qs = q[start + c:start + c + n]
+            if terms.plain:
+                res = F.scaled_dot_product_attention(qs.transpose(0, 1).unsqueeze(0), k, v, attn_mask=bias,
+                                                     scale=scale, enable_gqa=True)[0].transpose(0, 1)
+            else:
+                res = _sdpa(qs.unsqueeze(0), k, v, bias, scale, terms)[0]
+            out[start + c:start + c + n] = res
+    return out
+
+
 def _paged_kernels(meta: AttnMeta) -> ModuleType:
     """The module whose `decode` and `prefill` read this step's block tables: worker/flash.py, or
     worker/triton_attention.py (imported on first use: Triton is needed on that path only)."""
@@ -275,6 +311,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.pre_flash is not None:
         outs.append(_paged_kernels(meta).prefill(q[bd:], k_cache, v_cache, meta.pre_flash, meta.page_size, window,
                                                  scale, **terms.kernel_args()))
+    elif meta.pre_runs is not None:
+        outs.append(_prefill_runs(q[bd:], k_cache, v_cache, meta, window, scale, terms))
     elif meta.pre_q_pos.shape[0]:
         outs.append(_prefill_sdpa(q[bd:], k_cache, v_cache, meta, window, scale, terms))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

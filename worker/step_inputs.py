@@ -171,7 +171,10 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     meta = AttnMeta(positions=positions_dev, slot_mapping=slots_dev, dec_kv_slots=dec_slots_dev,
                     dec_q_pos=dec_q_pos_dev, pre_q_gather=gather_dev, pre_q_scatter=scatter_dev,
                     pre_kv_slots=pre_slots_dev, pre_q_pos=q_pos_dev, logits_idx=logits_dev, page_size=page,
-                    scratch_slot=scratch,                     chunk_elements=rc.attn_chunk_elements, attention=rc.attention)
+                    scratch_slot=scratch, chunk_elements=rc.attn_chunk_elements, attention=rc.attention)
+    if row_views and not paged and bp:  # each prefill sequence attended unpadded (attention.py `_prefill_runs`)
+        meta.pre_runs = [(int(cu[bd + i] - cu[bd]), int(q_lens[bd + i]), int(kv_lens[bd + i] - q_lens[bd + i]))
+                         for i in range(bp)]
     if rows:
         meta.unit = math.gcd(page, UNIT)
         meta.dec_units, meta.dec_tail, meta.dec_tail_at = unit_lists(tables[:bd], kv_lens[:bd], page, meta.unit,
