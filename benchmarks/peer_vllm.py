@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.peer_vllm_env import SPEC, VenvError, ensure_venv  # noqa: E402
+from benchmarks.product_ceiling import ROWS, ceiling_lines, product_rate, product_weights, workload_flops  # noqa: E402
 from benchmarks.throughput import ensure_model, make_prompts  # noqa: E402
 from launch.torchrun import torchrun_command  # noqa: E402
 from worker import kv_cache  # noqa: E402
@@ -221,6 +222,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             workload=name, tp=tp,
             lockstep_tps=statistics.median(map(tps, ok["lockstep"])) if ok["lockstep"] else None,
             vllm_tps=statistics.median(map(tps, ok["vllm"])) if ok["vllm"] else None,
+            lockstep_wall=statistics.median(r["wall"] for r in ok["lockstep"]) if ok["lockstep"] else None,
+            vllm_wall=statistics.median(r["wall"] for r in ok["vllm"]) if ok["vllm"] else None,
             ratios=found, median_ratio=statistics.median(found) if found else None,
             mismatches=[mismatches(p["lockstep"]["tokens"], p["vllm"]["tokens"]) for p in complete],
             errors=[f"{e} pair {i}: {last_line(p[e]['error'])}"
@@ -348,6 +351,16 @@ def main(argv: list[str] | None = None) -> int:
     ok = all("error" not in r and r["exact"] for r in runs)
     say("\n" + "\n".join(run_lines(runs)))
     say("\n" + "\n".join(summary_lines(rows)))
+    weights = product_weights(args.model)
+    if weights is not None:  # docs/benchmarks.md, "The product ceiling"
+        for r in rows:
+            r["tflop"] = workload_flops([len(x) for x in workload_prompts(table[r["workload"]], args.seed,
+                                         args.cfg["vocab_size"])[0]], table[r["workload"]].new_tokens, weights) / 1e12
+        rate = product_rate(args.cfg["hidden_size"], args.cfg["intermediate_size"], len(args.cores))
+        say(f"\nthe product ceiling: this machine's float32 product, {ROWS} x {args.cfg['hidden_size']} by "
+            f"{args.cfg['intermediate_size']} x {args.cfg['hidden_size']} on {len(args.cores)} threads, "
+            f"{rate:.0f} GFLOP/s; each engine's product GFLOP/s (share of it); the most L/V any engine could reach")
+        say("\n".join(ceiling_lines(rows, rate)))
     versions = {r["engine"]: r.get("version") for r in runs if "error" not in r}
     say(f"\nvLLM {versions.get('vllm', '?')}; configs: " + "; ".join(
         f"{r['engine']}: {r['config']}" for r in {r['engine']: r for r in runs if 'error' not in r}.values()))

@@ -148,6 +148,7 @@ def test_ratios_medians_and_mismatches():
     a1, a2 = peer.summarize(runs)
     assert a1["ratios"] == pytest.approx([2.0, 0.5, 1.25]) and a1["median_ratio"] == pytest.approx(1.25)
     assert a1["lockstep_tps"] == pytest.approx(12.0) and a1["vllm_tps"] == pytest.approx(8.0)  # of 6, 8, 9.6
+    assert a1["lockstep_wall"] == pytest.approx(1.0) and a1["vllm_wall"] == pytest.approx(1.5)  # the ceiling's
     assert a1["mismatches"] == [(0, None), (2, 2), (0, None)] and not a1["errors"]
     assert a2["ratios"] == [] and a2["median_ratio"] is None and a2["vllm_tps"] is None
     assert a2["errors"] == ["vllm pair 1: OSError: no TP"]
@@ -156,3 +157,27 @@ def test_ratios_medians_and_mismatches():
     assert lines[2].split()[:5] == ["a", "2", "12.0", "-", "-"]
     assert any("FAILED" in x for x in peer.run_lines(runs)) and "12.0" in peer.run_lines(runs)[1]
     assert peer.mismatches([[1], [2, 3]], [[1], [2]]) == (1, 1)
+
+
+def test_the_product_ceiling(make_checkpoint, monkeypatch):
+    import json as _json
+
+    from benchmarks import product_ceiling as pc
+
+    path = make_checkpoint("llama")
+    cfg = _json.loads((path / "config.json").read_text())
+    h, i, layers, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i  # q, k, v, o, gate, up, down
+    assert pc.product_weights(path) == (layers * per_layer, cfg["vocab_size"] * h)
+    assert pc.product_weights(make_checkpoint("qwen3_moe")) is None  # a token runs only its experts
+    # two prompts of 3 and 5 tokens, 4 new each: the body on 8 + 2 x 3 tokens, the head on 2 x 4
+    assert pc.workload_flops([3, 5], 4, (10, 7)) == 2 * 10 * 14 + 2 * 7 * 8
+    monkeypatch.setattr(pc, "SECONDS", 0.05)
+    assert pc.product_rate(64, 128, 1) > 0
+    rows = [dict(workload="a", tp=1, tflop=2.0, lockstep_wall=10.0, vllm_wall=8.0),
+            dict(workload="b", tp=2, tflop=1.0, lockstep_wall=5.0, vllm_wall=None)]
+    lines = pc.ceiling_lines(rows, rate=400.0)
+    # a: 200 GFLOP/s (50 %) against 250 (62 %): 400 / 250 = 1.60x at most; b: no vLLM run, no ceiling
+    assert lines[1].split() == ["a", "1", "2.000", "200", "(50%)", "250", "(62%)", "1.60x"]
+    assert lines[2].split() == ["b", "2", "1.000", "200", "(50%)", "-", "-"]
