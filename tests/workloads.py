@@ -37,14 +37,19 @@ def window_prompts(vocab: int) -> list[list[int]]:
 WINDOW_BATCH = dict(page_size=16, num_blocks=24, max_batch_tokens=128, allow_block_sharing=True)
 
 
+# Only `default` sizes its cache as a user's run would (CPU: every row at full length, 8,192 pages of 16 for the
+# tiny models, 0.1 to 0.2 s a run to zero); `chunked` and `sharing` hold all their requests at once in FULL pages
+# (they need under 300). PREEMPT pages hold two to three of the prompts at a time: 8 or 9 preemptions and 200 to 250
+# recomputed tokens in every family (32 pages preempted as often, in 1.4x the steps)
+FULL, PREEMPT = 512, 48
 # name -> (ContinuousBatchingConfig fields, prompt set); shared with tests/scripts/parity_rank.py
 SCENARIOS = {
     "default": (dict(page_size=32), "mixed"),
-    "chunked": (dict(page_size=16, max_batch_tokens=64), "mixed"),
-    "sharing": (dict(page_size=16, allow_block_sharing=True, max_batch_tokens=128), "shared"),
-    "preempt": (dict(page_size=16, num_blocks=32, max_batch_tokens=128), "mixed"),
+    "chunked": (dict(page_size=16, num_blocks=FULL, max_batch_tokens=64), "mixed"),
+    "sharing": (dict(page_size=16, num_blocks=FULL, allow_block_sharing=True, max_batch_tokens=128), "shared"),
+    "preempt": (dict(page_size=16, num_blocks=PREEMPT, max_batch_tokens=128), "mixed"),
     # the same small cache with a host pool (50 MiB, far more than the tiny models' preempted pages need)
-    "offload": (dict(page_size=16, num_blocks=32, max_batch_tokens=128, cpu_offload_space=0.05), "mixed"),
+    "offload": (dict(page_size=16, num_blocks=PREEMPT, max_batch_tokens=128, cpu_offload_space=0.05), "mixed"),
 }
 
 # how the parity tests run each scenario: one step a plan in series, overlapped, overlapped with multi-step
