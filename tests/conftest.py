@@ -44,6 +44,7 @@ RAY_MODULES = ("test_replicas", "test_ray", "test_recovery_ray")
 HTTP_MODULES = ("test_http", "test_http_openai", "test_http_samples", "test_http_trl", "test_lm_eval")
 LONGEST_FIRST = (*RAY_MODULES, "test_parity", "test_compile", "test_moe_parity", "test_recovery_chaos",
                  "test_chaos_loop", "test_gpu_compat", "test_chaos_frontend", "test_weight_push", "test_flood_latency",
+                 "test_transformers_script",
                  "test_serving_security", "test_pause_modes", "test_speculative", "test_moe", "test_host_all_reduce",
                  "test_overlap", "test_serving", "test_http")
 
