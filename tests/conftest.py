@@ -188,3 +188,9 @@ def run_ranks(script: str, args: list[str], nproc: int = 2, timeout: float = 300
 def read_json(path: Path):
     with open(path) as f:
         return json.load(f)
+
+
+def vocab_of(model_dir: Path) -> int:
+    """A checkpoint's vocabulary size from its config.json (a multimodal one's text config), without loading it."""
+    cfg = read_json(Path(model_dir) / "config.json")
+    return cfg["vocab_size"] if "vocab_size" in cfg else cfg["text_config"]["vocab_size"]

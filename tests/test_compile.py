@@ -18,7 +18,7 @@ import cluster
 from cluster.compile_settings import CompileSettings, compile_decision
 from cluster.config import ContinuousBatchingConfig, resolve_config
 from cluster.plan import StepPlan
-from tests.conftest import hf_greedy, read_json, run_ranks
+from tests.conftest import hf_greedy, read_json, run_ranks, vocab_of
 from worker.compiled import CompileFailed, CompiledForward
 
 AOT = {"backend": "aot_eager", "mode": None}  # dynamo + AOT autograd, no inductor codegen: cheap on CPU
@@ -203,7 +203,7 @@ def test_tp2_compiled_matches_transformers(make_checkpoint, tmp_path):
     """TP=2: the all-reduces inside the compiled forwards (dynamo, AOT autograd), two sequences at a time with
     mixed steps; both ranks compile the same shapes and produce transformers' tokens."""
     model_dir = one_layer(make_checkpoint)
-    prompts = short_prompts(cluster.load(model_dir).config.vocab_size, (5, 20, 30))
+    prompts = short_prompts(vocab_of(model_dir), (5, 20, 30))
     fields = dict(page_size=16, num_blocks=32, max_requests_per_batch=2, decode_compile_config=AOT,
                   varlen_compile_config=AOT)
     out = str(tmp_path / "out.json")

@@ -11,7 +11,7 @@ import torch
 
 import cluster
 from cluster.errors import UnsupportedModel
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, vocab_of
 from tests.test_moe import ROUTED_CHECKPOINTS, assert_routing_varies, routed_histograms
 from tests.test_gemma import check_batch
 from tests.workloads import window_prompts
@@ -46,7 +46,7 @@ def test_sinks_biases_and_clamp_change_the_tokens(make_checkpoint):
     """The parity above proves each of gpt-oss's own terms only if dropping it changes the tokens: with the sinks
     at -1e4 (no sink), the experts' biases at zero, or the clamp out of reach, every prompt's tokens differ."""
     model_dir = make_checkpoint("gpt_oss", **GPT_OSS)
-    prompts = window_prompts(cluster.load(model_dir).config.vocab_size)[::2]
+    prompts = window_prompts(vocab_of(model_dir))[::2]
     changes = {"sinks": lambda layer: layer.self_attn.sinks.weight.fill_(-1e4),
                "biases": lambda layer: (layer.mlp.experts.gate_up_bias.zero_(), layer.mlp.experts.down_bias.zero_()),
                "clamp": lambda layer: setattr(layer.mlp.experts, "limit", 1e9)}

@@ -14,8 +14,7 @@ import os
 
 import pytest
 
-import cluster
-from tests.conftest import hf_greedy, read_json, run_ranks
+from tests.conftest import hf_greedy, read_json, run_ranks, vocab_of
 from tests.test_gpt_oss import GPT_OSS
 from tests.test_moe import MOE_ARCHS, MOE_CHECKPOINTS, TP1_SCENARIOS
 from tests.test_moe_updates import check_sequence
@@ -56,7 +55,7 @@ def test_tp2_matches_transformers(arch, placement, moe_tp2_outputs, make_checkpo
     assert os.path.exists(out_path), proc.stdout[-4000:]
     results, rank1 = read_json(out_path), read_json(out_path + ".rank1")
     model_dir = make_checkpoint(arch, **CHECKPOINTS[arch])
-    vocab = cluster.load(model_dir).config.vocab_size
+    vocab = vocab_of(model_dir)
     for name in SCENARIOS_OF[arch]:
         want = hf_greedy(model_dir, prompts_for(SCENARIOS[name][1], vocab))
         for mode in MODES:

@@ -11,7 +11,7 @@ import pytest
 
 import cluster
 from cluster.outputs import RequestStatus
-from tests.conftest import hf_greedy, read_json, run_ranks, transformers_greedy
+from tests.conftest import hf_greedy, read_json, run_ranks, transformers_greedy, vocab_of
 from tests.workloads import MODE_SCENARIOS, MODES, NEW_TOKENS, SCENARIOS, mode_fields, prompts_for, runs_of
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -110,7 +110,7 @@ def test_tp2_matches_transformers(case, mode, tp2_outputs):
     results = read_json(out_path)
     rank1 = read_json(out_path + ".rank1")
     model_dir = dirs[case]
-    vocab = cluster.load(model_dir).config.vocab_size
+    vocab = vocab_of(model_dir)
     for name in tp2_scenarios(case, mode):
         r, kind = results[f"{name}/{mode}"], SCENARIOS[name][1]
         assert r["stats"]["model_impl"] == ("generic" if case in GENERIC_TP2 else "native")
@@ -143,7 +143,7 @@ def test_sliding_window_matches_transformers(make_checkpoint):
 def test_cached_references_are_transformers_own(make_checkpoint):
     """tests/references only spares the work: a few prompts generated afresh equal the cached answers."""
     model_dir = make_checkpoint("qwen3")
-    prompts = prompts_for("mixed", cluster.load(model_dir).config.vocab_size)
+    prompts = prompts_for("mixed", vocab_of(model_dir))
     picked = [0, 7, 15]
     assert transformers_greedy(model_dir, [prompts[i] for i in picked], NEW_TOKENS) == \
         [hf_greedy(model_dir, prompts)[i] for i in picked]
