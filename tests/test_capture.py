@@ -62,7 +62,10 @@ def test_forward_compiles_with_fullgraph(runner, kind, monkeypatch):
     plan = decode_plan(4, 37, 16) if kind.startswith("decode") else mixed_plan(16)
     # the graph bucket's layout (full KV width) and the SDPA fallback split into several chunks must compile too
     runner.rc.attn_chunk_elements = CHUNKED_BUDGET if kind == "mixed_in_chunks" else 1 << 22
+    # laid out as for a compiled forward: no per-row key runs, no per-sequence prefill (`ModelRunner.row_views`)
+    monkeypatch.setattr(runner, "row_views", False)
     ids, meta, n = runner.prepare(plan, bucket=4 if kind == "decode_bucket" else None)
+    assert meta.dec_units is None and meta.pre_runs is None
     calls = []
     monkeypatch.setattr(worker.attention, "chunk_shape", recording(calls))  # in the eager run only
     with torch.inference_mode():
