@@ -75,3 +75,28 @@ def test_bursts_buckets_and_compiled_forwards_keep_key_slot_lists():
     assert meta.dec_units is None  # a graph bucket's fixed shapes
     _, meta, _ = prepare_step(rc, buf, plan_of([5, 9]), 20, None, False)
     assert meta.dec_units is None  # row_views off: a compiled or CUDA forward
+
+
+def test_a_large_batch_takes_smaller_chunks_with_the_same_outputs(monkeypatch):
+    import worker.attention as attention
+
+    rc = rc_for(False)
+    rc.page_size = PAGE
+    lens = [1 + (7 * i) % 40 for i in range(attention.DECODE_SPLIT_ROWS)]
+    plan = plan_of(lens)
+    scratch_block = int(plan.block_tables.max()) + 1
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn((scratch_block + 1) * PAGE, HKV, D, generator=gen)
+    v_cache = torch.randn((scratch_block + 1) * PAGE, HKV, D, generator=gen)
+    q = torch.randn(len(lens), HQ, D, generator=gen)
+    chunks = []
+    shape = attention.chunk_shape
+    monkeypatch.setattr(attention, "chunk_shape", lambda *a: chunks.append(shape(*a)) or chunks[-1])
+    monkeypatch.setattr(attention, "DECODE_CHUNK_ELEMENTS", 20_000)  # a few rows a chunk at these sizes
+    out = {}
+    for rows in (False, True):
+        _, meta, _ = prepare_step(rc, StaticBuffers(rc, torch.device("cpu")), plan, scratch_block, None, rows)
+        out[rows] = paged_attention(q, k_cache, v_cache, meta, None, D ** -0.5)
+    rb = chunks[-1][0]
+    assert 1 < rb < len(lens)  # the large batch went in several chunks, each of several rows
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-6)
