@@ -323,9 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         f"Lockstep compile level {args.compile_level}; work dir {work}")
     say(f"load average {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} at start")
     runs: list[dict] = []
+    weights, tflop = product_weights(args.model), {}  # docs/benchmarks.md, "The product ceiling"
     for tp in args.tp:
         for w in (table[k] for k in args.workloads):
             prompts, warm = workload_prompts(w, args.seed, args.cfg["vocab_size"])
+            if weights is not None:
+                tflop[w.name] = workload_flops([len(x) for x in prompts], w.new_tokens, weights) / 1e12
             _, venv = engine_envs(args, w, tp, args.cfg)
             say(f"\nTP={tp} workload {w.name}: {w.what}: {w.num_prompts} prompts of {w.min_len}-{w.max_len} tokens, "
                 f"{w.new_tokens} new each; VLLM_CPU_KVCACHE_SPACE={venv['VLLM_CPU_KVCACHE_SPACE']} "
@@ -351,11 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = all("error" not in r and r["exact"] for r in runs)
     say("\n" + "\n".join(run_lines(runs)))
     say("\n" + "\n".join(summary_lines(rows)))
-    weights = product_weights(args.model)
-    if weights is not None:  # docs/benchmarks.md, "The product ceiling"
+    if weights is not None:
         for r in rows:
-            r["tflop"] = workload_flops([len(x) for x in workload_prompts(table[r["workload"]], args.seed,
-                                         args.cfg["vocab_size"])[0]], table[r["workload"]].new_tokens, weights) / 1e12
+            r["tflop"] = tflop[r["workload"]]
         rate = product_rate(args.cfg["hidden_size"], args.cfg["intermediate_size"], len(args.cores))
         say(f"\nthe product ceiling: this machine's float32 product, {ROWS} x {args.cfg['hidden_size']} by "
             f"{args.cfg['intermediate_size']} x {args.cfg['hidden_size']} on {len(args.cores)} threads, "

@@ -224,9 +224,8 @@ def _decode_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     units, unit, at = meta.dec_units, meta.unit, meta.dec_tail_at
     rows, length = units.shape[0], units.shape[1] * unit
     hkv = k_cache.shape[1]
-    big = rows >= DECODE_SPLIT_ROWS
-    rb, _ = chunk_shape(rows, 1, length, hq, hkv, d,
-                        min(meta.chunk_elements, DECODE_CHUNK_ELEMENTS) if big else meta.chunk_elements)
+    budget = min(meta.chunk_elements, DECODE_CHUNK_ELEMENTS) if rows >= DECODE_SPLIT_ROWS else meta.chunk_elements
+    rb, _ = chunk_shape(rows, 1, length, hq, hkv, d, budget)
     outs = []
     for r in range(0, rows, rb):
         n = min(rb, rows - r)
@@ -271,25 +270,21 @@ def _prefill_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     additive mask over their own keys, queries in chunks sized as `_prefill_sdpa`'s. Padding queries return zeros."""
     hq, d = q.shape[1], q.shape[2]
     out = q.new_zeros(q.shape)
-    for i, (start, m, prefix) in enumerate(meta.pre_runs or ()):
+    for i, (start, m, prefix) in enumerate(meta.pre_runs):
         length = prefix + m
-        slots = meta.pre_kv_slots[i, :length]
-        k = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-        v = k if v_cache is k_cache else v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        if not prefix and window is None and terms.plain:
-            res = F.scaled_dot_product_attention(q[start:start + m].transpose(0, 1).unsqueeze(0), k, v,
-                                                 is_causal=True, scale=scale, enable_gqa=True)
-            out[start:start + m] = res[0].transpose(0, 1)
-            continue
-        _, qc = chunk_shape(1, m, length, hq, k.shape[1], d, meta.chunk_elements)
+        slots = meta.pre_kv_slots[i:i + 1, :length]
+        k = _gather(k_cache, slots)  # [1, Hkv, L, D]
+        v = k if v_cache is k_cache else _gather(v_cache, slots)
+        causal = not prefix and window is None and terms.plain  # the causal square: no mask, one call
+        qc = m if causal else chunk_shape(1, m, length, hq, k.shape[1], d, meta.chunk_elements)[1]
         for c in range(0, m, qc):
             n = min(qc, m - c)
-            q_pos = torch.arange(prefix + c, prefix + c + n, device=q.device)
-            bias = _bias(_visible(length, q_pos, window), q.dtype)[None, None]  # [1, 1, n, L]
             qs = q[start + c:start + c + n]
+            bias = None if causal else _bias(_visible(length, torch.arange(prefix + c, prefix + c + n), window),
+                                             q.dtype)[None, None]  # [1, 1, n, L]
             if terms.plain:
                 res = F.scaled_dot_product_attention(qs.transpose(0, 1).unsqueeze(0), k, v, attn_mask=bias,
-                                                     scale=scale, enable_gqa=True)[0].transpose(0, 1)
+                                                     is_causal=causal, scale=scale, enable_gqa=True)[0].transpose(0, 1)
             else:
                 res = _sdpa(qs.unsqueeze(0), k, v, bias, scale, terms)[0]
             out[start + c:start + c + n] = res

@@ -72,7 +72,6 @@ class StaticBuffers:
               fill: int | None = None) -> tuple[np.ndarray, torch.Tensor]:
         """The next input: (its host array to write, its device view), both of `shape`."""
         assert self._host is not None, "begin() first"
-        shape = tuple(int(x) for x in shape)
         n = math.prod(shape)
         start, size = self._cursor, _entries(n, int32)
         if start + size > self._entries:
