@@ -98,6 +98,21 @@ def pick_device(local_rank: int, device: str | torch.device | None = None) -> to
     return torch.device("cpu")
 
 
+def group_timeouts(cpu_group_timeout: float | None) -> tuple[timedelta, timedelta]:
+    """(the timeout a formed group's collectives fail after, the longer one it may take to form: JOIN_TIMEOUT, where
+    this torch can shorten a group's timeout once formed)."""
+    timeout = timedelta(seconds=cpu_group_timeout) if cpu_group_timeout else NO_TIMEOUT
+    can_settle = hasattr(dist.distributed_c10d, "_set_pg_timeout")  # torch >= 2.3
+    return timeout, max(timeout, JOIN_TIMEOUT) if can_settle else timeout
+
+
+def settle_timeout(groups: tuple, timeout: timedelta, join: timedelta) -> None:
+    """Formed: from now on the collectives of `groups` fail after `timeout`. Every member calls it."""
+    if join != timeout:
+        for group in groups:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def init_groups(cpu_group_timeout: float | None = 300.0, device: str | torch.device | None = None) -> Groups:
     """Join the groups torchrun (or the Ray launcher) describes in the environment. Every rank calls it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -107,18 +122,14 @@ def init_groups(cpu_group_timeout: float | None = 300.0, device: str | torch.dev
         return Groups(rank=0, world_size=1, local_rank=0, device=dev)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    timeout = timedelta(seconds=cpu_group_timeout) if cpu_group_timeout else NO_TIMEOUT
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
-    join = max(timeout, JOIN_TIMEOUT) if set_timeout else timeout
+    timeout, join = group_timeouts(cpu_group_timeout)
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=join,
                                 device_id=dev if dev.type == "cuda" else None)
     device_group = dist.group.WORLD
     control_group = dist.new_group(backend="gloo", timeout=join)
-    if join != timeout:  # formed: from now on a collective fails after the configured timeout
-        for group in (device_group, control_group) if owns else (control_group,):
-            set_timeout(timeout, group)
+    settle_timeout((device_group, control_group) if owns else (control_group,), timeout, join)
     groups = Groups(rank=rank, world_size=world, local_rank=local_rank, device=dev, device_group=device_group,
                     control_group=control_group, owns_default_group=owns, control_timeout=cpu_group_timeout,
                     owns_control_group=True)
@@ -129,7 +140,7 @@ def init_groups(cpu_group_timeout: float | None = 300.0, device: str | torch.dev
 
 def make_control_group(groups: Groups, cpu_group_timeout: float | None) -> Groups:
     """The same ranks with a fresh control group of another timeout. Every rank calls it."""
-    timeout = timedelta(seconds=cpu_group_timeout) if cpu_group_timeout else NO_TIMEOUT
+    timeout, _ = group_timeouts(cpu_group_timeout)
     return replace(groups, control_group=dist.new_group(backend="gloo", timeout=timeout),
                    control_timeout=cpu_group_timeout, owns_default_group=False, owns_control_group=True)
 

@@ -129,27 +129,27 @@ def join_attempt_group(cpu_group_timeout: float | None) -> None:
 
     torchrun's static rendezvous keeps one store across restarts: a restarted group using the plain keys could
     read the dead group's addresses. Keys under `attempt_<TORCHELASTIC_RESTART_COUNT>` are this group's own."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
-    from cluster.dist import pick_device
+    from cluster.dist import group_timeouts, pick_device, settle_timeout
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or dist.is_initialized():
         return
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    timeout = timedelta(seconds=cpu_group_timeout or 300.0)
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    # a restarted peer may take longer to start than the failure timeout (a loaded host): join under the longer one
+    timeout, join = group_timeouts(cpu_group_timeout)
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=join))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dev = pick_device(local_rank)
     if dev.type == "cuda":
         import torch
 
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world, timeout=timeout,
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world, timeout=join,
                             store=dist.PrefixStore(f"attempt_{attempt}", store),
                             device_id=dev if dev.type == "cuda" else None)
+    settle_timeout((dist.group.WORLD,), timeout, join)
 
 
 def main(argv: list[str] | None = None) -> int:
