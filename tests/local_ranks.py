@@ -6,19 +6,26 @@ single-node group (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, M
 TORCHELASTIC_RESTART_COUNT), and keeps torchrun's rule for a failure: when one rank exits non-zero, the others are
 killed and the group's exit code is non-zero. What users run (`lockstep serve`, `lockstep run`, a torchrun script)
 is still started through torchrun in the tests that cover it (tests/serving.py, test_cli, test_transformers_script).
+
+The ranks are forked from a zygote (tests/rank_zygote.py) that imported torch and transformers once: ~3 CPU-s of
+imports a rank spared, each rank still a process of its own.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from launch.torchrun import free_port
+from tests.process_guard import refuse_unless_slow
 
 
 def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
@@ -28,7 +35,102 @@ def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
             "TORCHELASTIC_RESTART_COUNT": "0"}
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
+class ForkedRank:
+    """A rank forked by a zygote (tests/rank_zygote.py), with the part of Popen's interface run_local_ranks uses."""
+
+    def __init__(self, zygote: "Zygote", pid: int):
+        self.zygote, self.pid = zygote, pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.zygote.exits.get(self.pid)
+
+    def poll(self) -> int | None:
+        self.zygote.read_exits()
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.02)
+        return self.returncode  # type: ignore[return-value]
+
+
+class Zygote:
+    """One tests/rank_zygote.py process, started with the ranks' environment; forks ranks on request."""
+
+    def __init__(self, env: dict[str, str]):
+        self.proc = subprocess.Popen([sys.executable, "-u", str(ZYGOTE)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, start_new_session=True)
+        os.set_blocking(self.proc.stdout.fileno(), False)  # type: ignore[union-attr]
+        self.exits: dict[int, int] = {}
+        self.pending = b""
+        self.lock = threading.Lock()
+
+    def _messages(self, wait: bool) -> list[dict]:
+        out: list[dict] = []
+        while not out:
+            try:
+                data = os.read(self.proc.stdout.fileno(), 1 << 16)  # type: ignore[union-attr]
+            except BlockingIOError:
+                data = None
+            if data == b"":
+                raise RuntimeError(f"the rank zygote exited (code {self.proc.wait()})")
+            self.pending += data or b""
+            while b"\n" in self.pending:
+                line, self.pending = self.pending.split(b"\n", 1)
+                out.append(json.loads(line))
+            if not wait:
+                break
+            if not out:
+                select.select([self.proc.stdout], [], [], 1.0)
+        return out
+
+    def _note(self, messages: list[dict]) -> list[int]:
+        pids = []
+        for m in messages:
+            if "exit" in m:
+                self.exits[m["exit"]] = m["code"]
+            else:
+                pids.append(m["pid"])
+        return pids
+
+    def read_exits(self) -> None:
+        with self.lock:
+            self._note(self._messages(wait=False))
+
+    def fork(self, path: Path, args: list[str], env: dict[str, str], out: str) -> ForkedRank:
+        request = {"path": str(path), "args": args, "env": env, "cwd": os.getcwd(), "out": out}
+        with self.lock:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+            pids: list[int] = []
+            while not pids:
+                pids = self._note(self._messages(wait=True))
+        return ForkedRank(self, pids[0])
+
+
+ZYGOTE = Path(__file__).resolve().parent / "rank_zygote.py"
+# set for each rank in its child; PYTEST_CURRENT_TEST changes with every test and nothing imported reads it
+PER_RANK = (*rank_env(0, 1, 0), "PYTEST_CURRENT_TEST")
+ZYGOTES_KEPT = 3  # the environments most recently used (most launches share one; a few tests add a variable)
+_zygotes: dict[frozenset, Zygote] = {}
+
+
+def zygote_for(env: dict[str, str]) -> Zygote:
+    """The zygote started with `env` (less PER_RANK): started on first use, kept while among the last ZYGOTES_KEPT
+    environments used (an older one's stdin is closed: it exits)."""
+    base = {k: v for k, v in env.items() if k not in PER_RANK}
+    key = frozenset(base.items())
+    zygote = _zygotes.pop(key, None)
+    if zygote is None or zygote.proc.poll() is not None:
+        zygote = Zygote(base)
+    _zygotes[key] = zygote  # the most recent last
+    while len(_zygotes) > ZYGOTES_KEPT:
+        _zygotes.pop(next(iter(_zygotes))).proc.stdin.close()  # type: ignore[union-attr]
+    return zygote
+
+
+def _kill(procs: list[ForkedRank]) -> None:
     for p in procs:
         if p.poll() is None:
             try:
@@ -46,9 +148,10 @@ def run_local_ranks(path: Path, args: list[str], nproc: int, timeout: float,
     says so with the output."""
     port = free_port()
     cmd = [sys.executable, "-u", str(path), *args]
-    with tempfile.TemporaryFile("w+") as out:
-        procs = [subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                  env=dict(env, **rank_env(rank, nproc, port))) for rank in range(nproc)]
+    refuse_unless_slow("a forked rank", repr(cmd))  # the zygote forks it: no process start in this interpreter to catch
+    zygote = zygote_for(env)
+    with tempfile.NamedTemporaryFile("w+") as out:
+        procs = [zygote.fork(path, args, dict(env, **rank_env(rank, nproc, port)), out.name) for rank in range(nproc)]
         failed = None
         deadline = time.monotonic() + timeout
         try:

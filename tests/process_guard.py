@@ -27,13 +27,19 @@ class UnmarkedProcessStart(RuntimeError):
 _current: list[pytest.Item] = []  # the test being run, while it is not marked slow
 
 
+def refuse_unless_slow(what: str, command: str) -> None:
+    """Raise UnmarkedProcessStart if a test that is not marked slow is running (a process another one starts for
+    this interpreter, as tests/local_ranks.py's zygote does, counts as this test's)."""
+    if _current:
+        raise UnmarkedProcessStart(
+            f"{_current[0].nodeid} starts a process ({what}: {command[:120]}) but is not "
+            "marked slow; mark it @pytest.mark.slow (the fast tier starts no process) and keep a fast "
+            "in-process test of the logic beside it")
+
+
 def _guarded(what: str, original: Callable[..., Any], describe: Callable[..., str]) -> Callable[..., Any]:
     def start(*args: Any, **kwargs: Any) -> Any:
-        if _current:
-            raise UnmarkedProcessStart(
-                f"{_current[0].nodeid} starts a process ({what}: {describe(*args, **kwargs)[:120]}) but is not "
-                "marked slow; mark it @pytest.mark.slow (the fast tier starts no process) and keep a fast "
-                "in-process test of the logic beside it")
+        refuse_unless_slow(what, describe(*args, **kwargs))
         return original(*args, **kwargs)
 
     start.__wrapped__ = original  # type: ignore[attr-defined]

@@ -26,10 +26,10 @@ from tests.serving import serve  # noqa: E402
 from tests.workloads import mixed_prompts  # noqa: E402
 
 NEW = 16
-# Ray runs its workers at niceness 15: beside a busy machine's other work (the suite's other workers) a rank
-# actor can go seconds without the CPU, and a peer that sees its liveness stamp stand still for most of
-# cpu_group_timeout kills it as hung (cluster/liveness.py; a fresh-clone run lost rank 0 so at 5 s). These tests
-# do not test a hang: a window that a starved but healthy rank keeps.
+# a rank actor on a busy machine (the suite's other workers) can go seconds without the CPU, and a peer that sees
+# its liveness stamp stand still for most of cpu_group_timeout kills it as hung (cluster/liveness.py; a fresh-clone
+# run lost rank 0 so at 5 s, when Ray still ran its workers at niceness 15: tests/ray_session.py). These tests do not
+# test a hang: a window that a starved but healthy rank keeps.
 PRESET = {"continuous_batching": {"page_size": 16, "max_batch_tokens": 256, "cpu_group_timeout": 15.0},
           "serve": {"client_timeout_s": 5.0}}
 

@@ -38,7 +38,7 @@ CLIENTS = 4
 NEW = 8
 PAGE = 16
 SERVICE = "lockstep-test-replicas"
-# cpu_group_timeout: as tests/test_ray.py's (Ray's niceness 15 on a busy machine)
+# cpu_group_timeout: as tests/test_ray.py's (a rank actor starved on a busy machine)
 PRESET = {"continuous_batching": {"page_size": PAGE, "max_batch_tokens": 256, "max_requests_per_batch": 64,
                                   "cpu_group_timeout": 15.0},
           "serve": {"client_timeout_s": 10.0},
