@@ -140,6 +140,11 @@ def tokens_move(c: Client, before: int, at_least: int = 8, timeout: float = 60) 
         time.sleep(0.02)
 
 
+# the paused requests' length: the pause must find them running. With NEW tokens a fresh-clone run found all six
+# finished before a "keep" pause took effect (a step of the tiny model takes milliseconds)
+HELD_NEW = 4 * NEW
+
+
 @pytest.mark.slow
 def test_client_pause_modes_tp2(server, make_checkpoint):
     from tests.scripts.update_rank import prompts
@@ -149,7 +154,7 @@ def test_client_pause_modes_tp2(server, make_checkpoint):
         for k, mode in enumerate(MODES):
             ps, later = prompts(6, 50 + k), prompts(2, 60 + k)
             before = c.stats()["tokens_generated"]
-            rids = [c.submit(p, max_new_tokens=NEW) for p in ps]
+            rids = [c.submit(p, max_new_tokens=HELD_NEW) for p in ps]
             tokens_move(c, before)
             c.pause(mode)  # returns once in force: "wait" once the running ones finished
             held = c.stats()
@@ -160,7 +165,7 @@ def test_client_pause_modes_tp2(server, make_checkpoint):
             assert (still["tokens_generated"], still["step"]) == (held["tokens_generated"], held["step"]), mode
             c.resume()
             outs, late = [c.result(r) for r in rids], [c.result(r) for r in during]
-            want = hf_greedy(dir_a, ps, NEW)
+            want = hf_greedy(dir_a, ps, HELD_NEW)
             assert [o.request_id for o in outs] == rids and all(o.weight_versions == [(0, 0)] for o in late)
             assert [o.generated_tokens for o in late] == hf_greedy(dir_a, later, NEW)  # after the pause, whole
             assert all(o.pauses is None for o in late)
