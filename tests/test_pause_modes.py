@@ -142,7 +142,7 @@ def tokens_move(c: Client, before: int, at_least: int = 8, timeout: float = 60) 
 
 # the paused requests' length: the pause must find them running. With NEW tokens a fresh-clone run found all six
 # finished before a "keep" pause took effect (a step of the tiny model takes milliseconds)
-HELD_NEW = 4 * NEW
+HELD_NEW = 2 * NEW
 
 
 @pytest.mark.slow
