@@ -148,7 +148,7 @@ def run_local_ranks(path: Path, args: list[str], nproc: int, timeout: float,
     says so with the output."""
     port = free_port()
     cmd = [sys.executable, "-u", str(path), *args]
-    refuse_unless_slow("a forked rank", repr(cmd))  # the zygote forks it: no process start in this interpreter to catch
+    refuse_unless_slow("a forked rank", repr(cmd))  # the zygote forks it: this interpreter starts no process
     zygote = zygote_for(env)
     with tempfile.NamedTemporaryFile("w+") as out:
         procs = [zygote.fork(path, args, dict(env, **rank_env(rank, nproc, port)), out.name) for rank in range(nproc)]

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.conftest import run_ranks
 from tests.process_guard import UnmarkedProcessStart
 
 
@@ -18,7 +19,8 @@ from tests.process_guard import UnmarkedProcessStart
     lambda: os.fork(),
     lambda: os.posix_spawn("/bin/true", ["true"], dict(os.environ)),
     lambda: multiprocessing.get_context("spawn").Process(target=print).start(),
-], ids=["subprocess.run", "Popen", "fork", "posix_spawn", "multiprocessing"])
+    lambda: run_ranks("zygote_probe.py", ["ok"], nproc=1, timeout=60),  # forked by the zygote (tests/local_ranks.py)
+], ids=["subprocess.run", "Popen", "fork", "posix_spawn", "multiprocessing", "forked rank"])
 def test_an_unmarked_test_cannot_start_a_process(start, request):
     with pytest.raises(UnmarkedProcessStart, match=request.node.name.split("[")[0]):
         start()
