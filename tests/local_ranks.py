@@ -98,8 +98,10 @@ class Zygote:
         with self.lock:
             self._note(self._messages(wait=False))
 
-    def fork(self, path: Path, args: list[str], env: dict[str, str], out: str) -> ForkedRank:
-        request = {"path": str(path), "args": args, "env": env, "cwd": os.getcwd(), "out": out}
+    def fork(self, target: Path | str, args: list[str], env: dict[str, str], out: str) -> ForkedRank:
+        """Fork a rank running `target`: a script's path, or a module's name (a str), run as `python -m`."""
+        where = {"path": str(target)} if isinstance(target, Path) else {"module": target}
+        request = {**where, "args": args, "env": env, "cwd": os.getcwd(), "out": out}
         with self.lock:
             self.proc.stdin.write((json.dumps(request) + "\n").encode())  # type: ignore[union-attr]
             self.proc.stdin.flush()  # type: ignore[union-attr]
@@ -130,7 +132,15 @@ def zygote_for(env: dict[str, str]) -> Zygote:
     return zygote
 
 
-def _kill(procs: list[ForkedRank]) -> None:
+def fork_ranks(target: Path | str, args: list[str], nproc: int, env: dict[str, str], out: str) -> list[ForkedRank]:
+    """`nproc` ranks of `target` (Zygote.fork) with torchrun's environment, their output appended to `out`."""
+    refuse_unless_slow("a forked rank", repr([target, *args]))  # the zygote forks it: this interpreter starts none
+    port = free_port()
+    zygote = zygote_for(env)
+    return [zygote.fork(target, args, dict(env, **rank_env(rank, nproc, port)), out) for rank in range(nproc)]
+
+
+def kill_ranks(procs: list[ForkedRank]) -> None:
     for p in procs:
         if p.poll() is None:
             try:
@@ -146,12 +156,9 @@ def run_local_ranks(path: Path, args: list[str], nproc: int, timeout: float,
     """`python -u path args` on `nproc` ranks, their stdout and stderr together; the exit code is the first failing
     rank's (0 when all succeed). On a rank's failure the others are killed; on timeout all are, and AssertionError
     says so with the output."""
-    port = free_port()
     cmd = [sys.executable, "-u", str(path), *args]
-    refuse_unless_slow("a forked rank", repr(cmd))  # the zygote forks it: this interpreter starts no process
-    zygote = zygote_for(env)
     with tempfile.NamedTemporaryFile("w+") as out:
-        procs = [zygote.fork(path, args, dict(env, **rank_env(rank, nproc, port)), out.name) for rank in range(nproc)]
+        procs = fork_ranks(path, args, nproc, env, out.name)
         failed = None
         deadline = time.monotonic() + timeout
         try:
@@ -160,12 +167,12 @@ def run_local_ranks(path: Path, args: list[str], nproc: int, timeout: float,
             while failed is None and None in [p.poll() for p in procs]:
                 failed = next((p.returncode for p in procs if p.returncode not in (None, 0)), None)
                 if time.monotonic() > deadline:
-                    _kill(procs)
+                    kill_ranks(procs)
                     out.seek(0)
                     raise AssertionError(f"{path.name} timed out after {timeout}s:\n{out.read()[-4000:]}")
                 time.sleep(0.05)
             failed = failed or next((p.returncode for p in procs if p.returncode), 0)
         finally:
-            _kill(procs)
+            kill_ranks(procs)
         out.seek(0)
         return subprocess.CompletedProcess(cmd, failed, out.read(), "")

@@ -12,9 +12,9 @@ What the child shares with a fresh interpreter must be all it shares: the zygote
 project module (those read the environment when imported), runs no torch op (so no OpenMP pool exists to fork), and
 its one thread besides the main one is OpenBLAS's pool, which OpenBLAS stops before a fork (its pthread_atfork handler).
 
-Protocol, one JSON object a line: the test process writes {"path", "args", "env", "cwd", "out"} on stdin and reads
-{"pid": N} back; when a child ends, {"exit": pid, "code": rc} (rc as Popen's returncode: -N for signal N). The
-zygote exits at EOF on stdin.
+Protocol, one JSON object a line: the test process writes {"path" or "module", "args", "env", "cwd", "out"} on stdin
+and reads {"pid": N} back; when a child ends, {"exit": pid, "code": rc} (rc as Popen's returncode: -N for signal N).
+The zygote exits at EOF on stdin.
 """
 
 from __future__ import annotations
@@ -32,10 +32,14 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "transformers", "transformers.
            "msgpack", "safetensors.torch")
 
 
-def run_script(path: str) -> int:
-    """Run `path` as `__main__` and end as the interpreter would; returns the exit code."""
+def run_main(request: dict) -> int:
+    """Run the request's script (`path`) or module (`module`, as `python -m`) as `__main__` and end as the
+    interpreter would; returns the exit code."""
     try:
-        runpy.run_path(path, run_name="__main__")
+        if "module" in request:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(request["path"], run_name="__main__")
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -73,9 +77,11 @@ def fork_rank(request: dict, control: tuple[int, int]) -> int:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        sys.argv = [request["path"], *request["args"]]
-        sys.path[0] = os.path.dirname(request["path"])
-        code = run_script(request["path"])
+        target = request.get("path") or request["module"]
+        sys.argv = [target, *request["args"]]
+        # as `python script` (the script's folder) or `python -m module` (the working directory) would have it
+        sys.path[0] = os.path.dirname(target) if "path" in request else request["cwd"]
+        code = run_main(request)
     finally:
         os._exit(code)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from launch.local_server import LocalServer, local_server
+from tests.serving_forked import ForkedServer, forked_server
 
 
 def fast_config(client_timeout_s: float = 2.0, page_size: int = 16, cpu_group_timeout: float = 5.0) -> str:
@@ -27,8 +28,15 @@ client_timeout_s = {client_timeout_s}
 
 @contextmanager
 def serve(model_dir: Path, tp: int = 2, config: str | None = None, extra: list[str] | None = None,
-          tmp_path: Path | None = None, ready_timeout: float = 300) -> Iterator[LocalServer]:
-    """`lockstep serve` in its own process group (one thread a rank); yields once it prints `ready`."""
+          tmp_path: Path | None = None, ready_timeout: float = 300,
+          forked: bool = False) -> Iterator[LocalServer | ForkedServer]:
+    """`lockstep serve` in its own process group (one thread a rank); yields once it prints `ready`. `forked`: the
+    ranks of `python -m launch.serve` forked by the test ranks' zygote instead (tests/serving_forked.py), for a
+    test of the server rather than of its launcher (no torchrun: no restart, no `rank_pid`)."""
+    if forked:
+        with forked_server(model_dir, tp, config, extra or [], ready_timeout) as server:
+            yield server
+        return
     with local_server(model_dir, tp, config, extra, env={"OMP_NUM_THREADS": "1"},
                       ready_timeout=ready_timeout) as server:
         yield server

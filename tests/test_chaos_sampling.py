@@ -39,8 +39,7 @@ def server(make_checkpoint, tmp_path_factory):
     old = os.environ.get("LOCKSTEP_FAULTS")
     os.environ["LOCKSTEP_FAULTS"] = f"sample:request={DOOMED}"
     try:
-        with serve(make_checkpoint("llama"), tp=2, config=PRESET.format(prp="true"),
-                   tmp_path=tmp_path_factory.mktemp("srv")) as s:
+        with serve(make_checkpoint("llama"), tp=2, config=PRESET.format(prp="true"), forked=True) as s:
             yield s
     finally:
         if old is None:
@@ -130,7 +129,7 @@ def test_sampling_fault_fails_only_its_own_request(server, client, make_checkpoi
 @pytest.mark.slow
 def test_sampling_parameters_are_refused_where_they_would_be_ignored(make_checkpoint, tmp_path):
     model_dir = make_checkpoint("llama")
-    with serve(model_dir, tp=2, config=PRESET.format(prp="false"), tmp_path=tmp_path) as s, \
+    with serve(model_dir, tp=2, config=PRESET.format(prp="false"), forked=True) as s, \
             Client(s.address, timeout=60) as c:
         for params in (dict(do_sample=True, top_k=5), dict(temperature=0.7, do_sample=True), dict(top_p=0.9)):
             with pytest.raises(ClientError) as e:

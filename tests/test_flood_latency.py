@@ -117,7 +117,7 @@ def drained(address: str, timeout: float = 120) -> None:
 
 @pytest.mark.slow
 def test_a_flood_does_not_delay_another_clients_requests(make_checkpoint):
-    with serve(make_checkpoint("llama"), tp=2, config=CONFIG) as server:
+    with serve(make_checkpoint("llama"), tp=2, config=CONFIG, forked=True) as server:
         base = beside(server.address, steady, (ROWS - 1,), seed=1)
         drained(server.address)
         flooded = beside(server.address, flood, (), seed=2)

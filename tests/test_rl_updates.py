@@ -87,7 +87,7 @@ class Served:
 def served(make_checkpoint, tmp_path_factory):
     dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
     work = tmp_path_factory.mktemp("rl_updates")
-    with serve(dir_a, 2, CONFIG) as s, Client(s.address) as c:
+    with serve(dir_a, 2, CONFIG, forked=True) as s, Client(s.address) as c:
         yield Served(s, c, dir_a, dir_b, work)
 
 

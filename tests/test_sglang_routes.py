@@ -35,7 +35,7 @@ def server(model_dir):
 
     port = free_port()
     with serve(model_dir, 2, fast_config() + f'http_admin_token = "{TOKEN}"\n',
-               extra=["--http", f"127.0.0.1:{port}"]) as s:
+               extra=["--http", f"127.0.0.1:{port}"], forked=True) as s:
         s.http = f"http://127.0.0.1:{port}"
         yield s
 

@@ -170,7 +170,7 @@ def model(make_checkpoint):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    with serve(model, tp=2, config=fast_config(), tmp_path=tmp_path_factory.mktemp("srv")) as s:
+    with serve(model, tp=2, config=fast_config(), forked=True) as s:
         yield s
 
 

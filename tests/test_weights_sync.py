@@ -29,7 +29,8 @@ def server(make_checkpoint):
 
     port = free_port()
     config = fast_config() + f'http_admin_token = "{HTTP_ADMIN_TOKEN}"\npush_timeout_s = 4\n'
-    with serve(make_checkpoint("llama", seed=3), 2, config, extra=["--http", f"127.0.0.1:{port}"]) as s:
+    with serve(make_checkpoint("llama", seed=3), 2, config, extra=["--http", f"127.0.0.1:{port}"],
+               forked=True) as s:
         s.http = f"http://127.0.0.1:{port}"
         yield s
 
