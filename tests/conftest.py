@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from launch.make_model import make_model  # noqa: E402
 from launch.torchrun import free_port  # noqa: E402
-from tests.local_ranks import run_local_ranks  # noqa: E402
+from tests.local_ranks import run_local_ranks, ranks_base_env  # noqa: E402
 from tests.workloads import NEW_TOKENS  # noqa: E402
 from tests.process_guard import pytest_runtest_protocol  # noqa: E402,F401  (the fast tier starts no process)
 from tests.ray_session import ray_head, ray_module  # noqa: E402,F401  (the Ray modules' one Ray)
@@ -166,7 +166,7 @@ def run_ranks(script: str, args: list[str], nproc: int = 2, timeout: float = 300
     torchrun's environment (tests/local_ranks.py), or through torchrun itself when `torchrun` (what a user runs);
     the whole group is killed on timeout."""
     path = Path(script) if os.path.isabs(script) else REPO / "tests" / "scripts" / script
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
+    full_env = ranks_base_env(env)
     if not torchrun:
         return run_local_ranks(path, args, nproc, timeout, full_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

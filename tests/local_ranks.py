@@ -28,6 +28,15 @@ from launch.torchrun import free_port
 from tests.process_guard import refuse_unless_slow
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ranks_base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of the tests' ranks and servers: this one, one OpenMP thread, the repository importable (one
+    zygote serves all that share it)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(extra or {}))
+
+
 def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
     """What torchrun puts in a worker's environment, for rank `rank` of a one-node group of `nproc`."""
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),

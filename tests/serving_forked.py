@@ -15,9 +15,8 @@ from typing import Iterator
 
 from launch.serve import weights_record_path
 from launch.torchrun import free_port
-from tests.local_ranks import ForkedRank, fork_ranks, kill_ranks
+from tests.local_ranks import ForkedRank, fork_ranks, kill_ranks, ranks_base_env
 
-REPO = Path(__file__).resolve().parents[1]
 FLAGS = ("--http",)  # the `lockstep serve` flags launch.serve takes as they are (the others are the launcher's)
 
 
@@ -68,8 +67,7 @@ def forked_server(model_dir: Path, tp: int, config: str | None, extra: list[str]
             args += ["--config", preset]
         out = os.path.join(run, "out.log")
         open(out, "w").close()
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        server = ForkedServer(fork_ranks("launch.serve", args, tp, env, out), out, address)
+        server = ForkedServer(fork_ranks("launch.serve", args, tp, ranks_base_env(), out), out, address)
         try:
             deadline = time.monotonic() + ready_timeout
             while not (ready := [x for x in server.log.splitlines() if x.startswith("ready ")]):
