@@ -100,7 +100,11 @@ def test_static_buffers_keep_storage(runner):
     assert len(shapes) == 4
 
 
-def test_shapes_are_padded_to_buckets(runner):
+def test_shapes_are_padded_to_buckets(runner, monkeypatch):
+    assert runner.row_views  # the eager CPU forward runs the step's own row counts
+    ids, meta, n = runner.prepare(decode_plan(3, 70, 16))
+    assert ids.shape[0] == 3 and meta.logits_idx.shape[0] == 3
+    monkeypatch.setattr(runner, "row_views", False)  # laid out as for a compiled forward
     ids, meta, n = runner.prepare(decode_plan(3, 70, 16))
     assert ids.shape[0] == 4  # decode batches pad to a power of two
     assert meta.dec_kv_slots.shape[1] % runner.rc.kv_padding == 0

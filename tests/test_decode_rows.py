@@ -1,6 +1,6 @@
 """Eager CPU decode (worker/attention.py `_decode_units`, AttnMeta.dec_units): the rows' keys gathered by runs of
 slots give what the slot-by-slot gather gives for the same plan, with rows of one page and of several, a sliding
-window, GQA and padding rows, and stale K/V (NaN) past a row's length in its last run changes nothing; a step laid
+window and GQA, and stale K/V (NaN) past a row's length in its last run changes nothing; a step laid
 out for a burst, a graph bucket or a compiled forward keeps the key-slot lists."""
 
 from __future__ import annotations
@@ -42,19 +42,18 @@ def test_runs_of_slots_equal_the_slot_gather(window, page):
         last = int(plan.block_tables[i, (n - 1) // page]) * page
         k_cache[last + (n - 1) % page + 1:last + page] = float("nan")
         v_cache[last + (n - 1) % page + 1:last + page] = float("nan")
-    q = torch.randn(8, HQ, D, generator=gen)  # 5 rows padded to 8
+    q = torch.randn(8, HQ, D, generator=gen)  # 5 rows, padded to 8 for the slot gather
     out = {}
     for rows in (False, True):
         _, meta, _ = prepare_step(rc, StaticBuffers(rc, torch.device("cpu")), plan, scratch_block, None, rows)
         assert (meta.dec_units is not None) == rows
         if rows:
-            assert meta.dec_kv_slots.shape == (8, 0) and meta.unit == (4 if page == 4 else 16)
+            assert meta.dec_kv_slots.shape == (5, 0) and meta.unit == (4 if page == 4 else 16)  # rows unpadded
             assert meta.dec_units.shape == (5, -(-max(lens) // meta.unit))
-        out[rows] = paged_attention(q, k_cache, v_cache, meta, window, D ** -0.5)
-    assert out[True].shape == out[False].shape == (8, HQ, D)
+        out[rows] = paged_attention(q[:meta.dec_kv_slots.shape[0]], k_cache, v_cache, meta, window, D ** -0.5)
+    assert out[True].shape == (5, HQ, D) and out[False].shape == (8, HQ, D)
     assert not out[True].isnan().any()
-    torch.testing.assert_close(out[True][:5], out[False][:5], rtol=1e-5, atol=1e-6)
-    assert not out[True][5:].any()  # padding rows: zeros, never read
+    torch.testing.assert_close(out[True], out[False][:5], rtol=1e-5, atol=1e-6)
 
 
 def test_unit_lists():

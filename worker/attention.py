@@ -219,8 +219,8 @@ def _decode_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   bias: torch.Tensor, scale: float, terms: ScoreTerms) -> torch.Tensor:
     """q: [Bd, Hq, D] -> [Bd, Hq, D], the eager CPU decode (docs/architecture.md, "Attention"): the real rows' keys
     gathered `meta.unit` slots at a time (one index_select of whole runs, not one of each slot), in chunks of
-    rows; bias: [rows, 1, 1, L]. Padding rows return zeros."""
-    bd, hq, d = q.shape
+    rows; bias: [Bd, 1, 1, L]. Such a step's rows are not padded (step_inputs.py `prepare_step`)."""
+    hq, d = q.shape[1], q.shape[2]
     units, unit, at = meta.dec_units, meta.unit, meta.dec_tail_at
     rows, length = units.shape[0], units.shape[1] * unit
     hkv = k_cache.shape[1]
@@ -236,8 +236,6 @@ def _decode_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             x.view(n * length, hkv * d).index_fill_(0, tail, 0.0)
             kv.append(x.transpose(1, 2))
         outs.append(_sdpa(q[r:r + n].unsqueeze(1), kv[0], kv[-1], bias[r:r + n], scale, terms).squeeze(1))
-    if bd > rows:
-        outs.append(q.new_zeros(bd - rows, hq, d))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -120,7 +120,11 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     b, bd = plan.num_seqs, plan.num_decode
     if bucket is not None and (bd != b or bd > bucket):
         raise ValueError(f"a plan of {b} sequences ({bd} decoding) does not fit decode bucket {bucket}")
-    bd_pad = bucket if bucket is not None else next_pow2(bd) if bd else 0
+    # row counts padded to a power of two bound the shapes a compiled forward meets; the eager CPU forward
+    # (`row_views`) runs each product at the step's own row count (9 decode rows padded to 16: ~3 ms more a step)
+    exact = row_views and bucket is None and not paged
+    pad_rows = (lambda n: n) if exact else next_pow2
+    bd_pad = bucket if bucket is not None else pad_rows(bd) if bd else 0
     cu = np.concatenate([[0], np.cumsum(q_lens)])  # each sequence's first token
     total, t_pre = int(cu[-1]), int(cu[-1] - cu[bd])  # tokens, prefill tokens
     t_pre_pad = round_up(t_pre, rc.q_padding)
@@ -151,7 +155,7 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
 
     # prefill group: sequences padded to a common query length (the SDPA path's grids)
     bp = b - bd
-    bp_pad = next_pow2(bp) if bp else 0
+    bp_pad = pad_rows(bp) if bp else 0
     qp_pad = 0 if paged or not bp else round_up(int(q_lens[bd:].max()), rc.q_padding)
     lp_pad = 0 if paged or not bp else round_up(int(kv_lens[bd:].max()), rc.kv_padding)
     gather, gather_dev = buf.alloc((bp_pad * qp_pad,), fill=0)
@@ -174,7 +178,7 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     if bucket is not None:  # every bucket row's logits; the sampled rows are picked after the replay
         logits_dev = buf.put(np.arange(bucket))
     else:
-        logits_idx, logits_dev = buf.alloc((next_pow2(len(picked)) if len(picked) else 0,), fill=0)
+        logits_idx, logits_dev = buf.alloc((pad_rows(len(picked)) if len(picked) else 0,), fill=0)
         logits_idx[:len(picked)] = picked
 
     meta = AttnMeta(positions=positions_dev, slot_mapping=slots_dev, dec_kv_slots=dec_slots_dev,
