@@ -121,7 +121,7 @@ def prepare_step(rc: ResolvedConfig, buf: StaticBuffers, plan: StepPlan, scratch
     if bucket is not None and (bd != b or bd > bucket):
         raise ValueError(f"a plan of {b} sequences ({bd} decoding) does not fit decode bucket {bucket}")
     # row counts padded to a power of two bound the shapes a compiled forward meets; the eager CPU forward
-    # (`row_views`) runs each product at the step's own row count (9 decode rows padded to 16: ~3 ms more a step)
+    # (`row_views`) runs each product at the step's own row count (9 decode rows padded to 16: ~4 ms more a step)
     exact = row_views and bucket is None and not paged
     pad_rows = (lambda n: n) if exact else next_pow2
     bd_pad = bucket if bucket is not None else pad_rows(bd) if bd else 0
