@@ -28,8 +28,7 @@ client_timeout_s = {client_timeout_s}
 
 @contextmanager
 def serve(model_dir: Path, tp: int = 2, config: str | None = None, extra: list[str] | None = None,
-          tmp_path: Path | None = None, ready_timeout: float = 300,
-          forked: bool = False) -> Iterator[LocalServer | ForkedServer]:
+          ready_timeout: float = 300, forked: bool = False) -> Iterator[LocalServer | ForkedServer]:
     """`lockstep serve` in its own process group (one thread a rank); yields once it prints `ready`. `forked`: the
     ranks of `python -m launch.serve` forked by the test ranks' zygote instead (tests/serving_forked.py), for a
     test of the server rather than of its launcher (no torchrun: no restart, no `rank_pid`)."""

@@ -31,8 +31,8 @@ LONG = 900  # tokens: a request that is still running when the test acts
 
 
 @pytest.fixture(scope="module")
-def server(make_checkpoint, tmp_path_factory):
-    with serve(make_checkpoint("llama"), tp=2, config=CONFIG, tmp_path=tmp_path_factory.mktemp("srv")) as s:
+def server(make_checkpoint):
+    with serve(make_checkpoint("llama"), tp=2, config=CONFIG) as s:
         yield s
 
 

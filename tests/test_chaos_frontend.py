@@ -34,8 +34,8 @@ PROMPT = [5, 6, 7, 8, 9]
 
 
 @pytest.fixture(scope="module")
-def server(make_checkpoint, tmp_path_factory):
-    with serve(make_checkpoint("llama"), tp=2, config=CHAOS, tmp_path=tmp_path_factory.mktemp("srv")) as s:
+def server(make_checkpoint):
+    with serve(make_checkpoint("llama"), tp=2, config=CHAOS) as s:
         yield s
 
 
@@ -192,7 +192,7 @@ def test_admin_disabled(server):
 
 
 @pytest.mark.slow
-def test_stuck_loop_fails_requests_at_the_front_door(make_checkpoint, tmp_path):
+def test_stuck_loop_fails_requests_at_the_front_door(make_checkpoint):
     """A weight push whose store accepts the connection and never answers holds every rank's loop; the front
     door fails what it holds within cpu_group_timeout + a few seconds (driver_failed)."""
     config = CHAOS.replace("admin = false", "admin = true")
@@ -200,7 +200,7 @@ def test_stuck_loop_fails_requests_at_the_front_door(make_checkpoint, tmp_path):
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)  # never accepts: the store's handshake never completes
     try:
-        with serve(make_checkpoint("llama"), tp=2, config=config, tmp_path=tmp_path) as s:
+        with serve(make_checkpoint("llama"), tp=2, config=config) as s:
             c = Client(s.address, timeout=40, resume=False)  # the failure itself, not a resume of it
             rids = [c.submit([1, 5, k], max_new_tokens=200) for k in range(3)]
             push = c.io.call(P.UPDATE_WEIGHTS, source="push", store=f"127.0.0.1:{listener.getsockname()[1]}",

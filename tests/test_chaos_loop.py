@@ -64,9 +64,9 @@ def test_worker_loop_death_names_the_rank(tmp_path, make_checkpoint):
 
 
 @pytest.mark.slow
-def test_driver_only_failure_stops_everyone_with_its_own_code(make_checkpoint, tmp_path, monkeypatch):
+def test_driver_only_failure_stops_everyone_with_its_own_code(make_checkpoint, monkeypatch):
     monkeypatch.setenv("LOCKSTEP_FAULTS", "driver_step:step=12")
-    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path, extra=NO_RESTART) as s:
+    with serve(make_checkpoint("llama"), tp=2, config=FAST, extra=NO_RESTART) as s:
         c = Client(s.address, timeout=60, resume=False)
         rids = [c.submit([1, 5, k], max_new_tokens=200) for k in range(4)]
         errors = []
@@ -82,8 +82,8 @@ def test_driver_only_failure_stops_everyone_with_its_own_code(make_checkpoint, t
 
 
 @pytest.mark.slow
-def test_stopped_worker_is_named_within_the_timeout(make_checkpoint, tmp_path):
-    with serve(make_checkpoint("llama"), tp=2, config=FAST, tmp_path=tmp_path, extra=NO_RESTART) as s:
+def test_stopped_worker_is_named_within_the_timeout(make_checkpoint):
+    with serve(make_checkpoint("llama"), tp=2, config=FAST, extra=NO_RESTART) as s:
         clients = [Client(s.address, timeout=60, resume=False) for _ in range(2)]
         rids = [[c.submit([1, 7, k], max_new_tokens=900) for k in range(3)] for c in clients]
         time.sleep(1.0)

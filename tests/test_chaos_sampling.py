@@ -34,7 +34,7 @@ NEW = 8
 
 
 @pytest.fixture(scope="module")
-def server(make_checkpoint, tmp_path_factory):
+def server(make_checkpoint):
     """per_request_processors = true, and a sampling fault armed for request `doomed` (only)."""
     old = os.environ.get("LOCKSTEP_FAULTS")
     os.environ["LOCKSTEP_FAULTS"] = f"sample:request={DOOMED}"
@@ -127,7 +127,7 @@ def test_sampling_fault_fails_only_its_own_request(server, client, make_checkpoi
 
 
 @pytest.mark.slow
-def test_sampling_parameters_are_refused_where_they_would_be_ignored(make_checkpoint, tmp_path):
+def test_sampling_parameters_are_refused_where_they_would_be_ignored(make_checkpoint):
     model_dir = make_checkpoint("llama")
     with serve(model_dir, tp=2, config=PRESET.format(prp="false"), forked=True) as s, \
             Client(s.address, timeout=60) as c:

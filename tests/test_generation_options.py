@@ -127,7 +127,7 @@ def test_options_from_a_generation_config(model, hf, cases):
 
 # ---------------------------------------------------------------- TP=2, the options in the wire's `sampling` map
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def server(model_dir):
     with serve(model_dir, tp=2, config=fast_config(), forked=True) as s:
         yield s
 

@@ -144,13 +144,13 @@ def test_rank_failure_before_ready_is_reported(ray_module, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_launcher_ray(ray_module, make_checkpoint, tmp_path, monkeypatch):
+def test_cli_launcher_ray(ray_module, make_checkpoint, monkeypatch):
     """`lockstep serve --launcher ray` joins the running Ray (RAY_ADDRESS), serves, and on SIGINT exits 0
     and gives the actors' CPUs back."""
     model = make_checkpoint("llama")
     monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
     wait_until(cpus_free, 30, "the CPUs free before the launch")
-    with serve(model, tp=2, extra=["--launcher", "ray"], tmp_path=tmp_path) as server:
+    with serve(model, tp=2, extra=["--launcher", "ray"]) as server:
         with Client(server.address, timeout=120) as c:
             assert c.generate(prompts()[1], max_new_tokens=NEW).generated_tokens == hf_greedy(
                 model, prompts(), NEW)[1]

@@ -109,7 +109,7 @@ def test_killed_ranks_cost_seconds_not_requests(make_checkpoint, tmp_path):
     assert len(reference) == CLIENTS * PER_CLIENT and all(r["status"] == RequestStatus.FINISHED
                                                           for r in reference.values())
     total = sum(len(r["tokens"]) for r in reference.values())
-    with serve(dir_a, tp=2, config=CONFIG, tmp_path=tmp_path) as s:
+    with serve(dir_a, tp=2, config=CONFIG) as s:
         with Client(s.address) as c:
             assert c.update_weights(str(dir_b))["version"] == 1
         done: list[str] = []
@@ -167,7 +167,7 @@ def test_a_stopped_worker_is_replaced_as_fast_as_a_dead_one(make_checkpoint, tmp
     arrivals: dict[int, list[tuple[float, int, int]]] = {i: [] for i in range(n)}
     finals: dict[int, list[int]] = {}
     resumes: dict[int, int] = {}
-    with serve(model, tp=2, config=HUNG_CONFIG, tmp_path=tmp_path) as s, \
+    with serve(model, tp=2, config=HUNG_CONFIG) as s, \
             Client(s.address, timeout=120, server_timeout_s=3.0, resume_timeout_s=90) as c:
         def one(i: int) -> None:
             for out in c.stream(prompts[i], request_id=f"stop-{i}", max_new_tokens=new_tokens, eos_token_id=-1):

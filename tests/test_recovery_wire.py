@@ -16,8 +16,8 @@ SAMPLED = {"do_sample": True, "temperature": 0.9, "top_k": 50, "seed": 77}
 
 
 @pytest.fixture(scope="module")
-def client(make_checkpoint, tmp_path_factory):
-    with serve(make_checkpoint("llama"), tp=2, config=fast_config(), tmp_path=tmp_path_factory.mktemp("srv")) as s:
+def client(make_checkpoint):
+    with serve(make_checkpoint("llama"), tp=2, config=fast_config()) as s:
         with Client(s.address, timeout=120) as c:
             yield c
 

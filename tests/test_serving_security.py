@@ -83,9 +83,9 @@ def hostile_frames(rng: random.Random, n: int):
 
 
 @pytest.mark.slow
-def test_fuzz_then_serve_correctly(make_checkpoint, tmp_path):
+def test_fuzz_then_serve_correctly(make_checkpoint):
     model = make_checkpoint("llama")
-    with serve(model, tp=2, config=SMALL_FRAMES, tmp_path=tmp_path) as s:
+    with serve(model, tp=2, config=SMALL_FRAMES) as s:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -154,7 +154,7 @@ def test_curve_admits_only_allowed_clients_and_admins_alone_pause(make_checkpoin
     config = (f"[continuous_batching]\npage_size = 16\ncpu_group_timeout = 5.0\n\n"
               f"[serve]\ncurve_server_secret_file = '{server_secret}'\n"
               f"curve_allowed_clients_dir = '{allowed}'\ncurve_admin_clients_dir = '{admins}'\n")
-    with serve(make_checkpoint("llama"), tp=2, config=config, tmp_path=tmp_path) as s:
+    with serve(make_checkpoint("llama"), tp=2, config=config) as s:
         server_key = load_certificate(server_pub)[0]
 
         def client(secret, timeout=30):
@@ -212,7 +212,7 @@ def test_admin_needs_a_local_bind_without_curve():
 
 
 @pytest.mark.slow
-def test_two_launcher_agents_serve(make_checkpoint, tmp_path):
+def test_two_launcher_agents_serve(make_checkpoint):
     """`lockstep serve --nnodes 2`: two agents on this machine, one rank each, c10d rendezvous."""
     model = make_checkpoint("qwen2")
     address = f"tcp://127.0.0.1:{free_port()}"

@@ -169,7 +169,7 @@ def model(make_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
+def server(model):
     with serve(model, tp=2, config=fast_config(), forked=True) as s:
         yield s
 

@@ -49,7 +49,7 @@ def push(address: str, dir_b: str, drop: str = "") -> dict:
 @pytest.mark.slow
 def test_trainer_pushes_weights_tp2(make_checkpoint, tmp_path):
     dir_a, dir_b = make_checkpoint("llama"), make_checkpoint("llama", seed=1)
-    with serve(dir_a, tp=2, tmp_path=tmp_path) as s, Client(s.address) as c:
+    with serve(dir_a, tp=2) as s, Client(s.address) as c:
         assert [c.generate(p, max_new_tokens=8).generated_tokens for p in PROMPTS] == \
             [t[:8] for t in hf_greedy(dir_a, PROMPTS, 8)]
         # a push that lacks a tensor: every serving rank refuses, the trainer's push_weights raises
@@ -80,13 +80,13 @@ BIG = dict(hidden_size=512, intermediate_size=4096)  # about 110 MB of float32: 
 
 
 @pytest.fixture(scope="module")
-def big(make_checkpoint, tmp_path_factory):
+def big(make_checkpoint):
     """A TP=2 server on checkpoint A (BIG) and this process as the trainer: (server, client, dirs, states)."""
     from safetensors.torch import load_file
 
     dirs = [make_checkpoint("llama", **BIG), make_checkpoint("llama", seed=1, **BIG)]
     states = [load_file(os.path.join(d, "model.safetensors")) for d in dirs]
-    with serve(dirs[0], tp=2, tmp_path=tmp_path_factory.mktemp("big")) as s, Client(s.address) as c:
+    with serve(dirs[0], tp=2) as s, Client(s.address) as c:
         yield s, c, dirs, states
 
 

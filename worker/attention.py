@@ -278,8 +278,8 @@ def _prefill_runs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         for c in range(0, m, qc):
             n = min(qc, m - c)
             qs = q[start + c:start + c + n]
-            q_pos = torch.arange(prefix + c, prefix + c + n, device=q.device)
-            bias = None if causal else _bias(_visible(length, q_pos, window), q.dtype)[None, None]  # [1, 1, n, L]
+            bias = None if causal else _bias(_visible(length, torch.arange(prefix + c, prefix + c + n, device=q.device),
+                                                      window), q.dtype)[None, None]  # [1, 1, n, L]
             if terms.plain:
                 res = F.scaled_dot_product_attention(qs.transpose(0, 1).unsqueeze(0), k, v, attn_mask=bias,
                                                      is_causal=causal, scale=scale, enable_gqa=True)[0].transpose(0, 1)
