@@ -23,11 +23,10 @@ FAST = fast_config(client_timeout_s=2.0)
 
 
 @pytest.fixture(scope="module")
-def server(make_checkpoint, tmp_path_factory):
+def server(make_checkpoint):
     # without a tokenizer (same weights as make_checkpoint("llama")): text submits are refused with no_tokenizer;
     # no restart: the module's last test kills a rank and watches the server end
-    with serve(make_checkpoint("llama", tokenizer=False), tp=2, config=FAST, extra=["--max-restarts", "0"],
-               tmp_path=tmp_path_factory.mktemp("srv")) as s:
+    with serve(make_checkpoint("llama", tokenizer=False), tp=2, config=FAST, extra=["--max-restarts", "0"]) as s:
         yield s
 
 
