@@ -33,6 +33,7 @@ IDLE_HEARTBEAT_S = 0.5  # the driver sends an IDLE plan this often when it has n
 ATTN_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}  # work of one paged SDPA chunk, in elements
 HOST_ALL_REDUCE_ENV = "LOCKSTEP_HOST_ALL_REDUCE"  # "0": CPU ranks on one host all-reduce over gloo
 HOST_ALL_REDUCE_SLOT_BYTES = 4 << 20  # a rank's slot in the shared segment; larger tensors go in pieces
+PLAN_CHANNEL_ENV = "LOCKSTEP_PLAN_CHANNEL"  # "0": ranks on one host receive their plans over gloo
 
 
 @dataclass
@@ -311,8 +312,7 @@ def graph_decision(asked: bool | tuple[bool, bool] | None, device_kind: str, not
 ATTENTION_PATHS = ("flash_attn", "triton_paged", "paged_sdpa")  # in order of preference
 PAGED_KERNELS = ("flash_attn", "triton_paged")  # the paths whose kernels read the pages through block tables
 FLASH_DTYPES = ("float16", "bfloat16")
-FLASH_MAX_HEAD_DIM = 256
-FLASH_PAGE_MULTIPLE = 256
+FLASH_MAX_HEAD_DIM, FLASH_PAGE_MULTIPLE = 256, 256  # flash-attn's paged kernels: head_dim at most, page_size's multiple
 TRITON_DTYPES = ("float16", "bfloat16", "float32")
 TRITON_MAX_HEAD_DIM = 256  # its tiles hold a query block and a key block of the head dim padded to a power of two
 

@@ -1,12 +1,15 @@
 """Process groups and the control channel. The device group carries the forward's all-reduces (NCCL on CUDA,
-gloo on CPU), the control group StepPlans and agreements (gloo, `cpu_group_timeout`). Alone (WORLD_SIZE unset
-or 1) there is no process group at all."""
+gloo on CPU), the control group StepPlans and agreements (gloo, `cpu_group_timeout`); ranks on one host take
+each plan's frame through shared memory instead (cluster/plan_channel.py). Alone (WORLD_SIZE unset or 1) there
+is no process group at all."""
 
 from __future__ import annotations
 
 import atexit
 import os
+import platform
 import threading
+import uuid
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -17,7 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cluster.config import PLAN_CHANNEL_ENV
 from cluster.plan import HEADER_LEN, MIN_INLINE, PLAN_MAGIC, H, StepPlan, plan_from_parts
+from cluster.plan_channel import PlanChannel
+from cluster.shared_segment import SHM_DIR, SharedSegment, pid_alive
 
 DRIVER = 0
 NO_TIMEOUT = timedelta(days=7)
@@ -44,6 +50,8 @@ class Groups:
     # the lockstep rule "only the loop thread talks on the control group", checked by every call below:
     control_owner: threading.Thread | None = None  # the loop thread while a loop runs (None: whoever calls)
     control_lent: bool = False  # a pause lends the channel to the callers holding it, between its barriers
+    plan_channel: PlanChannel | None = None  # ranks on one host: plans' frames through shared memory
+    owns_plan_channel: bool = False
 
     @contextmanager
     def owned_by_this_thread(self) -> Iterator[None]:
@@ -86,8 +94,10 @@ class Groups:
             dist.destroy_process_group(self.control_group)
         if self.owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
-        self.device_group = self.control_group = None
-        self.owns_default_group = self.owns_control_group = False
+        if self.plan_channel is not None and self.owns_plan_channel:
+            self.plan_channel.close()
+        self.device_group = self.control_group = self.plan_channel = None
+        self.owns_default_group = self.owns_control_group = self.owns_plan_channel = False
 
 
 def pick_device(local_rank: int, device: str | torch.device | None = None) -> torch.device:
@@ -133,6 +143,9 @@ def init_groups(cpu_group_timeout: float | None = 300.0, device: str | torch.dev
     groups = Groups(rank=rank, world_size=world, local_rank=local_rank, device=dev, device_group=device_group,
                     control_group=control_group, owns_default_group=owns, control_timeout=cpu_group_timeout,
                     owns_control_group=True)
+    segment = join_shared_segment(groups, PlanChannel.body_bytes(), "plans",
+                                  os.environ.get(PLAN_CHANNEL_ENV, "1") != "0")
+    groups.plan_channel, groups.owns_plan_channel = (None, False) if segment is None else (PlanChannel(segment), True)
     # tear the groups down before interpreter shutdown: gloo's threads must not outlive their owners
     atexit.register(groups.destroy)
     return groups
@@ -142,7 +155,45 @@ def make_control_group(groups: Groups, cpu_group_timeout: float | None) -> Group
     """The same ranks with a fresh control group of another timeout. Every rank calls it."""
     timeout, _ = group_timeouts(cpu_group_timeout)
     return replace(groups, control_group=dist.new_group(backend="gloo", timeout=timeout),
-                   control_timeout=cpu_group_timeout, owns_default_group=False, owns_control_group=True)
+                   control_timeout=cpu_group_timeout, owns_default_group=False, owns_control_group=True,
+                   owns_plan_channel=False)  # the same ranks share the plan channel
+
+
+def join_shared_segment(groups: Groups, body_bytes: int, tag: str, wanted: bool) -> SharedSegment | None:
+    """One shared-memory segment of `body_bytes` for the group (cluster/shared_segment.py), or None on every rank
+    alike where it cannot be: not `wanted` on some rank, not x86-64, no writable /dev/shm, or ranks that do not map
+    one segment (other hosts) or cannot see each other's processes. The segment is unlinked once every rank has
+    mapped it. Every rank calls it."""
+    if not groups.distributed:
+        return None
+    wanted = wanted and platform.machine().lower() in ("x86_64", "amd64")
+    if not all(agree_all_ok(wanted, groups)):
+        return None
+    path = ""
+    if groups.is_driver:
+        path = os.path.join(SHM_DIR, f"lockstep-{tag}-{uuid.uuid4().hex}")
+        try:
+            with open(path, "xb") as f:
+                f.truncate(SharedSegment.size(groups.world_size, body_bytes))
+        except OSError:  # no writable /dev/shm
+            path = ""
+    path = agree_messages(path, groups)[0]
+    segment, ok = None, bool(path)
+    if ok:
+        try:
+            segment = SharedSegment(path, groups.rank, groups.world_size, body_bytes)
+            segment.pids[groups.rank] = os.getpid()
+        except OSError:
+            ok = False
+    ok = all(agree_all_ok(ok, groups))  # after it, every rank has written its pid
+    if groups.is_driver and path:
+        os.unlink(path)  # mapped everywhere (or given up): the name is no longer needed
+    if ok:  # one segment and one pid namespace: every rank sees every peer's pid alive
+        ok = all(pid > 0 and pid_alive(int(pid)) for pid in segment.pids)
+        ok = all(agree_all_ok(ok, groups))
+    if not ok and segment is not None:
+        segment.close()
+    return segment if ok else None
 
 
 # payload words the next frame of each control group has room for: both ends set it from every header, so a
@@ -161,28 +212,37 @@ def inline_words(needed: int, room: int) -> int:
 def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
     """Send one plan from the driver; returns every rank's state row (the driver's: the plan's header) when the plan
     gathers them (`plan.gather`), else None. The driver calls it; every other rank calls `recv_plan` once for it.
-    One broadcast of a frame carries the header and, when it fits, the payload; the rest only when the header
-    announces it (docs/architecture.md, "The StepPlan")."""
+    One frame (through the plan channel where there is one, else one gloo broadcast) carries the header and, when it
+    fits, the payload; the rest only when the header announces it (docs/architecture.md, "The StepPlan")."""
     groups.check_control_thread()
     if not groups.distributed:
         return None
-    room = _inline_room.get(groups.control_group, MIN_INLINE)
+    channel = groups.plan_channel
+    room = channel.room if channel else _inline_room.get(groups.control_group, MIN_INLINE)
     header = plan.header()
     n = int(header[H.PAYLOAD_LEN])
-    header[H.NEXT_INLINE] = inline_words(n, room)
-    frame = np.zeros(HEADER_LEN + -(-room // 2), np.int64)
+    header[H.NEXT_INLINE] = room if channel else inline_words(n, room)
+    words = room if channel is None else n if n <= room else 0  # a channel's frame is as long as its payload
+    frame = np.zeros(HEADER_LEN + -(-words // 2), np.int64)
     frame[:HEADER_LEN] = header
     payload = plan.payload() if n else None
     if payload is not None and n <= room:
         frame[HEADER_LEN:].view(np.int32)[:n] = payload
-    dist.broadcast(torch.from_numpy(frame), DRIVER, group=groups.control_group)
-    _inline_room[groups.control_group] = int(header[H.NEXT_INLINE])
+    if channel:
+        channel.post(frame, groups.control_timeout)
+    else:
+        dist.broadcast(torch.from_numpy(frame), DRIVER, group=groups.control_group)
+        _inline_room[groups.control_group] = int(header[H.NEXT_INLINE])
     if payload is not None and n > room:
         dist.broadcast(torch.from_numpy(payload), DRIVER, group=groups.control_group)
     if plan.data:
         dist.broadcast(torch.frombuffer(bytearray(plan.data), dtype=torch.uint8), DRIVER, group=groups.control_group)
     if not plan.gather:
         return None
+    if channel:
+        states = channel.states(HEADER_LEN, groups.control_timeout)
+        states[DRIVER] = header
+        return states
     rows = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in range(groups.world_size)]
     dist.gather(torch.zeros(HEADER_LEN, dtype=torch.int64), rows, dst=DRIVER, group=groups.control_group)
     rows[DRIVER] = torch.from_numpy(header)  # the others: their state rows
@@ -193,16 +253,20 @@ def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
     """The driver's next plan, telling it this rank's `state` row when the plan gathers them. Every non-driver rank
     calls it once per `send_plan`."""
     groups.check_control_thread()
-    room = _inline_room.get(groups.control_group, MIN_INLINE)
-    frame = torch.zeros(HEADER_LEN + -(-room // 2), dtype=torch.int64)
-    dist.broadcast(frame, DRIVER, group=groups.control_group)
-    h = frame.numpy()[:HEADER_LEN]
+    channel = groups.plan_channel
+    if channel:
+        frame, room = channel.take(np.asarray(state, dtype=np.int64), groups.control_timeout), channel.room
+    else:
+        room = _inline_room.get(groups.control_group, MIN_INLINE)
+        frame = np.zeros(HEADER_LEN + -(-room // 2), np.int64)
+        dist.broadcast(torch.from_numpy(frame), DRIVER, group=groups.control_group)
+    h = frame[:HEADER_LEN]
     is_plan = int(h[H.MAGIC]) == PLAN_MAGIC  # if not, plan_from_parts says so; nothing more is received
     n = int(h[H.PAYLOAD_LEN]) if is_plan else 0
-    if is_plan:
+    if is_plan and not channel:
         _inline_room[groups.control_group] = int(h[H.NEXT_INLINE])
     if n <= room:
-        payload = frame.numpy()[HEADER_LEN:].view(np.int32)[:n]
+        payload = frame[HEADER_LEN:].view(np.int32)[:n]
     else:
         payload = torch.empty(n, dtype=torch.int32)
         dist.broadcast(payload, DRIVER, group=groups.control_group)
@@ -211,7 +275,7 @@ def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
     if data.numel():
         dist.broadcast(data, DRIVER, group=groups.control_group)
     plan = plan_from_parts(h, payload, data.numpy().tobytes())
-    if plan.gather:
+    if plan.gather and not channel:
         row = torch.zeros(HEADER_LEN, dtype=torch.int64)
         row[:len(state)] = torch.from_numpy(np.asarray(state, dtype=np.int64))
         dist.gather(row, None, dst=DRIVER, group=groups.control_group)

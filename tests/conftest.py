@@ -191,6 +191,21 @@ def read_json(path: Path):
         return json.load(f)
 
 
+def lost_peer_error(script: str, mode: str, out: Path, error: str, waited_for: str) -> dict:
+    """Run a shared-memory exchange's rank script (tests/scripts) in a failure `mode` at two ranks and check the
+    record it writes: the exchange was made, and the wait ended in `error`, a collective error: a dead peer
+    ("...dies") seen within 5 s, a silent one past the group's 2 s timeout ("stalls") naming `waited_for`."""
+    proc = run_ranks(script, [mode, str(out)], nproc=2, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    rec = read_json(out)
+    assert rec["made"] and rec["error"] == error and rec["collective"], rec
+    if mode == "stalls":
+        assert f"did not reach {waited_for}" in rec["message"] and 2 <= rec["waited_s"] < 6, rec
+    else:
+        assert "process gone" in rec["message"] and rec["waited_s"] < 5, rec
+    return rec
+
+
 def vocab_of(model_dir: Path) -> int:
     """A checkpoint's vocabulary size from its config.json (a multimodal one's text config), without loading it."""
     cfg = read_json(Path(model_dir) / "config.json")

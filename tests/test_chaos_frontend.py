@@ -240,7 +240,7 @@ def test_backlog_flushes_to_a_slow_but_live_reader(server):
                 got.append(P.decode_reply(sock.recv())["mid"])
                 if len(got) % 50 == 0:
                     time.sleep(0.2)
-        assert got == list(range(n))
+        assert got == list(range(n)), server.log[-4000:]
     finally:
         ctx.destroy(0)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import read_json, run_ranks
+from tests.conftest import lost_peer_error, read_json, run_ranks
 
 
 @pytest.mark.slow
@@ -35,16 +35,8 @@ def test_the_environment_keeps_gloo(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dies", "stalls"])
 def test_a_lost_peer_is_a_collective_error_not_a_hang(tmp_path, mode):
-    out = tmp_path / f"{mode}.json"
-    proc = run_ranks("host_all_reduce_rank.py", [mode, str(out)], nproc=2, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    rec = read_json(out)
-    assert rec["made"]
-    assert rec["error"] == "HostReduceLost" and rec["collective"], rec
-    if mode == "dies":
-        assert "process gone" in rec["message"] and rec["waited_s"] < 5
-    else:  # the group's timeout is 2 s
-        assert "did not reach" in rec["message"] and 2 <= rec["waited_s"] < 6
+    lost_peer_error("host_all_reduce_rank.py", mode, tmp_path / f"{mode}.json", "HostReduceLost",
+                    "host all-reduce call 1")
 
 
 @pytest.mark.slow
@@ -57,11 +49,11 @@ def test_a_killed_peer_not_yet_reaped_counts_as_gone():
     import subprocess
     import time
 
-    from cluster.host_all_reduce import _pid_alive
+    from cluster.shared_segment import pid_alive
 
     child = subprocess.Popen(["sleep", "60"])
     try:
-        assert _pid_alive(child.pid)
+        assert pid_alive(child.pid)
         os.kill(child.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # dead, not reaped: poll() is never called until the end
@@ -69,7 +61,7 @@ def test_a_killed_peer_not_yet_reaped_counts_as_gone():
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     break
             time.sleep(0.01)
-        assert not _pid_alive(child.pid)
+        assert not pid_alive(child.pid)
     finally:
         child.kill()
         child.wait()

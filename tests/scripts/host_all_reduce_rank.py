@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 def main(mode: str, out: str) -> None:
     from cluster.dist import init_groups
-    from cluster.host_all_reduce import SHM_DIR, HostAllReduce
+    from cluster.host_all_reduce import HostAllReduce
+    from cluster.shared_segment import SHM_DIR
     from driver.api.driver_loop import is_collective_error
 
     groups = init_groups(cpu_group_timeout=2.0 if mode == "stalls" else 60.0, device="cpu")
