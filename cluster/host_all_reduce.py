@@ -10,7 +10,7 @@ of bank n % 2, then stores n as its sequence number; it waits until every sequen
 sums the slots in rank order (every rank computes the same floats; `a + b` is gloo's for two ranks). Bank
 n % 2 is written again in call n + 2 by a rank past call n + 1's wait: every peer has posted n + 1, which each
 does only after reading bank n % 2 in call n, so a bank is never overwritten while read. A tensor larger than
-a slot goes in slot-sized pieces. Other machines than x86-64 keep gloo.
+a slot goes in slot-sized pieces. Machines other than x86-64 keep gloo.
 
 A waiting rank raises `HostReduceLost` (a DistBackendError, as a broken gloo group would) when a peer's process
 is gone or the group's timeout passes. LOCKSTEP_HOST_ALL_REDUCE=0 keeps gloo.
