@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.config import PLAN_CHANNEL_ENV
-from cluster.plan import HEADER_LEN, MIN_INLINE, PLAN_MAGIC, H, StepPlan, plan_from_parts
+from cluster.plan import HEADER_LEN, MIN_INLINE, PLAN_MAGIC, Command, H, StepPlan, plan_from_parts
 from cluster.plan_channel import PlanChannel
 from cluster.shared_segment import SHM_DIR, SharedSegment, pid_alive
 
@@ -209,6 +209,14 @@ def inline_words(needed: int, room: int) -> int:
     return room if want <= room <= 4 * want else want
 
 
+def live_channel(groups: Groups) -> PlanChannel | None:
+    """The plan channel this plan takes: none after an IDLE plan, whose next plan (a heartbeat half a second on, or
+    the first work after it) goes over gloo, where a waiting worker blocks rather than polls. Both ends know the
+    last plan's command, so they agree."""
+    channel = groups.plan_channel
+    return None if channel is None or channel.after_idle else channel
+
+
 def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
     """Send one plan from the driver; returns every rank's state row (the driver's: the plan's header) when the plan
     gathers them (`plan.gather`), else None. The driver calls it; every other rank calls `recv_plan` once for it.
@@ -217,7 +225,9 @@ def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
     groups.check_control_thread()
     if not groups.distributed:
         return None
-    channel = groups.plan_channel
+    channel = live_channel(groups)
+    if groups.plan_channel is not None:
+        groups.plan_channel.after_idle = plan.command == Command.IDLE
     room = channel.room if channel else _inline_room.get(groups.control_group, MIN_INLINE)
     header = plan.header()
     n = int(header[H.PAYLOAD_LEN])
@@ -253,7 +263,7 @@ def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
     """The driver's next plan, telling it this rank's `state` row when the plan gathers them. Every non-driver rank
     calls it once per `send_plan`."""
     groups.check_control_thread()
-    channel = groups.plan_channel
+    channel = live_channel(groups)
     if channel:
         frame, room = channel.take(np.asarray(state, dtype=np.int64), groups.control_timeout), channel.room
     else:
@@ -275,6 +285,8 @@ def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
     if data.numel():
         dist.broadcast(data, DRIVER, group=groups.control_group)
     plan = plan_from_parts(h, payload, data.numpy().tobytes())
+    if groups.plan_channel is not None:
+        groups.plan_channel.after_idle = plan.command == Command.IDLE
     if plan.gather and not channel:
         row = torch.zeros(HEADER_LEN, dtype=torch.int64)
         row[:len(state)] = torch.from_numpy(np.asarray(state, dtype=np.int64))

@@ -1,7 +1,8 @@
 """One rank of the plan channel tests (cluster/plan_channel.py, cluster/dist.py `send_plan` / `recv_plan`). MODE:
 
 - `plans`: the driver sends PLANS plans of many shapes (payloads inline and, through the channel, one longer than
-  a frame's room; plans carrying data; plans that gather the state rows and plans that do not) while the workers
+  a frame's room; plans carrying data; plans that gather the state rows and plans that do not; IDLE heartbeats,
+  after which a plan goes over gloo) while the workers
   start late, so the driver runs more than a ring's worth of plans ahead. Every worker checks every plan against
   the one it expects, field by field, and passes a state row naming the plan; the driver checks the gathered rows.
   Rank 0 writes whether the channel was made, the segment files left in /dev/shm, and whether every rank agreed.
@@ -27,6 +28,8 @@ def make_plan(i: int, room: int | None):
     """Plan i of the sequence (every rank builds the same); plan 7 is longer than a frame's `room` when given."""
     from cluster.plan import Command, StepPlan
 
+    if i % 6 == 4 or i == 35:  # heartbeats, two in a row once: each sends the next plan over gloo
+        return StepPlan(command=Command.IDLE, step=i)
     gen = np.random.default_rng(i)
     seqs = int(gen.integers(0, 300))
     width = int(gen.integers(1, 40)) if seqs else 0
