@@ -33,7 +33,7 @@ IDLE_HEARTBEAT_S = 0.5  # the driver sends an IDLE plan this often when it has n
 ATTN_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}  # work of one paged SDPA chunk, in elements
 HOST_ALL_REDUCE_ENV = "LOCKSTEP_HOST_ALL_REDUCE"  # "0": CPU ranks on one host all-reduce over gloo
 HOST_ALL_REDUCE_SLOT_BYTES = 4 << 20  # a rank's slot in the shared segment; larger tensors go in pieces
-PLAN_CHANNEL_ENV = "LOCKSTEP_PLAN_CHANNEL"  # "0": ranks on one host receive their plans over gloo
+PLAN_CHANNEL_ENV = "LOCKSTEP_PLAN_CHANNEL"  # "1": ranks on one host take plans through shared memory (opt-in)
 
 
 @dataclass

@@ -144,7 +144,7 @@ def init_groups(cpu_group_timeout: float | None = 300.0, device: str | torch.dev
                     control_group=control_group, owns_default_group=owns, control_timeout=cpu_group_timeout,
                     owns_control_group=True)
     segment = join_shared_segment(groups, PlanChannel.body_bytes(), "plans",
-                                  os.environ.get(PLAN_CHANNEL_ENV, "1") != "0")
+                                  os.environ.get(PLAN_CHANNEL_ENV, "0") == "1")
     groups.plan_channel, groups.owns_plan_channel = (None, False) if segment is None else (PlanChannel(segment), True)
     # tear the groups down before interpreter shutdown: gloo's threads must not outlive their owners
     atexit.register(groups.destroy)

@@ -191,11 +191,11 @@ def read_json(path: Path):
         return json.load(f)
 
 
-def lost_peer_error(script: str, mode: str, out: Path, error: str, waited_for: str) -> dict:
+def lost_peer_error(script: str, mode: str, out: Path, error: str, waited_for: str, env: dict | None = None) -> dict:
     """Run a shared-memory exchange's rank script (tests/scripts) in a failure `mode` at two ranks and check the
     record it writes: the exchange was made, and the wait ended in `error`, a collective error: a dead peer
     ("...dies") seen within 5 s, a silent one past the group's 2 s timeout ("stalls") naming `waited_for`."""
-    proc = run_ranks(script, [mode, str(out)], nproc=2, timeout=120)
+    proc = run_ranks(script, [mode, str(out)], nproc=2, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:]
     rec = read_json(out)
     assert rec["made"] and rec["error"] == error and rec["collective"], rec

@@ -12,14 +12,14 @@ from tests.conftest import lost_peer_error, read_json, run_ranks
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,env", [(2, None), (3, None), (2, {"LOCKSTEP_PLAN_CHANNEL": "0"})],
-                         ids=["channel-2", "channel-3", "gloo"])
+@pytest.mark.parametrize("nproc,env", [(2, {"LOCKSTEP_PLAN_CHANNEL": "1"}), (3, {"LOCKSTEP_PLAN_CHANNEL": "1"}),
+                                      (2, None)], ids=["channel-2", "channel-3", "gloo"])
 def test_every_plan_arrives_whole_and_in_order(tmp_path, nproc, env):
     out = tmp_path / "plans.json"
     proc = run_ranks("plan_channel_rank.py", ["plans", str(out)], nproc=nproc, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:]
     rec = read_json(out)
-    assert rec["made"] is (env is None) and rec["long"] is (env is None)
+    assert rec["made"] is (env is not None) and rec["long"] is (env is not None)  # the channel is opt-in
     assert rec["agree"] and rec["plans"] == 40, rec
     assert rec["left"] == []  # unlinked once every rank mapped it
 
@@ -27,7 +27,8 @@ def test_every_plan_arrives_whole_and_in_order(tmp_path, nproc, env):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["driver_dies", "worker_dies", "stalls"])
 def test_a_lost_peer_is_a_collective_error_not_a_hang(tmp_path, mode):
-    lost_peer_error("plan_channel_rank.py", mode, tmp_path / f"{mode}.json", "PlanChannelLost", "plan 1")
+    lost_peer_error("plan_channel_rank.py", mode, tmp_path / f"{mode}.json", "PlanChannelLost", "plan 1",
+                    env={"LOCKSTEP_PLAN_CHANNEL": "1"})
 
 
 def test_the_ring_in_one_process(tmp_path):

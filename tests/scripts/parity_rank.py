@@ -42,8 +42,7 @@ def run(model_dir: str, out_path: str, modes: list[str], scenarios: list[str], e
         with open(out_path.removesuffix(".json") + f".updates.rank{rank}.json", "w") as f:
             json.dump(run_updates(model, updates), f)
     host = model.model.shard.host is not None  # the forward's all-reduce through shared memory (one host)
-    plans = model.groups.plan_channel is not None  # the plans too (cluster/plan_channel.py)
-    print(f"rank {rank} done with {model_dir} host_all_reduce={host} plan_channel={plans}", flush=True)
+    print(f"rank {rank} done with {model_dir} host_all_reduce={host}", flush=True)
 
 
 if __name__ == "__main__":
