@@ -1,7 +1,7 @@
 """Process groups and the control channel. The device group carries the forward's all-reduces (NCCL on CUDA,
-gloo on CPU), the control group StepPlans and agreements (gloo, `cpu_group_timeout`); ranks on one host take
-each plan's frame through shared memory instead (cluster/plan_channel.py). Alone (WORLD_SIZE unset or 1) there
-is no process group at all."""
+gloo on CPU), the control group StepPlans and agreements (gloo, `cpu_group_timeout`); with LOCKSTEP_PLAN_CHANNEL=1
+ranks on one host take each plan's frame through shared memory instead (cluster/plan_channel.py). Alone
+(WORLD_SIZE unset or 1) there is no process group at all."""
 
 from __future__ import annotations
 
@@ -220,7 +220,7 @@ def live_channel(groups: Groups) -> PlanChannel | None:
 def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
     """Send one plan from the driver; returns every rank's state row (the driver's: the plan's header) when the plan
     gathers them (`plan.gather`), else None. The driver calls it; every other rank calls `recv_plan` once for it.
-    One frame (through the plan channel where there is one, else one gloo broadcast) carries the header and, when it
+    One frame (through the plan channel where one was joined, else one gloo broadcast) carries the header and, when it
     fits, the payload; the rest only when the header announces it (docs/architecture.md, "The StepPlan")."""
     groups.check_control_thread()
     if not groups.distributed:
