@@ -217,6 +217,12 @@ def live_channel(groups: Groups) -> PlanChannel | None:
     return None if channel is None or channel.after_idle else channel
 
 
+def remember_command(groups: Groups, command: Command) -> None:
+    """Note the plan just sent or received, for `live_channel`: both ends call it for every plan."""
+    if groups.plan_channel is not None:
+        groups.plan_channel.after_idle = command == Command.IDLE
+
+
 def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
     """Send one plan from the driver; returns every rank's state row (the driver's: the plan's header) when the plan
     gathers them (`plan.gather`), else None. The driver calls it; every other rank calls `recv_plan` once for it.
@@ -226,8 +232,7 @@ def send_plan(plan: StepPlan, groups: Groups) -> np.ndarray | None:
     if not groups.distributed:
         return None
     channel = live_channel(groups)
-    if groups.plan_channel is not None:
-        groups.plan_channel.after_idle = plan.command == Command.IDLE
+    remember_command(groups, plan.command)
     room = channel.room if channel else _inline_room.get(groups.control_group, MIN_INLINE)
     header = plan.header()
     n = int(header[H.PAYLOAD_LEN])
@@ -285,8 +290,7 @@ def recv_plan(groups: Groups, state: np.ndarray) -> StepPlan:
     if data.numel():
         dist.broadcast(data, DRIVER, group=groups.control_group)
     plan = plan_from_parts(h, payload, data.numpy().tobytes())
-    if groups.plan_channel is not None:
-        groups.plan_channel.after_idle = plan.command == Command.IDLE
+    remember_command(groups, plan.command)
     if plan.gather and not channel:
         row = torch.zeros(HEADER_LEN, dtype=torch.int64)
         row[:len(state)] = torch.from_numpy(np.asarray(state, dtype=np.int64))
