@@ -58,7 +58,8 @@ class Frontend:
         self.waker = WakePipe()
         self.stop_event = threading.Event()
         self.counters = {"received": 0, "rejected": 0, "accepted": 0, "finished": 0, "disconnect_cancels": 0,
-                         "slow_client_cancels": 0, "slow_client_overflows": 0, "loop_deadline_fails": 0}
+                         "slow_client_cancels": 0, "slow_client_overflows": 0, "loop_deadline_fails": 0,
+                         "unreachable_clients": 0}
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -71,8 +72,7 @@ class Frontend:
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.admin = AdminPolicy(config.admin, self.address, curve_keys)
         self.pause = PauseOwner(manager.hold_scheduling)
-        self.outbox = ClientOutbox(self.sock, config.max_client_backlog, self._on_overflow,
-                                   lambda ident: self._drop_client(ident, "disconnect_cancels"))
+        self.outbox = ClientOutbox(self.sock, config.max_client_backlog, self._on_overflow, self._on_unreachable)
         self.desk = RequestDesk(manager, config.max_inflight_per_client, self._send, self.outbox.send_if_possible,
                                 self.waker.wake, self.counters, tokenizer)
         self.thread = threading.Thread(target=self._run, name="lockstep-frontend", daemon=True)
@@ -288,6 +288,14 @@ class Frontend:
         self.outbox.drop(ident)
         self.pause.release(ident)
         return self.desk.drop_client(ident, counter, last_code)
+
+    def _on_unreachable(self, ident: bytes) -> None:
+        """ZeroMQ holds no connection to the client a reply is for (it closed its socket, or its connection broke
+        and came back under a new identity): what waited for it is dropped and its requests are cancelled."""
+        self.counters["unreachable_clients"] += 1
+        n = self._drop_client(ident, "disconnect_cancels")
+        log.info("frontend: client %s is unreachable; dropped what waited for it, cancelled its %d request(s)",
+                 ident.hex(), n)
 
     def _on_overflow(self, ident: bytes) -> None:
         self.counters["slow_client_overflows"] += 1
