@@ -66,14 +66,18 @@ HTTP_ADMIN_TOKEN = "test-admin-token"
 def http_server(make_checkpoint):
     """One TP=2 `lockstep serve --http` on the llama seed-3 checkpoint (admin token HTTP_ADMIN_TOKEN), started once
     for the HTTP_MODULES (one xdist group); `.http` is its base URL."""
-    from tests.serving import fast_config, serve
+    from tests.serving import http_serve
 
-    port = free_port()
-    config = fast_config() + f'http_admin_token = "{HTTP_ADMIN_TOKEN}"\n'
-    with serve(make_checkpoint("llama", seed=3), 2, config, extra=["--http", f"127.0.0.1:{port}"],
-               forked=True) as s:
-        s.http = f"http://127.0.0.1:{port}"
+    with http_serve(make_checkpoint("llama", seed=3)) as s:
         yield s
+
+
+def per_request_manager(model):
+    """A manager that honours per-request sampling parameters, over a cache of 4 pages of 16 tokens."""
+    import cluster
+
+    return model.init_continuous_batching(continuous_batching_config=cluster.ContinuousBatchingConfig(
+        page_size=16, num_blocks=4, per_request_processors=True))
 
 
 @pytest.fixture(scope="session")

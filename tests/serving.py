@@ -41,6 +41,19 @@ def serve(model_dir: Path, tp: int = 2, config: str | None = None, extra: list[s
         yield server
 
 
+@contextmanager
+def http_serve(model_dir: Path, more_config: str = "") -> Iterator[ForkedServer]:
+    """A TP=2 forked `lockstep serve --http` with admin token HTTP_ADMIN_TOKEN; `.http` is its base URL."""
+    from launch.torchrun import free_port
+    from tests.conftest import HTTP_ADMIN_TOKEN
+
+    port = free_port()
+    config = fast_config() + f'http_admin_token = "{HTTP_ADMIN_TOKEN}"\n' + more_config
+    with serve(model_dir, 2, config, extra=["--http", f"127.0.0.1:{port}"], forked=True) as s:
+        s.http = f"http://127.0.0.1:{port}"
+        yield s
+
+
 def rank_pid(server: LocalServer, rank: int, timeout: float = 10) -> int:
     """The pid of one rank of the server (found through its RANK environment variable)."""
     deadline = time.monotonic() + timeout

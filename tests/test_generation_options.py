@@ -12,6 +12,7 @@ import torch
 import cluster
 from cluster.errors import Code
 from cluster.protocol import ProtocolError, parse_submit
+from tests.conftest import per_request_manager
 from tests.serving import fast_config, serve
 from tests.workloads import mixed_prompts
 
@@ -157,8 +158,7 @@ BAD = [("min_new_tokens", -1), ("min_new_tokens", 1.5), ("min_length", True), ("
 
 @pytest.fixture(scope="module")
 def manager(model):
-    m = model.init_continuous_batching(continuous_batching_config=cluster.ContinuousBatchingConfig(
-        page_size=16, num_blocks=4, per_request_processors=True))
+    m = per_request_manager(model)
     yield m
     m.destroy()
 

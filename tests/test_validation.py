@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import cluster
+from tests.conftest import per_request_manager
 from worker.runner import ModelRunner
 
 
@@ -53,9 +54,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
 # ---------------------------------------------------------------- sampling values, caps and the cache (manager API)
 @pytest.fixture(scope="module")
 def manager(model):
-    """A manager that honours per-request sampling parameters, over a cache of 4 pages of 16 tokens."""
-    m = model.init_continuous_batching(continuous_batching_config=cluster.ContinuousBatchingConfig(
-        page_size=16, num_blocks=4, per_request_processors=True))
+    m = per_request_manager(model)
     yield m
     m.destroy()
 

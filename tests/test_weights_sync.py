@@ -24,14 +24,9 @@ LONG = 400  # the rollout the pause aborts
 
 @pytest.fixture(scope="module")
 def server(make_checkpoint):
-    from launch.torchrun import free_port
-    from tests.serving import fast_config, serve
+    from tests.serving import http_serve
 
-    port = free_port()
-    config = fast_config() + f'http_admin_token = "{HTTP_ADMIN_TOKEN}"\npush_timeout_s = 4\n'
-    with serve(make_checkpoint("llama", seed=3), 2, config, extra=["--http", f"127.0.0.1:{port}"],
-               forked=True) as s:
-        s.http = f"http://127.0.0.1:{port}"
+    with http_serve(make_checkpoint("llama", seed=3), "push_timeout_s = 4\n") as s:
         yield s
 
 
