@@ -165,10 +165,12 @@ def test_one_client_flood_does_not_delay_another(server):
         reqs = [r for r, _ in futures]
         for _, accepted in futures:
             accepted.result(120)
+        done_at_submit = sum(r.final.done() for r in reqs)  # what ran while the flood was still being handed in
         out = b.generate(PROMPT, max_new_tokens=4)
-        done_before_b = sum(r.final.done() for r in reqs)
+        done_before_b = sum(r.final.done() for r in reqs) - done_at_submit
         assert out.status == RequestStatus.FINISHED
-        assert done_before_b < 1000, f"{done_before_b} of the flood's 3000 finished before the one other request"
+        assert done_before_b < 200, (f"{done_before_b} of the flood's 3000 finished between the one other request's "
+                                      f"submit and its end ({done_at_submit} before)")
         with pytest.raises(ClientError) as e:  # the flooder reaches max_inflight_per_client (3000)
             for _ in range(3000):  # refills what finished meanwhile, then is refused
                 a.submit([1, 2, 3], max_new_tokens=2)
