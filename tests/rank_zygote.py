@@ -14,7 +14,8 @@ its one thread besides the main one is OpenBLAS's pool, which OpenBLAS stops bef
 
 Protocol, one JSON object a line: the test process writes {"path" or "module", "args", "env", "cwd", "out"} on stdin
 and reads {"pid": N} back; when a child ends, {"exit": pid, "code": rc} (rc as Popen's returncode: -N for signal N).
-The zygote exits at EOF on stdin.
+At EOF on stdin the zygote forks no more, and exits once every rank it forked has ended (a retired
+zygote still reports its ranks' exits).
 """
 
 from __future__ import annotations
@@ -99,12 +100,14 @@ def main() -> None:
 
     children: set[int] = set()
     pending = b""
-    while True:
-        ready, _, _ = select.select([read_fd], [], [], 0.05)
+    reading = True
+    while reading or children:  # after EOF, on until its ranks end: their exits are still reported
+        ready, _, _ = select.select([read_fd] if reading else [], [], [], 0.05)
         if ready:
             data = os.read(read_fd, 1 << 16)
             if not data:
-                return
+                reading = False
+                continue
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)

@@ -3,9 +3,17 @@ handlers, non-daemon threads and session, and the rank's own environment and arg
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from contextlib import suppress
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import run_ranks
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 @pytest.mark.slow
@@ -23,3 +31,26 @@ def test_a_forked_rank_ends_as_a_fresh_interpreter_would(how, code):
 def test_hung_forked_ranks_are_killed_at_the_timeout():
     with pytest.raises(AssertionError, match="zygote_probe.py timed out after 3s"):
         run_ranks("zygote_probe.py", ["hang"], nproc=2, timeout=3)
+
+
+@pytest.mark.slow
+def test_a_rank_outlives_its_zygote_being_retired(tmp_path):
+    """A zygote is retired once ZYGOTES_KEPT newer environments were used; a rank it forked and that still runs (a
+    session's server) must still be polled to its end, not fail with "the rank zygote exited"."""
+    from tests.local_ranks import ZYGOTES_KEPT, fork_ranks, ranks_base_env, zygote_for
+
+    out = str(tmp_path / "out")
+    open(out, "w").close()
+    (rank,) = fork_ranks(Path(SCRIPTS / "zygote_probe.py"), ["hang"], 1, ranks_base_env({"PROBE": "first"}), out)
+    try:
+        for k in range(ZYGOTES_KEPT):  # newer environments retire the first one
+            zygote_for(ranks_base_env({"PROBE": f"newer{k}"}))
+        assert rank.poll() is None  # still running, and its zygote still answers for it
+        os.kill(rank.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while rank.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rank.returncode == -signal.SIGKILL, open(out).read()[-2000:]
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(rank.pid, signal.SIGKILL)

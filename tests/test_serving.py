@@ -215,7 +215,8 @@ def test_killed_worker_fails_every_request_naming_it(server):
             c.result(r)
         errors.append(e.value)
     took = time.monotonic() - t0
-    assert all(e.code == "rank_failed" and "rank 1" in e.message for e in errors), errors[0]
+    assert all(e.code == "rank_failed" and "rank 1" in e.message for e in errors), [(type(e).__name__, e.code,
+                                                                                      e.message) for e in errors]
     assert took < 5.0  # within cpu_group_timeout
     assert server.wait(60) != 0
     assert "exitcode  : 3" in server.log or "exitcode: 3" in server.log
