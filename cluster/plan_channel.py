@@ -17,7 +17,8 @@ gloo's broken socket would; a worker waiting for a plan raises when the driver's
 timeout passes (the driver sends a plan at least every IDLE_HEARTBEAT_S). The plan after an IDLE heartbeat goes
 over gloo (`cluster.dist.live_channel`): an idle worker blocks there instead of waking a thousand times a second
 (3.5 % of a core against 0.8 %, a TP=2 server idle for 10 s), and the first work after it pays one broadcast.
-Opt-in, LOCKSTEP_PLAN_CHANNEL=1, until the correlation in docs/architecture.md ("The StepPlan") is explained.
+Opt-in, LOCKSTEP_PLAN_CHANNEL=1, until the control timeout it once met in a full test run is explained
+(docs/architecture.md, "The StepPlan").
 """
 
 from __future__ import annotations

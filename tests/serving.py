@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from launch.local_server import LocalServer, local_server
+from launch.torchrun import free_port
 from tests.serving_forked import ForkedServer, forked_server
 
 
@@ -44,8 +45,7 @@ def serve(model_dir: Path, tp: int = 2, config: str | None = None, extra: list[s
 @contextmanager
 def http_serve(model_dir: Path, more_config: str = "") -> Iterator[ForkedServer]:
     """A TP=2 forked `lockstep serve --http` with admin token HTTP_ADMIN_TOKEN; `.http` is its base URL."""
-    from launch.torchrun import free_port
-    from tests.conftest import HTTP_ADMIN_TOKEN
+    from tests.conftest import HTTP_ADMIN_TOKEN  # here: benchmarks import this module, conftest sets one thread
 
     port = free_port()
     config = fast_config() + f'http_admin_token = "{HTTP_ADMIN_TOKEN}"\n' + more_config

@@ -7,13 +7,10 @@ import os
 import signal
 import time
 from contextlib import suppress
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_ranks
-
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
+from tests.conftest import REPO, run_ranks
 
 
 @pytest.mark.slow
@@ -41,7 +38,7 @@ def test_a_rank_outlives_its_zygote_being_retired(tmp_path):
 
     out = str(tmp_path / "out")
     open(out, "w").close()
-    (rank,) = fork_ranks(Path(SCRIPTS / "zygote_probe.py"), ["hang"], 1, ranks_base_env({"PROBE": "first"}), out)
+    (rank,) = fork_ranks(REPO / "tests" / "scripts" / "zygote_probe.py", ["hang"], 1, ranks_base_env({"PROBE": "first"}), out)
     try:
         for k in range(ZYGOTES_KEPT):  # newer environments retire the first one
             zygote_for(ranks_base_env({"PROBE": f"newer{k}"}))
